@@ -1,0 +1,55 @@
+// Models: the seed MLP and a GPT-2-style decoder. Built by name from the config; initialised
+// from run.seed with a private generator, so the same config gives the same initial bits.
+//
+// Parameter names follow Hugging Face GPT-2 (transformer.wte.weight, transformer.h.0.attn.c_attn.
+// weight, ...). One documented difference: HF stores the four attention/MLP projection weights as
+// Conv1D [in, out]; kiln uses nn.Linear [out, in], so export is a rename plus a transpose of those
+// (docs/models.md).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <torch/nn/module.h>
+
+namespace kiln {
+
+class Config;
+
+/// A trainable model: logits from inputs, and a loss from logits and targets.
+class Model : public torch::nn::Module {
+ public:
+  /// mlp: [B, D] float -> [B, C] logits. gpt: [B, T] int64 -> [B, T, V] logits.
+  virtual torch::Tensor forward(const torch::Tensor& inputs) = 0;
+  /// Mean cross-entropy over every target (for gpt, over B*T positions).
+  torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets) const;
+  /// "mlp" or "gpt".
+  virtual std::string architecture() const = 0;
+  /// Architecture hyper-parameters as JSON (for the manifest and reports).
+  virtual nlohmann::json describe() const = 0;
+  /// Training FLOPs (forward + backward) per sample of `seq_len` tokens (ignored by the mlp):
+  /// 6 x parameters (+ attention 12 * L * C * T per token for gpt), as nanoGPT/PaLM count them.
+  virtual double train_flops_per_sample(int64_t seq_len) const = 0;
+};
+
+struct GptConfig {
+  int64_t n_layer = 0, n_head = 0, n_embd = 0, block_size = 0, vocab_size = 0;
+  double init_std = 0.02;
+};
+
+/// The GPT shape for the config: model.preset, with any non-zero model.* key overriding it.
+/// Throws UserError (e.g. n_embd not divisible by n_head, seq_len > block_size).
+GptConfig resolve_gpt_config(const Config& config);
+
+/// Builds and initialises the configured model on the CPU. Throws UserError.
+std::shared_ptr<Model> make_model(const Config& config);
+
+/// Number of scalar parameters.
+int64_t parameter_count(const torch::nn::Module& module);
+/// xxh3-64 over every parameter's and buffer's name, dtype, shape and bytes, in order.
+std::string weights_hash(const torch::nn::Module& module);
+/// The manifest's "model" object: architecture, hyper-parameters, parameter count, weights hash.
+nlohmann::json model_identity(const Model& model);
+
+}  // namespace kiln

@@ -1,0 +1,22 @@
+// Export for a peer implementation: what an independent trainer (bench/peer/peer.py, Python
+// PyTorch) needs to replay kiln's first steps exactly and compare losses step by step.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+namespace kiln {
+
+class Config;
+
+/// Trains `steps` optimizer steps from the config and writes into `out_dir`:
+///   config.toml          the resolved config
+///   init.safetensors     the initial weights (kiln/HF names)
+///   batches.safetensors  "step<k>.micro<m>.inputs" / ".targets" for every micro-batch used
+///   kiln.json            per-step loss, grad_norm, lr, step_seconds (batches preloaded in memory,
+///                        so step time excludes data loading, as on the peer's side)
+/// Returns kiln.json's content. Throws UserError.
+nlohmann::json export_for_peer(const Config& config, int64_t steps, const std::filesystem::path& out_dir);
+
+}  // namespace kiln

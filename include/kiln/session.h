@@ -1,0 +1,46 @@
+// A training session: the resolved config, its run directory, and a Trainer built from it.
+// Every CLI command that trains starts here, so they all share one setup path.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kiln/config.h"
+#include "kiln/run.h"
+#include "kiln/train.h"
+
+namespace kiln {
+
+struct Session {
+  Config config;
+  torch::Device device = torch::kCPU;
+  std::unique_ptr<Run> run;
+  std::unique_ptr<Trainer> trainer;
+};
+
+struct SessionOptions {
+  std::vector<std::string> argv;  // recorded in the manifest
+  int rank = 0;
+  int world_size = 1;
+};
+
+/// Applies the runtime settings (threads, determinism, seed), builds the datasets, the model and
+/// the Trainer, opens the run directory and writes manifest.json. Throws UserError.
+std::unique_ptr<Session> open_session(const Config& config, const SessionOptions& options);
+
+/// Peak memory of the last measured region. On CUDA, the caching allocator's max allocated and
+/// max reserved bytes; on CPU, the process's peak resident set (VmHWM), reset before the region.
+struct PeakMemory {
+  std::string method;             // how it was measured, in words
+  double allocated_bytes = -1;    // CUDA: max allocated; CPU: peak RSS
+  double reserved_bytes = -1;     // CUDA: max reserved; CPU: -1
+  double resident_after_bytes = -1;  // CPU: resident set when read
+};
+
+/// Starts a peak-memory region on `device` (resets the peak counters).
+void reset_peak_memory(const torch::Device& device);
+/// Reads the peak since reset_peak_memory (synchronizes the device first).
+PeakMemory read_peak_memory(const torch::Device& device);
+
+}  // namespace kiln

@@ -1,0 +1,179 @@
+#include <algorithm>
+#include <cmath>
+#include <fmt/format.h>
+#include <numeric>
+
+#include "core/strings.h"
+#include "kiln/error.h"
+#include "kiln/log.h"
+#include "kiln/rungs.h"
+
+namespace kiln {
+namespace {
+
+using nlohmann::json;
+
+double percentile(std::vector<double> values, double q) {
+  std::sort(values.begin(), values.end());
+  const double pos = q * static_cast<double>(values.size() - 1);
+  const size_t lo = static_cast<size_t>(std::floor(pos));
+  const size_t hi = std::min(values.size() - 1, lo + 1);
+  return values[lo] + (pos - static_cast<double>(lo)) * (values[hi] - values[lo]);
+}
+
+double mean_of(const std::vector<double>& values, size_t first, size_t count) {
+  double sum = 0;
+  for (size_t k = first; k < first + count; ++k) sum += values[k];
+  return sum / static_cast<double>(count);
+}
+
+}  // namespace
+
+void print_rung(const RungResult& result) {
+  size_t width = 0;
+  for (const auto& [key, value] : result.table) width = std::max(width, key.size());
+  fmt::print("\n{} — {}\n", result.rung, result.passed ? "PASSED" : "FAILED");
+  for (const auto& [key, value] : result.table) fmt::print("  {:<{}}  {}\n", key, width, value);
+  fmt::print("  {:<{}}  {}\n", "verdict", width, result.verdict);
+  std::fflush(stdout);
+}
+
+RungResult run_baseline(Session& session) {
+  Trainer& trainer = *session.trainer;
+  const Config& config = session.config;
+  const int64_t warmup = config.get_int("baseline.warmup_steps");
+  const int64_t measured = config.get_int("baseline.steps");
+  RungResult result;
+  result.rung = "baseline";
+
+  log::info(fmt::format("baseline: {} warm-up + {} measured steps, eager, one process on {}", warmup,
+                        measured, session.device.str()));
+  const EvalStats initial_eval = trainer.evaluate();
+  std::vector<double> losses, step_seconds, wait_seconds;
+  int64_t samples = 0, tokens = 0;
+  std::string failure;
+  try {
+    for (int64_t k = 0; k < warmup + measured; ++k) {
+      StepStats s = trainer.train_step();
+      losses.push_back(s.loss);
+      if (k >= warmup) {
+        step_seconds.push_back(s.step_seconds);
+        wait_seconds.push_back(s.data_wait_seconds);
+        samples += s.samples;
+        tokens += s.tokens;
+      }
+      session.run->append_metrics({{"step", s.step}, {"loss", s.loss}, {"lr", s.lr},
+                                   {"grad_norm", s.grad_norm}, {"step_seconds", s.step_seconds},
+                                   {"data_wait_seconds", s.data_wait_seconds},
+                                   {"measured", k >= warmup}});
+    }
+  } catch (const TrainingError& e) {
+    failure = e.what();
+  }
+  if (!failure.empty()) {
+    result.verdict = failure;
+    result.numbers = {{"passed", false}, {"reason", failure}, {"losses", losses}};
+    session.run->write_json("baseline.json", result.numbers);
+    return result;
+  }
+
+  // Peak memory of one full optimizer step (data, forward, backward, optimizer), not timed.
+  reset_peak_memory(session.device);
+  trainer.train_step();
+  const PeakMemory peak = read_peak_memory(session.device);
+  const EvalStats final_eval = trainer.evaluate();
+
+  const double total_seconds = std::accumulate(step_seconds.begin(), step_seconds.end(), 0.0);
+  const double total_wait = std::accumulate(wait_seconds.begin(), wait_seconds.end(), 0.0);
+  const size_t window = std::max<size_t>(1, std::min<size_t>(5, losses.size() / 4));
+  const double loss_start = mean_of(losses, 0, window);
+  const double loss_end = mean_of(losses, losses.size() - window, window);
+  const double samples_per_second = static_cast<double>(samples) / total_seconds;
+  const double tokens_per_second = static_cast<double>(tokens) / total_seconds;
+  const int64_t seq_len = trainer.data().train->tokens_per_sample();
+  const double flops_per_sample = trainer.model().train_flops_per_sample(seq_len);
+  const double achieved_flops = flops_per_sample * samples_per_second;
+  const double peak_flops = config.get_float("baseline.peak_flops_per_second");
+  const double min_drop = config.get_float("baseline.min_loss_drop");
+
+  // Parameter, gradient and optimizer-state bytes: the model state a step must hold.
+  double param_bytes = 0, state_bytes = 0;
+  for (const auto& p : trainer.model().parameters()) param_bytes += static_cast<double>(p.nbytes());
+  for (const auto& [name, t] : trainer.optimizer().state()) state_bytes += static_cast<double>(t.nbytes());
+
+  json numbers = {
+      {"device", session.device.str()},
+      {"warmup_steps", warmup},
+      {"measured_steps", measured},
+      {"batch_size", config.get_int("train.batch_size")},
+      {"grad_accum_steps", config.get_int("train.grad_accum_steps")},
+      {"seq_len", seq_len},
+      {"samples_per_second", samples_per_second},
+      {"tokens_per_second", seq_len > 0 ? json(tokens_per_second) : json(nullptr)},
+      {"step_seconds", {{"median", percentile(step_seconds, 0.5)},
+                        {"p10", percentile(step_seconds, 0.1)},
+                        {"p90", percentile(step_seconds, 0.9)},
+                        {"mean", total_seconds / static_cast<double>(step_seconds.size())}}},
+      {"data_wait_share", total_wait / total_seconds},
+      {"peak_memory", {{"method", peak.method},
+                       {"allocated_bytes", peak.allocated_bytes},
+                       {"reserved_bytes", peak.reserved_bytes},
+                       {"resident_after_bytes", peak.resident_after_bytes}}},
+      {"state_bytes", {{"parameters", param_bytes}, {"gradients", param_bytes},
+                       {"optimizer", state_bytes}}},
+      {"flops_per_sample", flops_per_sample},
+      {"flops_per_token", seq_len > 0 ? json(flops_per_sample / static_cast<double>(seq_len)) : json(nullptr)},
+      {"achieved_flops_per_second", achieved_flops},
+      {"mfu", peak_flops > 0 ? json(achieved_flops / peak_flops) : json(nullptr)},
+      {"loss_start", loss_start},
+      {"loss_end", loss_end},
+      {"losses", losses},
+      {"val_loss_initial", initial_eval.loss},
+      {"val_loss_final", final_eval.loss},
+  };
+  if (final_eval.accuracy >= 0) numbers["val_accuracy_final"] = final_eval.accuracy;
+
+  // The gate.
+  std::vector<std::string> problems;
+  if (!(loss_end <= loss_start * (1.0 - min_drop))) {
+    problems.push_back(fmt::format("the loss did not fall by {:.0f}% ({:.4f} -> {:.4f}); check optim.lr "
+                                   "and the data, or lower baseline.min_loss_drop",
+                                   100 * min_drop, loss_start, loss_end));
+  }
+  if (!(final_eval.loss < initial_eval.loss)) {
+    problems.push_back(fmt::format("val loss did not beat its initial value ({:.4f} -> {:.4f})",
+                                   initial_eval.loss, final_eval.loss));
+  }
+  result.passed = problems.empty();
+  result.verdict = result.passed
+                       ? fmt::format("correct eager baseline: loss {:.4f} -> {:.4f}, val {:.4f} -> {:.4f}",
+                                     loss_start, loss_end, initial_eval.loss, final_eval.loss)
+                       : problems.front();
+  numbers["passed"] = result.passed;
+  numbers["verdict"] = result.verdict;
+  result.numbers = numbers;
+
+  auto& t = result.table;
+  t.emplace_back("throughput", seq_len > 0 ? fmt::format("{:.0f} tokens/s ({:.1f} samples/s)", tokens_per_second, samples_per_second)
+                                           : fmt::format("{:.0f} samples/s", samples_per_second));
+  t.emplace_back("step time", fmt::format("median {:.2f} ms, p10 {:.2f} ms, p90 {:.2f} ms",
+                                          1e3 * percentile(step_seconds, 0.5), 1e3 * percentile(step_seconds, 0.1),
+                                          1e3 * percentile(step_seconds, 0.9)));
+  t.emplace_back("data wait", fmt::format("{:.1f}% of step time", 100 * total_wait / total_seconds));
+  t.emplace_back("peak memory", peak.allocated_bytes >= 0
+                                    ? format_bytes(peak.allocated_bytes) +
+                                          (session.device.is_cpu() ? " (process peak RSS over one step)" : " max allocated")
+                                    : peak.method);
+  t.emplace_back("model state", fmt::format("params {}, grads {}, optimizer {}", format_bytes(param_bytes),
+                                            format_bytes(param_bytes), format_bytes(state_bytes)));
+  t.emplace_back("compute", fmt::format("{:.3g} FLOP/sample, {:.3g} FLOP/s{}", flops_per_sample, achieved_flops,
+                                        peak_flops > 0 ? fmt::format(", MFU {:.1f}%", 100 * achieved_flops / peak_flops)
+                                                       : ", MFU n/a (set baseline.peak_flops_per_second)"));
+  t.emplace_back("loss", fmt::format("{:.4f} -> {:.4f}", loss_start, loss_end));
+  t.emplace_back("val loss", fmt::format("{:.4f} -> {:.4f}", initial_eval.loss, final_eval.loss) +
+                                 (final_eval.accuracy >= 0 ? fmt::format(" (accuracy {:.1f}%)", 100 * final_eval.accuracy) : ""));
+  session.run->write_json("baseline.json", numbers);
+  return result;
+}
+
+}  // namespace kiln

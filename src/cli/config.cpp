@@ -1,0 +1,38 @@
+#include <fmt/format.h>
+
+#include "cli/commands.h"
+
+namespace kiln::cli {
+
+namespace {
+
+void add_config_command(CLI::App& app, Action& action) {
+  auto* group = app.add_subcommand("config", "show or validate a config");
+  group->require_subcommand(1);
+  auto* show = group->add_subcommand("show", "print the resolved config with defaults and docs");
+  auto show_args = std::make_shared<ConfigArgs>();
+  show_args->add_to(*show, /*config_required=*/false);
+  show->callback([&action, show_args] {
+    action = [show_args] {
+      Config config = show_args->load();
+      fmt::print("# resolved from {} (hash {})\n{}", config.source_name(), config.hash(), config.to_toml(true));
+      return 0;
+    };
+  });
+  auto* validate = group->add_subcommand("validate", "check a config; exit 0 when valid");
+  auto validate_args = std::make_shared<ConfigArgs>();
+  validate_args->add_to(*validate);
+  validate->callback([&action, validate_args] {
+    action = [validate_args] {
+      Config config = validate_args->load();
+      fmt::print("{}: valid (hash {})\n", config.source_name(), config.hash());
+      return 0;
+    };
+  });
+}
+
+const Registration registration{90, add_config_command};
+
+}  // namespace
+
+}  // namespace kiln::cli

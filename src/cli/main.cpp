@@ -1,0 +1,85 @@
+#include <c10/util/Exception.h>
+#include <algorithm>
+#include <cstdio>
+
+#include "cli/commands.h"
+#include "kiln/build_info.h"
+#include "kiln/error.h"
+
+namespace kiln::cli {
+
+namespace {
+std::vector<std::string> g_argv;
+
+std::vector<std::pair<int, CommandAdder>>& registry() {
+  static std::vector<std::pair<int, CommandAdder>> adders;
+  return adders;
+}
+}  // namespace
+
+Registration::Registration(int order, CommandAdder adder) { registry().emplace_back(order, adder); }
+
+void add_registered_commands(CLI::App& app, Action& action) {
+  auto adders = registry();
+  std::stable_sort(adders.begin(), adders.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (const auto& [order, adder] : adders) adder(app, action);
+}
+
+const std::vector<std::string>& process_argv() { return g_argv; }
+
+void ConfigArgs::add_to(CLI::App& command, bool config_required) {
+  auto* option = command.add_option("config", path, "TOML config file");
+  if (config_required) option->required();
+  command.add_option("--set", overrides, "override a key: --set section.key=value (repeatable)")
+      ->allow_extra_args(false);
+}
+
+Config ConfigArgs::load() const {
+  if (path.empty()) {
+    Config config = Config::defaults();
+    for (const auto& o : overrides) config.set_from_string(o);
+    config.validate();
+    return config;
+  }
+  return Config::load(path, overrides);
+}
+
+}  // namespace kiln::cli
+
+int main(int argc, char** argv) {
+  using namespace kiln;
+  for (int k = 0; k < argc; ++k) cli::g_argv.emplace_back(argv[k]);
+  CLI::App app{"kiln: a C++ training workbench on LibTorch (baseline -> compile -> profile -> scale -> checkpoint)"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string(build_info().version) + " (" + build_info().git_commit + ")");
+  cli::Action action;
+  cli::add_registered_commands(app, action);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "kiln: error: %s (see kiln --help)\n", e.what());
+    return kExitUserError;
+  }
+  try {
+    return action ? action() : kExitOk;
+  } catch (const UserError& e) {
+    std::fprintf(stderr, "kiln: error: %s\n", e.what());
+    return kExitUserError;
+  } catch (const TrainingError& e) {
+    std::fprintf(stderr, "kiln: stopped: %s\n", e.what());
+    return kExitGateFailed;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "kiln: internal error (LibTorch): %s\n", e.what_without_backtrace());
+    return kExitInternal;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln: internal error: %s\n", e.what());
+    return kExitInternal;
+  }
+}

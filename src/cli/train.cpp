@@ -1,0 +1,36 @@
+#include <fmt/format.h>
+
+#include "cli/commands.h"
+#include "core/strings.h"
+#include "kiln/session.h"
+
+namespace kiln::cli {
+
+namespace {
+
+void add_train_command(CLI::App& app, Action& action) {
+  auto* command = app.add_subcommand("train", "train a model from a TOML config");
+  auto args = std::make_shared<ConfigArgs>();
+  args->add_to(*command);
+  command->callback([&action, args] {
+    action = [args] {
+      Config config = args->load();
+      auto session = open_session(config, {process_argv()});
+      TrainSummary s = session->trainer->fit(config.get_int("train.steps"), session->run.get());
+      const bool tokens = s.tokens_per_second > 0;
+      fmt::print("\ntrained {} steps in {} | loss {:.4f} -> {:.4f} | val_loss {:.4f}{} | {:.0f} {}\n",
+                 s.steps, format_duration(s.seconds), s.first_loss, s.last_loss, s.final_eval.loss,
+                 s.final_eval.accuracy >= 0 ? fmt::format(" | val_accuracy {:.2f}%", 100 * s.final_eval.accuracy) : "",
+                 tokens ? s.tokens_per_second : s.samples_per_second, tokens ? "tokens/s" : "samples/s");
+      if (s.skipped_steps > 0) fmt::print("skipped {} non-finite steps\n", s.skipped_steps);
+      fmt::print("run directory: {}\n", session->run->dir().string());
+      return 0;
+    };
+  });
+}
+
+const Registration registration{10, add_train_command};
+
+}  // namespace
+
+}  // namespace kiln::cli

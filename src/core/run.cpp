@@ -1,0 +1,192 @@
+#include "kiln/run.h"
+
+#include <sys/utsname.h>
+#include <unistd.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/Version.h>
+#include <chrono>
+#include <cstdlib>
+#include <ctime>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <torch/cuda.h>
+#include <torch/version.h>
+
+#include "core/files.h"
+#include "kiln/build_info.h"
+#include "kiln/error.h"
+#include "kiln/log.h"
+
+namespace kiln {
+namespace {
+
+using nlohmann::json;
+
+std::string hostname() {
+  char buffer[256] = {};
+  if (::gethostname(buffer, sizeof(buffer) - 1) != 0) return "unknown";
+  return buffer;
+}
+
+std::string cpu_model() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      size_t colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
+    }
+  }
+  return "unknown";
+}
+
+json os_info() {
+  struct utsname u{};
+  if (::uname(&u) != 0) return "unknown";
+  std::string pretty;
+  std::ifstream in("/etc/os-release");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("PRETTY_NAME=", 0) == 0) {
+      pretty = line.substr(12);
+      if (pretty.size() >= 2 && pretty.front() == '"') pretty = pretty.substr(1, pretty.size() - 2);
+    }
+  }
+  return {{"system", u.sysname}, {"release", u.release}, {"machine", u.machine},
+          {"distribution", pretty.empty() ? json(nullptr) : json(pretty)}};
+}
+
+// Lines of at::show_config() that name a library version, e.g. "CUDA Runtime 12.8".
+json find_config_line(const std::string& config, const std::string& needle) {
+  std::istringstream in(config);
+  std::string line;
+  while (std::getline(in, line)) {
+    size_t at = line.find(needle);
+    if (at != std::string::npos) {
+      std::string rest = line.substr(at + needle.size());
+      size_t begin = rest.find_first_not_of(" :");
+      return begin == std::string::npos ? json(nullptr) : json(rest.substr(begin));
+    }
+  }
+  return nullptr;
+}
+
+const char* env_or_null(const char* name) {
+  const char* value = std::getenv(name);
+  return value && *value ? value : nullptr;
+}
+
+}  // namespace
+
+std::string utc_now_iso8601() {
+  std::time_t t = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buffer[32];
+  std::strftime(buffer, sizeof(buffer), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buffer;
+}
+
+std::filesystem::path run_directory(const Config& config) {
+  std::string name = config.get_string("run.name");
+  if (name.empty()) name = config.source().empty() ? "run" : config.source().stem().string();
+  if (name.find('/') != std::string::npos || name == "." || name == "..") {
+    throw UserError("run.name = \"" + name + "\" must be a plain directory name (no '/')");
+  }
+  return std::filesystem::path(config.get_string("run.dir")) / name;
+}
+
+json make_manifest(const Config& config, const std::string& command_line,
+                   const std::string& start_time_utc, const json& data, const json& model) {
+  const BuildInfo& build = build_info();
+  std::string torch_config = at::show_config();
+  bool cuda = torch::cuda::is_available();
+  json devices = json::array();
+  devices.push_back({{"type", "cpu"}, {"name", cpu_model()}});
+  if (cuda) {
+    for (int64_t k = 0; k < static_cast<int64_t>(torch::cuda::device_count()); ++k) {
+      devices.push_back({{"type", "cuda"}, {"index", k}});
+    }
+  }
+  int64_t data_seed = config.get_int("data.seed");
+  const char* digest = env_or_null("KILN_CONTAINER_DIGEST");
+  return {
+      {"manifest_version", 1},
+      {"kiln", {{"version", build.version}, {"git_commit", build.git_commit},
+                {"git_dirty", build.git_dirty}}},
+      {"build", {{"compiler", build.compiler}, {"build_type", build.build_type},
+                 {"flags", build.build_flags}, {"libtorch_dir", build.torch_dir}}},
+      {"libtorch", {{"version", TORCH_VERSION},
+                    {"cuda_available", cuda},
+                    {"cuda_runtime", find_config_line(torch_config, "CUDA Runtime")},
+                    {"cudnn", find_config_line(torch_config, "CuDNN")},
+                    {"nccl", nullptr},
+                    {"blas", find_config_line(torch_config, "BLAS_INFO=")}}},
+      {"devices", devices},
+      {"host", {{"hostname", hostname()},
+                {"os", os_info()},
+                {"cpu_model", cpu_model()},
+                {"logical_cpus", std::thread::hardware_concurrency()},
+                {"intra_op_threads", at::get_num_threads()},
+                {"inter_op_threads", at::get_num_interop_threads()},
+                {"omp_num_threads", env_or_null("OMP_NUM_THREADS") ? json(env_or_null("OMP_NUM_THREADS")) : json(nullptr)}}},
+      {"container_image_digest", digest ? json(digest) : json(nullptr)},
+      {"config", {{"file", config.source().empty() ? json(nullptr) : json(config.source().string())},
+                  {"hash_xxh64", config.hash()}}},
+      {"seeds", {{"run.seed", config.get_int("run.seed")},
+                 {"data.seed", data_seed == 0 ? config.get_int("run.seed") : data_seed}}},
+      {"deterministic", config.get_bool("run.deterministic")},
+      {"data", data},
+      {"model", model},
+      {"command_line", command_line},
+      {"start_time_utc", start_time_utc},
+  };
+}
+
+Run::Run(const Config& config, RunOptions options)
+    : config_(config), options_(std::move(options)), dir_(run_directory(config)) {
+  std::vector<const char*> argv;
+  for (const auto& arg : options_.argv) argv.push_back(arg.c_str());
+  command_line_ = join_command_line(static_cast<int>(argv.size()), argv.data());
+  start_time_utc_ = utc_now_iso8601();
+  if (!options_.writer) return;
+  std::error_code ec;
+  std::filesystem::create_directories(dir_, ec);
+  if (ec) {
+    throw UserError("cannot create run directory " + dir_.string() + ": " + ec.message() +
+                    "; set run.dir to a writable place");
+  }
+  write_text("config.toml", config_.to_toml(true));
+  log::set_file(dir_ / "train.log");
+  metrics_.open(dir_ / "metrics.jsonl", std::ios::trunc);
+  if (!metrics_) throw UserError("cannot write " + (dir_ / "metrics.jsonl").string());
+}
+
+Run::~Run() {
+  if (options_.writer) log::close_file();
+}
+
+void Run::write_json(std::string_view filename, const json& value) const {
+  write_text(filename, value.dump(2) + "\n");
+}
+
+void Run::write_text(std::string_view filename, std::string_view text) const {
+  if (!options_.writer) return;
+  write_file_atomic(dir_ / filename, text);
+}
+
+void Run::append_metrics(const json& record) {
+  if (!options_.writer) return;
+  metrics_ << record.dump() << '\n';
+  metrics_.flush();
+}
+
+void Run::write_manifest(const json& data, const json& model, const json& extra) const {
+  json manifest = make_manifest(config_, command_line_, start_time_utc_, data, model);
+  for (auto& [key, value] : extra.items()) manifest[key] = value;
+  write_json("manifest.json", manifest);
+}
+
+}  // namespace kiln

@@ -1,0 +1,93 @@
+#include "core/strings.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <vector>
+
+namespace kiln {
+
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string_view trim(std::string_view text) {
+  const char* space = " \t\r\n";
+  size_t begin = text.find_first_not_of(space);
+  if (begin == std::string_view::npos) return {};
+  size_t end = text.find_last_not_of(space);
+  return text.substr(begin, end - begin + 1);
+}
+
+std::string format_number(double value) {
+  char buffer[64];
+  auto [end, ec] = std::to_chars(buffer, buffer + sizeof(buffer), value);
+  if (ec != std::errc()) return std::to_string(value);
+  return std::string(buffer, end);
+}
+
+std::string toml_quote(std::string_view text) {
+  std::string out = "\"";
+  for (char c : text) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      case '\r': out += "\\r"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char escaped[8];
+          std::snprintf(escaped, sizeof(escaped), "\\u%04x", c);
+          out += escaped;
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out + "\"";
+}
+
+std::string hex64(uint64_t value) {
+  char buffer[17];
+  std::snprintf(buffer, sizeof(buffer), "%016llx", static_cast<unsigned long long>(value));
+  return buffer;
+}
+
+std::string format_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int unit = 0;
+  while (std::fabs(bytes) >= 1024.0 && unit < 4) bytes /= 1024.0, ++unit;
+  char buffer[32];
+  std::snprintf(buffer, sizeof(buffer), unit == 0 ? "%.0f %s" : "%.2f %s", bytes, units[unit]);
+  return buffer;
+}
+
+std::string format_duration(double seconds) {
+  char buffer[32];
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  if (seconds < 60) {
+    std::snprintf(buffer, sizeof(buffer), "%.1fs", seconds);
+  } else if (seconds < 3600) {
+    int s = static_cast<int>(seconds);
+    std::snprintf(buffer, sizeof(buffer), "%dm%02ds", s / 60, s % 60);
+  } else {
+    int s = static_cast<int>(seconds);
+    std::snprintf(buffer, sizeof(buffer), "%dh%02dm", s / 3600, (s % 3600) / 60);
+  }
+  return buffer;
+}
+
+}  // namespace kiln

@@ -1,0 +1,25 @@
+// Small text helpers shared inside the library (not part of the public API).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace kiln {
+
+/// Levenshtein distance.
+size_t edit_distance(std::string_view a, std::string_view b);
+/// Strips ASCII whitespace at both ends.
+std::string_view trim(std::string_view text);
+/// Shortest decimal text that round-trips a double ("0.001", "3e-04" style not used).
+std::string format_number(double value);
+/// A TOML basic string literal with escapes.
+std::string toml_quote(std::string_view text);
+/// 16 lowercase hex digits.
+std::string hex64(uint64_t value);
+/// "1.50 GiB", "12.0 MiB", "512 B".
+std::string format_bytes(double bytes);
+/// "1h02m", "3m05s", "12.3s".
+std::string format_duration(double seconds);
+
+}  // namespace kiln

@@ -1,0 +1,70 @@
+#include <fmt/format.h>
+
+#include "core/files.h"
+
+#include "kiln/error.h"
+#include "kiln/log.h"
+#include "kiln/rungs.h"
+
+namespace kiln {
+namespace {
+
+std::string report_markdown(const Config& config, const std::vector<RungResult>& results,
+                            const std::vector<std::string>& skipped) {
+  std::string out = fmt::format("# kiln ladder report\n\nConfig `{}` (hash `{}`), generated {}.\n"
+                                "See `manifest.json` for the pinned environment.\n\n",
+                                config.source_name(), config.hash(), utc_now_iso8601());
+  out += "| rung | gate | verdict |\n|---|---|---|\n";
+  for (const auto& r : results) {
+    out += fmt::format("| {} | {} | {} |\n", r.rung, r.passed ? "passed" : "**failed**", r.verdict);
+  }
+  for (const auto& name : skipped) out += fmt::format("| {} | not run | an earlier rung failed |\n", name);
+  for (const auto& r : results) {
+    out += fmt::format("\n## {}\n\n| measure | value |\n|---|---|\n", r.rung);
+    for (const auto& [key, value] : r.table) out += fmt::format("| {} | {} |\n", key, value);
+    out += fmt::format("\nNumbers: `{}.json`.\n", r.rung);
+  }
+  return out;
+}
+
+}  // namespace
+
+const std::vector<Rung>& ladder_rungs() {
+  static const std::vector<Rung> rungs = {
+      {"baseline", [](const Config&) { return true; },
+       [](const Config& config, const SessionOptions& options) {
+         auto session = open_session(config, options);
+         return run_baseline(*session);
+       }},
+  };
+  return rungs;
+}
+
+std::vector<RungResult> run_ladder(const Config& config, const SessionOptions& options) {
+  std::vector<RungResult> results;
+  std::vector<std::string> skipped;
+  bool stopped = false;
+  for (const auto& rung : ladder_rungs()) {
+    if (!rung.enabled(config)) continue;
+    if (stopped) {
+      skipped.push_back(rung.name);
+      continue;
+    }
+    log::info("ladder: rung " + rung.name);
+    results.push_back(rung.run(config, options));
+    print_rung(results.back());
+    if (!results.back().passed) {
+      log::error("ladder stopped at rung " + rung.name + ": " + results.back().verdict);
+      stopped = true;
+    }
+  }
+  if (options.rank == 0) {
+    std::filesystem::path path = run_directory(config) / "report.md";
+    std::filesystem::create_directories(path.parent_path());
+    write_file_atomic(path, report_markdown(config, results, skipped));
+    log::info("report written to " + path.string());
+  }
+  return results;
+}
+
+}  // namespace kiln

@@ -1,0 +1,251 @@
+#include <xxhash.h>
+
+#include <cmath>
+#include <memory>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+#include "core/strings.h"
+#include "kiln/config.h"
+#include "kiln/error.h"
+#include "kiln/models.h"
+
+namespace kiln {
+namespace {
+
+namespace nn = torch::nn;
+namespace F = torch::nn::functional;
+
+// ---- the seed MLP: input_dim -> hidden_dim -> ReLU -> num_classes -------------------------------
+
+class Mlp final : public Model {
+ public:
+  Mlp(int64_t input_dim, int64_t hidden_dim, int64_t num_classes, at::Generator& generator)
+      : input_dim_(input_dim), hidden_dim_(hidden_dim), num_classes_(num_classes) {
+    fc1_ = register_module("fc1", nn::Linear(input_dim, hidden_dim));
+    fc2_ = register_module("fc2", nn::Linear(hidden_dim, num_classes));
+    torch::NoGradGuard no_grad;
+    // PyTorch's nn.Linear default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias.
+    for (auto* layer : {&fc1_, &fc2_}) {
+      double bound = 1.0 / std::sqrt(static_cast<double>((*layer)->weight.size(1)));
+      (*layer)->weight.uniform_(-bound, bound, generator);
+      (*layer)->bias.uniform_(-bound, bound, generator);
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& inputs) override {
+    return fc2_->forward(torch::relu(fc1_->forward(inputs)));  // [B, C]
+  }
+  std::string architecture() const override { return "mlp"; }
+  nlohmann::json describe() const override {
+    return {{"input_dim", input_dim_}, {"hidden_dim", hidden_dim_}, {"num_classes", num_classes_}};
+  }
+  double train_flops_per_sample(int64_t) const override {
+    return 6.0 * static_cast<double>(parameter_count(*this));
+  }
+
+ private:
+  int64_t input_dim_, hidden_dim_, num_classes_;
+  nn::Linear fc1_{nullptr}, fc2_{nullptr};
+};
+
+// ---- GPT-2 (B = batch, T = time, C = channels, H = heads, V = vocabulary) ---------------------
+
+class CausalSelfAttention final : public nn::Module {
+ public:
+  CausalSelfAttention(int64_t n_embd, int64_t n_head) : n_head_(n_head) {
+    c_attn_ = register_module("c_attn", nn::Linear(n_embd, 3 * n_embd));
+    c_proj_ = register_module("c_proj", nn::Linear(n_embd, n_embd));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+    auto qkv = c_attn_->forward(x).split(C, /*dim=*/2);  // 3 x [B, T, C]
+    auto heads = [&](const torch::Tensor& t) {
+      return t.view({B, T, n_head_, C / n_head_}).transpose(1, 2);  // [B, H, T, C/H]
+    };
+    auto y = at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]),
+                                              /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                              /*is_causal=*/true);
+    y = y.transpose(1, 2).contiguous().view({B, T, C});
+    return c_proj_->forward(y);
+  }
+  nn::Linear c_proj() const { return c_proj_; }
+
+ private:
+  int64_t n_head_;
+  nn::Linear c_attn_{nullptr}, c_proj_{nullptr};
+};
+
+class Block final : public nn::Module {
+ public:
+  Block(int64_t n_embd, int64_t n_head) {
+    ln_1_ = register_module("ln_1", nn::LayerNorm(nn::LayerNormOptions({n_embd})));
+    attn_ = register_module("attn", std::make_shared<CausalSelfAttention>(n_embd, n_head));
+    ln_2_ = register_module("ln_2", nn::LayerNorm(nn::LayerNormOptions({n_embd})));
+    mlp_ = register_module("mlp", std::make_shared<nn::Module>());
+    c_fc_ = mlp_->register_module("c_fc", nn::Linear(n_embd, 4 * n_embd));
+    c_proj_ = mlp_->register_module("c_proj", nn::Linear(4 * n_embd, n_embd));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = x + attn_->forward(ln_1_->forward(x));
+    auto h = torch::gelu(c_fc_->forward(ln_2_->forward(x)), "tanh");  // [B, T, 4C]
+    return x + c_proj_->forward(h);
+  }
+  // The two residual projections, whose init is scaled by 1/sqrt(2 * n_layer).
+  std::vector<torch::Tensor> residual_projections() const {
+    return {attn_->c_proj()->weight, c_proj_->weight};
+  }
+
+ private:
+  nn::LayerNorm ln_1_{nullptr}, ln_2_{nullptr};
+  std::shared_ptr<CausalSelfAttention> attn_;
+  std::shared_ptr<nn::Module> mlp_;
+  nn::Linear c_fc_{nullptr}, c_proj_{nullptr};
+};
+
+class Gpt final : public Model {
+ public:
+  Gpt(const GptConfig& config, at::Generator& generator) : config_(config) {
+    auto transformer = register_module("transformer", std::make_shared<nn::Module>());
+    wte_ = transformer->register_module("wte", nn::Embedding(config.vocab_size, config.n_embd));
+    wpe_ = transformer->register_module("wpe", nn::Embedding(config.block_size, config.n_embd));
+    h_ = transformer->register_module("h", nn::ModuleList());
+    for (int64_t layer = 0; layer < config.n_layer; ++layer) {
+      auto block = std::make_shared<Block>(config.n_embd, config.n_head);
+      h_->push_back(block);
+      blocks_.push_back(block);
+    }
+    ln_f_ = transformer->register_module("ln_f", nn::LayerNorm(nn::LayerNormOptions({config.n_embd})));
+    initialise(generator);
+  }
+
+  torch::Tensor forward(const torch::Tensor& idx) override {
+    const int64_t T = idx.size(1);
+    if (T > config_.block_size) {
+      throw UserError("sequence length " + std::to_string(T) + " exceeds model.block_size " +
+                      std::to_string(config_.block_size));
+    }
+    auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
+    auto x = wte_->forward(idx) + wpe_->forward(pos);  // [B, T, C]
+    for (auto& block : blocks_) x = block->forward(x);
+    x = ln_f_->forward(x);
+    return F::linear(x, wte_->weight);  // [B, T, V], head tied to the token embedding
+  }
+
+  std::string architecture() const override { return "gpt"; }
+  nlohmann::json describe() const override {
+    return {{"n_layer", config_.n_layer}, {"n_head", config_.n_head},
+            {"n_embd", config_.n_embd},   {"block_size", config_.block_size},
+            {"vocab_size", config_.vocab_size}, {"init_std", config_.init_std},
+            {"tied_head", true}, {"activation", "gelu_tanh"}, {"norm", "pre-LayerNorm"}};
+  }
+  double train_flops_per_sample(int64_t seq_len) const override {
+    const double params = static_cast<double>(parameter_count(*this) - wpe_->weight.numel());
+    const double per_token = 6.0 * params + 12.0 * static_cast<double>(config_.n_layer * config_.n_embd * seq_len);
+    return per_token * static_cast<double>(seq_len);
+  }
+
+ private:
+  void initialise(at::Generator& generator) {
+    torch::NoGradGuard no_grad;
+    const double std = config_.init_std;
+    for (auto& item : named_parameters()) {
+      auto& p = item.value();
+      if (p.dim() >= 2) {
+        p.normal_(0.0, std, generator);
+      } else if (item.key().find("ln_") != std::string::npos) {
+        item.key().ends_with(".weight") ? p.fill_(1.0) : p.zero_();
+      } else {
+        p.zero_();  // biases
+      }
+    }
+    const double residual_std = std / std::sqrt(2.0 * static_cast<double>(config_.n_layer));
+    for (auto& block : blocks_) {
+      for (auto& w : block->residual_projections()) w.normal_(0.0, residual_std, generator);
+    }
+  }
+
+  GptConfig config_;
+  nn::Embedding wte_{nullptr}, wpe_{nullptr};
+  nn::ModuleList h_{nullptr};
+  nn::LayerNorm ln_f_{nullptr};
+  std::vector<std::shared_ptr<Block>> blocks_;
+};
+
+GptConfig preset(const std::string& name) {
+  if (name == "tiny") return {5, 4, 128, 256, 256};
+  if (name == "small") return {6, 6, 384, 256, 256};
+  return {12, 12, 768, 1024, 50257};  // gpt2-124m
+}
+
+}  // namespace
+
+torch::Tensor Model::loss(const torch::Tensor& logits, const torch::Tensor& targets) const {
+  return F::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+}
+
+GptConfig resolve_gpt_config(const Config& config) {
+  GptConfig out = preset(config.get_string("model.preset"));
+  auto pick = [&](const char* key, int64_t& field) {
+    if (int64_t v = config.get_int(key); v > 0) field = v;
+  };
+  pick("model.n_layer", out.n_layer);
+  pick("model.n_head", out.n_head);
+  pick("model.n_embd", out.n_embd);
+  pick("model.block_size", out.block_size);
+  pick("model.vocab_size", out.vocab_size);
+  out.init_std = config.get_float("model.init_std");
+  if (out.n_embd % out.n_head != 0) {
+    throw UserError("model.n_embd = " + std::to_string(out.n_embd) + " is not divisible by model.n_head = " +
+                    std::to_string(out.n_head) + "; pick a head count that divides the width");
+  }
+  if (config.get_int("data.seq_len") > out.block_size) {
+    throw UserError("data.seq_len = " + std::to_string(config.get_int("data.seq_len")) +
+                    " exceeds the model's block_size " + std::to_string(out.block_size) +
+                    "; lower data.seq_len or raise model.block_size");
+  }
+  return out;
+}
+
+std::shared_ptr<Model> make_model(const Config& config) {
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.get_int("run.seed")));
+  if (config.get_string("model.name") == "mlp") {
+    return std::make_shared<Mlp>(config.get_int("model.input_dim"), config.get_int("model.hidden_dim"),
+                                 config.get_int("model.num_classes"), generator);
+  }
+  return std::make_shared<Gpt>(resolve_gpt_config(config), generator);
+}
+
+int64_t parameter_count(const torch::nn::Module& module) {
+  int64_t total = 0;
+  for (const auto& p : module.parameters()) total += p.numel();
+  return total;
+}
+
+std::string weights_hash(const torch::nn::Module& module) {
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_64bits_reset(state);
+  auto feed = [&](const std::string& name, const torch::Tensor& tensor) {
+    auto cpu = tensor.detach().to(torch::kCPU).contiguous();
+    std::string header = name + "|" + std::string(c10::toString(cpu.scalar_type())) + "|";
+    for (auto d : cpu.sizes()) header += std::to_string(d) + ",";
+    XXH3_64bits_update(state, header.data(), header.size());
+    XXH3_64bits_update(state, cpu.data_ptr(), cpu.nbytes());
+  };
+  for (const auto& item : module.named_parameters()) feed(item.key(), item.value());
+  for (const auto& item : module.named_buffers()) feed(item.key(), item.value());
+  uint64_t digest = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  return hex64(digest);
+}
+
+nlohmann::json model_identity(const Model& model) {
+  return {{"architecture", model.architecture()},
+          {"hyperparameters", model.describe()},
+          {"parameter_count", parameter_count(model)},
+          {"initial_weights_xxh3", weights_hash(model)}};
+}
+
+}  // namespace kiln

@@ -1,0 +1,54 @@
+#include <fmt/format.h>
+
+#include "core/files.h"
+#include "kiln/config.h"
+#include "kiln/error.h"
+#include "kiln/log.h"
+#include "kiln/peer.h"
+#include "kiln/safetensors.h"
+#include "kiln/train.h"
+
+namespace kiln {
+
+nlohmann::json export_for_peer(const Config& config, int64_t steps, const std::filesystem::path& out_dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(out_dir, ec);
+  if (ec) throw UserError("cannot create " + out_dir.string() + ": " + ec.message());
+  apply_runtime_settings(config);
+  Datasets data = make_datasets(config);
+  auto model = make_model(config);
+  NamedTensors init;
+  for (const auto& item : model->named_parameters()) init.emplace_back(item.key(), item.value().clone());
+  write_safetensors(out_dir / "init.safetensors", init, {{"format", "pt"}, {"source", "kiln"}});
+  write_file_atomic(out_dir / "config.toml", config.to_toml(false));
+
+  Trainer trainer(config, model, std::move(data), TrainerOptions{resolve_device(config), 0, 1});
+  const int64_t accum = config.get_int("train.grad_accum_steps");
+  std::vector<std::vector<Batch>> batches(static_cast<size_t>(steps));
+  NamedTensors batch_tensors;
+  for (int64_t k = 0; k < steps; ++k) {
+    for (int64_t m = 0; m < accum; ++m) {
+      Batch batch = trainer.loader().next();
+      batch_tensors.emplace_back(fmt::format("step{}.micro{}.inputs", k, m), batch.inputs);
+      batch_tensors.emplace_back(fmt::format("step{}.micro{}.targets", k, m), batch.targets);
+      batches[static_cast<size_t>(k)].push_back(std::move(batch));
+    }
+  }
+  write_safetensors(out_dir / "batches.safetensors", batch_tensors);
+
+  nlohmann::json result = {{"steps", steps}, {"loss", nlohmann::json::array()},
+                           {"grad_norm", nlohmann::json::array()}, {"lr", nlohmann::json::array()},
+                           {"step_seconds", nlohmann::json::array()}};
+  for (int64_t k = 0; k < steps; ++k) {
+    StepStats s = trainer.train_step_on(batches[static_cast<size_t>(k)]);
+    result["loss"].push_back(s.loss);
+    result["grad_norm"].push_back(s.grad_norm);
+    result["lr"].push_back(s.lr);
+    result["step_seconds"].push_back(s.step_seconds);
+  }
+  write_file_atomic(out_dir / "kiln.json", result.dump(2));
+  log::info(fmt::format("exported {} steps to {}", steps, out_dir.string()));
+  return result;
+}
+
+}  // namespace kiln

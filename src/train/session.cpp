@@ -1,0 +1,69 @@
+#include <fstream>
+#include <string>
+
+#include "kiln/error.h"
+#include "kiln/log.h"
+#include "kiln/session.h"
+
+namespace kiln {
+namespace {
+
+// A field of /proc/self/status in bytes ("VmHWM:  123 kB"), or -1.
+double proc_status_bytes(const std::string& field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(field + ":", 0) == 0) return 1024.0 * std::stod(line.substr(field.size() + 1));
+  }
+  return -1;
+}
+
+}  // namespace
+
+std::unique_ptr<Session> open_session(const Config& config, const SessionOptions& options) {
+  auto session = std::make_unique<Session>(Session{config, torch::kCPU, nullptr, nullptr});
+  apply_runtime_settings(config);
+  session->device = resolve_device(config);
+  Datasets data = make_datasets(config);
+  auto model = make_model(config);
+  nlohmann::json model_id = model_identity(*model);
+  RunOptions run_options;
+  run_options.argv = options.argv;
+  run_options.writer = options.rank == 0;
+  session->run = std::make_unique<Run>(config, run_options);
+  session->run->write_manifest(data.identity, model_id,
+                               {{"device", session->device.str()},
+                                {"world_size", options.world_size}});
+  TrainerOptions trainer_options;
+  trainer_options.device = session->device;
+  trainer_options.rank = options.rank;
+  trainer_options.world_size = options.world_size;
+  session->trainer = std::make_unique<Trainer>(config, std::move(model), std::move(data), trainer_options);
+  log::info("run directory " + session->run->dir().string() + " | " + model_id["architecture"].get<std::string>() +
+            " with " + std::to_string(model_id["parameter_count"].get<int64_t>()) + " parameters on " +
+            session->device.str());
+  return session;
+}
+
+void reset_peak_memory(const torch::Device& device) {
+  if (device.is_cpu()) {
+    // Writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS (Linux >= 4.0).
+    std::ofstream out("/proc/self/clear_refs");
+    out << "5";
+  }
+}
+
+PeakMemory read_peak_memory(const torch::Device& device) {
+  PeakMemory peak;
+  if (device.is_cpu()) {
+    peak.method = "CPU: process peak resident set size (VmHWM) over the region, reset through "
+                  "/proc/self/clear_refs; includes allocator caches, code and libraries";
+    peak.allocated_bytes = proc_status_bytes("VmHWM");
+    peak.resident_after_bytes = proc_status_bytes("VmRSS");
+  } else {
+    peak.method = "not measured on " + device.str() + " (this build has no CUDA allocator access)";
+  }
+  return peak;
+}
+
+}  // namespace kiln

@@ -1,0 +1,64 @@
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "kiln/rungs.h"
+#include "support/helpers.h"
+
+namespace kiln::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(Baseline, ReportsThroughputMemoryAndPassesTheGate) {
+  TempDir dir;
+  Config config = gpt_config(dir.path(), {"baseline.warmup_steps=2", "baseline.steps=10",
+                                          "baseline.peak_flops_per_second=1e12"});
+  auto session = open_session(config, {{"kiln"}});
+  RungResult r = run_baseline(*session);
+  EXPECT_TRUE(r.passed) << r.verdict;
+  auto j = nlohmann::json::parse(slurp(dir / "t" / "baseline.json"));
+  EXPECT_EQ(j["measured_steps"], 10);
+  EXPECT_GT(j["tokens_per_second"].get<double>(), 0);
+  EXPECT_NEAR(j["tokens_per_second"].get<double>(), j["samples_per_second"].get<double>() * 32, 1e-6 * j["tokens_per_second"].get<double>());
+  EXPECT_LE(j["step_seconds"]["p10"].get<double>(), j["step_seconds"]["median"].get<double>());
+  EXPECT_LE(j["step_seconds"]["median"].get<double>(), j["step_seconds"]["p90"].get<double>());
+  EXPECT_GE(j["data_wait_share"].get<double>(), 0);
+  EXPECT_LT(j["data_wait_share"].get<double>(), 1);
+  EXPECT_GT(j["peak_memory"]["allocated_bytes"].get<double>(), 0);
+  EXPECT_GT(j["flops_per_token"].get<double>(), 0);
+  EXPECT_GT(j["mfu"].get<double>(), 0);
+  EXPECT_EQ(j["losses"].size(), 12u);
+  EXPECT_LT(j["val_loss_final"].get<double>(), j["val_loss_initial"].get<double>());
+}
+
+TEST(Baseline, GateTripsWhenTheLossCannotFall) {
+  TempDir dir;
+  Config config = gpt_config(dir.path(), {"optim.lr=0", "baseline.warmup_steps=1", "baseline.steps=6"});
+  auto session = open_session(config, {{"kiln"}});
+  RungResult r = run_baseline(*session);
+  EXPECT_FALSE(r.passed);
+  EXPECT_THAT(r.verdict, HasSubstr("did not fall"));
+}
+
+TEST(Baseline, CliExitsNonZeroOnAFailedGate) {
+  TempDir dir;
+  auto r = run_kiln("baseline " + (source_dir() / "configs/gpt-tiny.toml").string() + " --set optim.lr=0 " +
+                    "--set baseline.steps=4 --set baseline.warmup_steps=0 --set run.dir=" + dir.path().string());
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("baseline gate failed"));
+  EXPECT_THAT(r.out, HasSubstr("baseline — FAILED"));
+}
+
+TEST(Ladder, WritesAReportWithEachRung) {
+  TempDir dir;
+  Config config = gpt_config(dir.path(), {"baseline.warmup_steps=1", "baseline.steps=8"});
+  auto results = run_ladder(config, {{"kiln"}});
+  ASSERT_FALSE(results.empty());
+  EXPECT_EQ(results[0].rung, "baseline");
+  std::string report = slurp(dir / "t" / "report.md");
+  EXPECT_THAT(report, HasSubstr("| baseline | passed |"));
+  EXPECT_THAT(report, HasSubstr("tokens/s"));
+}
+
+}  // namespace
+}  // namespace kiln::testing

@@ -1,0 +1,70 @@
+// The CLI's user-facing errors: one line on stderr, non-zero exit, never a stack trace.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "support/helpers.h"
+
+namespace kiln::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+void expect_one_line_error(const CommandResult& r, int code, const std::string& text) {
+  EXPECT_EQ(r.exit_code, code) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  EXPECT_THAT(r.err, HasSubstr(text));
+  EXPECT_THAT(r.err, ::testing::Not(HasSubstr("terminate")));
+  EXPECT_THAT(r.err, ::testing::Not(HasSubstr("Exception raised from")));
+}
+
+TEST(Cli, UnknownKeyInFile) {
+  TempDir dir;
+  write_text(dir / "c.toml", "[optim]\nlrr = 1e-3\n");
+  expect_one_line_error(run_kiln("config validate " + (dir / "c.toml").string()), 2,
+                        "did you mean optim.lr?");
+}
+
+TEST(Cli, MissingConfigFile) {
+  expect_one_line_error(run_kiln("train /nonexistent.toml"), 2, "/nonexistent.toml does not exist");
+}
+
+TEST(Cli, BadOverride) {
+  expect_one_line_error(run_kiln("config show --set optim.lr=fast"), 2, "'fast' is not a float");
+}
+
+TEST(Cli, UnknownSubcommandOrFlag) {
+  auto r = run_kiln("trian x.toml");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("kiln: error:"));
+}
+
+TEST(Cli, ConfigShowPrintsEveryKeyWithOverrides) {
+  auto r = run_kiln("config show --set optim.lr=0.5");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("lr = 0.5"));
+  EXPECT_THAT(r.out, HasSubstr("[baseline]"));
+  EXPECT_THAT(r.out, HasSubstr("# peak learning rate"));
+}
+
+TEST(Cli, ValidateAcceptsEveryBundledConfig) {
+  for (const auto& entry : std::filesystem::directory_iterator(source_dir() / "configs")) {
+    auto r = run_kiln("config validate " + entry.path().string());
+    EXPECT_EQ(r.exit_code, 0) << entry.path() << ": " << r.err;
+  }
+}
+
+TEST(Cli, NonFiniteLossStopsTheRunNamingTheStep) {
+  TempDir dir;
+  // SGD at an absurd learning rate diverges to inf/NaN within a few steps.
+  auto r = run_kiln("train " + (source_dir() / "configs/mlp.toml").string() + " --set run.dir=" +
+                    dir.path().string() + " --set optim.name=sgd --set optim.lr=1e12 --set " +
+                    "train.clip_grad_norm=0 --set run.progress=off --set train.steps=200");
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("kiln: stopped: non-finite"));
+  EXPECT_THAT(r.err, HasSubstr(" at step "));
+}
+
+}  // namespace
+}  // namespace kiln::testing
