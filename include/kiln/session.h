@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kiln/config.h"
+#include "kiln/dist.h"
 #include "kiln/run.h"
 #include "kiln/train.h"
 
@@ -15,14 +16,14 @@ namespace kiln {
 struct Session {
   Config config;
   torch::Device device = torch::kCPU;
+  std::shared_ptr<Communicator> comm;  // the process group (a world of one when not distributed)
   std::unique_ptr<Run> run;
   std::unique_ptr<Trainer> trainer;
 };
 
 struct SessionOptions {
-  std::vector<std::string> argv;  // recorded in the manifest
-  int rank = 0;
-  int world_size = 1;
+  std::vector<std::string> argv;       // recorded in the manifest
+  std::shared_ptr<Communicator> comm = nullptr;  // null: a world of one
 };
 
 /// Applies the runtime settings (threads, determinism, seed), builds the datasets, the model and

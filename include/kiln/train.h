@@ -148,10 +148,14 @@ class Trainer {
   void set_step(int64_t step) { step_ = step; }
   int64_t skipped_steps() const { return skipped_steps_; }
 
- private:
-  StepStats run_step(int micro_steps, const std::function<Batch(int)>& next_batch);
+  /// Marks a phase for every hook (profiler scopes, timers). Components call these around their
+  /// own work, e.g. a checkpointer around its staging (Phase::kCheckpoint), DDP around waiting
+  /// for all-reduce (Phase::kComm). Begin/end pairs must nest.
   void phase_begin(Phase phase);
   void phase_end(Phase phase);
+
+ private:
+  StepStats run_step(int micro_steps, const std::function<Batch(int)>& next_batch);
 
   std::unique_ptr<Config> config_;
   std::shared_ptr<Model> model_;

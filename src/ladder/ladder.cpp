@@ -58,7 +58,7 @@ std::vector<RungResult> run_ladder(const Config& config, const SessionOptions& o
       stopped = true;
     }
   }
-  if (options.rank == 0) {
+  if (!options.comm || options.comm->rank() == 0) {
     std::filesystem::path path = run_directory(config) / "report.md";
     std::filesystem::create_directories(path.parent_path());
     write_file_atomic(path, report_markdown(config, results, skipped));

@@ -21,7 +21,9 @@ double proc_status_bytes(const std::string& field) {
 }  // namespace
 
 std::unique_ptr<Session> open_session(const Config& config, const SessionOptions& options) {
-  auto session = std::make_unique<Session>(Session{config, torch::kCPU, nullptr, nullptr});
+  auto session = std::make_unique<Session>(Session{config, torch::kCPU, options.comm, nullptr, nullptr});
+  if (!session->comm) session->comm = single_process_communicator();
+  const int rank = session->comm->rank(), world_size = session->comm->world_size();
   apply_runtime_settings(config);
   session->device = resolve_device(config);
   Datasets data = make_datasets(config);
@@ -29,15 +31,15 @@ std::unique_ptr<Session> open_session(const Config& config, const SessionOptions
   nlohmann::json model_id = model_identity(*model);
   RunOptions run_options;
   run_options.argv = options.argv;
-  run_options.writer = options.rank == 0;
+  run_options.writer = rank == 0;
   session->run = std::make_unique<Run>(config, run_options);
   session->run->write_manifest(data.identity, model_id,
                                {{"device", session->device.str()},
-                                {"world_size", options.world_size}});
+                                {"world_size", world_size}});
   TrainerOptions trainer_options;
   trainer_options.device = session->device;
-  trainer_options.rank = options.rank;
-  trainer_options.world_size = options.world_size;
+  trainer_options.rank = rank;
+  trainer_options.world_size = world_size;
   session->trainer = std::make_unique<Trainer>(config, std::move(model), std::move(data), trainer_options);
   log::info("run directory " + session->run->dir().string() + " | " + model_id["architecture"].get<std::string>() +
             " with " + std::to_string(model_id["parameter_count"].get<int64_t>()) + " parameters on " +
