@@ -1,6 +1,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "core/strings.h"
 
 namespace kiln::cli {
 
@@ -16,6 +17,23 @@ void add_config_command(CLI::App& app, Action& action) {
     action = [show_args] {
       Config config = show_args->load();
       fmt::print("# resolved from {} (hash {})\n{}", config.source_name(), config.hash(), config.to_toml(true));
+      return 0;
+    };
+  });
+  auto* keys = group->add_subcommand("keys", "print every key of the schema as a Markdown table");
+  keys->callback([&action] {
+    action = [] {
+      fmt::print("| key | type | default | allowed | meaning |\n|---|---|---|---|---|\n");
+      for (const auto& def : schema()) {
+        std::string allowed;
+        for (const auto& choice : def.choices) allowed += (allowed.empty() ? "" : ", ") + choice;
+        if (def.min || def.max) {
+          allowed = "[" + (def.min ? format_number(*def.min) : "-inf") + ", " +
+                    (def.max ? format_number(*def.max) : "inf") + "]";
+        }
+        fmt::print("| `{}` | {} | `{}` | {} | {} |\n", def.full_name(), type_name(def.type),
+                   value_to_toml(def.default_value), allowed, def.doc);
+      }
       return 0;
     };
   });

@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""Replay kiln's first training steps in Python PyTorch and compare them step by step.
+
+kiln writes what a peer needs (`kiln peer export`): the resolved config, the initial weights and
+the exact batches. This script builds the same model in plain PyTorch (nothing shared with kiln's
+C++), loads those weights, consumes those batches with the same optimizer, schedule and clipping,
+and compares the per-step losses. With --timing it also times both sides in the same run (median
+step time, batches preloaded in memory on both sides, same thread count) and reports kiln/Python.
+
+    peer.py --kiln build/kiln --config configs/mlp.toml --steps 25 --tolerance 1e-5
+    peer.py --kiln build/kiln --config configs/gpt-tiny.toml --steps 60 --timing \
+            --result bench/results/baseline-gpt-tiny.json
+
+Exit status: 0 when every step agrees within the tolerance, 1 otherwise.
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+
+# ---- models (written from the architecture description, not from kiln's code) ------------------
+
+class Mlp(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.fc1 = nn.Linear(m["input_dim"], m["hidden_dim"])
+        self.fc2 = nn.Linear(m["hidden_dim"], m["num_classes"])
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+class Attention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class Mlp4(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.c_proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d)
+        self.attn = Attention(d, heads)
+        self.ln_2 = nn.LayerNorm(d)
+        self.mlp = Mlp4(d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Gpt(nn.Module):
+    PRESETS = {"tiny": (5, 4, 128, 256, 256), "small": (6, 6, 384, 256, 256),
+               "gpt2-124m": (12, 12, 768, 1024, 50257)}
+
+    def __init__(self, m):
+        super().__init__()
+        layers, heads, width, block, vocab = self.PRESETS[m["preset"]]
+        layers = m["n_layer"] or layers
+        heads = m["n_head"] or heads
+        width = m["n_embd"] or width
+        block = m["block_size"] or block
+        vocab = m["vocab_size"] or vocab
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, width),
+            wpe=nn.Embedding(block, width),
+            h=nn.ModuleList(Block(width, heads) for _ in range(layers)),
+            ln_f=nn.LayerNorm(width)))
+
+    def forward(self, idx):
+        t = self.transformer
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = t.wte(idx) + t.wpe(pos)
+        for block in t.h:
+            x = block(x)
+        return F.linear(t.ln_f(x), t.wte.weight)  # head tied to the token embedding
+
+
+# ---- optimizer and schedule (PyTorch's own) -----------------------------------------------------
+
+def make_optimizer(model, o):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": o["weight_decay"]},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if o["name"] == "adamw":
+        return torch.optim.AdamW(groups, lr=o["lr"], betas=(o["beta1"], o["beta2"]), eps=o["eps"],
+                                 fused=o["fused"])
+    return torch.optim.SGD(groups, lr=o["lr"], momentum=o["momentum"], nesterov=o["nesterov"],
+                           fused=o["fused"])
+
+
+def learning_rate(cfg, step):
+    o = cfg["optim"]
+    peak, warmup = o["lr"], o["warmup_steps"]
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if o["schedule"] == "constant":
+        return peak
+    span = max(1, cfg["train"]["steps"] - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    floor = peak * o["min_lr_ratio"]
+    return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak - floor)
+
+
+# ---- replay ---------------------------------------------------------------------------------------
+
+def export(kiln, config, steps, out, overrides):
+    cmd = [kiln, "peer", "export", config, "--steps", str(steps), "--out", out]
+    for o in overrides:
+        cmd += ["--set", o]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with open(os.path.join(out, "kiln.json")) as f:
+        return json.load(f)
+
+
+def replay(out, steps):
+    with open(os.path.join(out, "config.toml"), "rb") as f:
+        cfg = tomllib.load(f)
+    if cfg["run"]["threads"] > 0:
+        torch.set_num_threads(cfg["run"]["threads"])
+    if cfg["run"]["deterministic"]:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    model = (Mlp if cfg["model"]["name"] == "mlp" else Gpt)(cfg["model"])
+    model.load_state_dict(load_file(os.path.join(out, "init.safetensors")), strict=True)
+    model.train()
+    optimizer = make_optimizer(model, cfg["optim"])
+    batches = load_file(os.path.join(out, "batches.safetensors"))
+    accum = cfg["train"]["grad_accum_steps"]
+    clip = cfg["train"]["clip_grad_norm"]
+    params = list(model.parameters())
+    losses, norms, seconds = [], [], []
+    for k in range(steps):
+        micro = [(batches[f"step{k}.micro{m}.inputs"], batches[f"step{k}.micro{m}.targets"])
+                 for m in range(accum)]
+        begin = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros(())
+        for inputs, targets in micro:
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)) / accum
+            loss.backward()
+            total += loss.detach()
+        if clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(cfg, k)
+        optimizer.step()
+        losses.append(total.item())
+        norms.append(norm.item())
+        seconds.append(time.perf_counter() - begin)
+    return cfg, losses, norms, seconds
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kiln", required=True, help="path to the kiln binary")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--tolerance", type=float, default=1e-5, help="max relative loss difference")
+    parser.add_argument("--timing", action="store_true", help="also time both sides")
+    parser.add_argument("--repeats", type=int, default=3, help="timing: alternate kiln/Python this often")
+    parser.add_argument("--warmup", type=int, default=3, help="timing: steps left out of the median")
+    parser.add_argument("--result", help="write the comparison as JSON here")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="kiln-peer-") as out:
+        kiln = export(args.kiln, args.config, args.steps, out, args.overrides)
+        cfg, losses, norms, py_seconds = replay(out, args.steps)
+        rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(kiln["loss"], losses)]
+        worst = max(rel)
+        ok = worst <= args.tolerance and len(losses) == len(kiln["loss"])
+        for k in range(args.steps):
+            print(f"step {k + 1:3d}  kiln {kiln['loss'][k]:.8f}  python {losses[k]:.8f}  rel {rel[k]:.2e}")
+        print(f"max relative loss difference {worst:.3e} (tolerance {args.tolerance:g}): "
+              f"{'AGREE' if ok else 'DISAGREE'}")
+        result = {
+            "config": args.config, "overrides": args.overrides, "model": cfg["model"]["name"],
+            "steps": args.steps, "tolerance": args.tolerance, "max_relative_loss_difference": worst,
+            "agree": ok, "kiln_losses": kiln["loss"], "python_losses": losses,
+        }
+        if args.timing:
+            kiln_medians, py_medians = [], []
+            for r in range(args.repeats):
+                if r > 0:
+                    kiln = export(args.kiln, args.config, args.steps, out, args.overrides)
+                    _, _, _, py_seconds = replay(out, args.steps)
+                kiln_medians.append(statistics.median(kiln["step_seconds"][args.warmup:]))
+                py_medians.append(statistics.median(py_seconds[args.warmup:]))
+            k_med, p_med = statistics.median(kiln_medians), statistics.median(py_medians)
+            result.update({
+                "kiln_median_step_seconds": k_med, "python_median_step_seconds": p_med,
+                "ratio_kiln_over_python": k_med / p_med, "repeats": args.repeats,
+                "timed_steps_per_repeat": args.steps - args.warmup,
+                "batch_size": cfg["train"]["batch_size"], "threads": torch.get_num_threads(),
+                "optimizer": cfg["optim"]["name"], "fused": cfg["optim"]["fused"],
+                "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+                "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            })
+            print(f"median step: kiln {1e3 * k_med:.3f} ms, python {1e3 * p_med:.3f} ms, "
+                  f"kiln/python = {k_med / p_med:.3f}")
+        if args.result:
+            with open(args.result, "w") as f:
+                json.dump(result, f, indent=2)
+                f.write("\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
