@@ -122,3 +122,18 @@ TEST(Config, RejectsInconsistentCombinations) {
 
 }  // namespace
 }  // namespace kiln
+
+namespace kiln {
+namespace {
+
+// docs/config.md carries the generated key table (`kiln config keys`); keep it complete.
+TEST(ConfigDocs, EveryKeyIsDocumented) {
+  std::string docs = testing::slurp(testing::source_dir() / "docs/config.md");
+  for (const auto& def : schema()) {
+    EXPECT_NE(docs.find("`" + def.full_name() + "`"), std::string::npos)
+        << def.full_name() << " is missing from docs/config.md; regenerate its table with `kiln config keys`";
+  }
+}
+
+}  // namespace
+}  // namespace kiln
