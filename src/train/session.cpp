@@ -47,7 +47,15 @@ std::unique_ptr<Session> open_session(const Config& config, const SessionOptions
   return session;
 }
 
+#ifdef KILN_WITH_CUDA
+void reset_cuda_peak_memory(const torch::Device& device);  // session_cuda.cpp
+PeakMemory read_cuda_peak_memory(const torch::Device& device);
+#endif
+
 void reset_peak_memory(const torch::Device& device) {
+#ifdef KILN_WITH_CUDA
+  if (device.is_cuda()) return reset_cuda_peak_memory(device);
+#endif
   if (device.is_cpu()) {
     // Writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS (Linux >= 4.0).
     std::ofstream out("/proc/self/clear_refs");
@@ -56,6 +64,9 @@ void reset_peak_memory(const torch::Device& device) {
 }
 
 PeakMemory read_peak_memory(const torch::Device& device) {
+#ifdef KILN_WITH_CUDA
+  if (device.is_cuda()) return read_cuda_peak_memory(device);
+#endif
   PeakMemory peak;
   if (device.is_cpu()) {
     peak.method = "CPU: process peak resident set size (VmHWM) over the region, reset through "

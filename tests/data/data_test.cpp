@@ -139,7 +139,7 @@ void write_llmc(const std::filesystem::path& path, const std::vector<uint16_t>& 
   header[2] = static_cast<int32_t>(declared >= 0 ? declared : static_cast<int64_t>(tokens.size()));
   std::string bytes(reinterpret_cast<const char*>(header), sizeof(header));
   bytes.append(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 2);
-  write_text(path, bytes.substr(0, bytes.size() - drop));
+  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size() - drop));
 }
 
 std::string token_error(const TempDir& dir, const std::vector<std::string>& extra) {
