@@ -4,11 +4,12 @@ find_package(nlohmann_json 3.10 REQUIRED)
 find_package(CLI11 REQUIRED)
 find_path(XXHASH_INCLUDE_DIR xxhash.h REQUIRED)
 find_library(XXHASH_LIBRARY NAMES xxhash REQUIRED)
+find_package(ZLIB REQUIRED)  # gzip of profiler traces
 
 # fmt: LibTorch ships its own fmt headers in its include directory, which shadow the system ones
 # on the include path. We therefore use fmt header-only (FMT_HEADER_ONLY), so whichever headers
 # the compiler finds are self-contained and nothing links against a mismatched libfmt.
 add_library(kiln_deps INTERFACE)
 target_link_libraries(kiln_deps INTERFACE tomlplusplus::tomlplusplus CLI11::CLI11
-  ${XXHASH_LIBRARY})
+  ${XXHASH_LIBRARY} ZLIB::ZLIB)
 target_include_directories(kiln_deps SYSTEM INTERFACE ${XXHASH_INCLUDE_DIR})

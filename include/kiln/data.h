@@ -110,6 +110,14 @@ class Loader {
   LoaderPosition position() const;
   /// Continues from `position` (restarts the workers). Used by checkpoint resume.
   void seek(LoaderPosition position);
+  /// Stops the worker threads once the batches they are building are done; built batches are
+  /// kept and the batch sequence is unchanged. resume_workers() starts them again. Workers run
+  /// with the thread-local state (profiler, grad mode) of the thread that started them, so a
+  /// profiler pauses them around enabling and disabling (no op may run while it finalizes).
+  /// Training thread only, and next() must not be called while paused; both are no-ops with
+  /// num_workers = 0.
+  void pause_workers();
+  void resume_workers();
   const Sampler& sampler() const { return sampler_; }
   const LoaderOptions& options() const { return options_; }
 

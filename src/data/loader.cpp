@@ -1,3 +1,4 @@
+#include <ATen/ThreadLocalState.h>
 #include <chrono>
 
 #include "kiln/data.h"
@@ -60,7 +61,14 @@ void Loader::worker_loop() {
 
 void Loader::start_workers() {
   stopping_ = false;
-  for (int k = 0; k < options_.num_workers; ++k) workers_.emplace_back([this] { worker_loop(); });
+  // Like at::launch: workers inherit the starting thread's thread-local state (profiler, modes).
+  const at::ThreadLocalState state;
+  for (int k = 0; k < options_.num_workers; ++k) {
+    workers_.emplace_back([this, state] {
+      at::ThreadLocalStateGuard guard(state);
+      worker_loop();
+    });
+  }
 }
 
 void Loader::stop_workers() {
@@ -103,6 +111,12 @@ Batch Loader::next() {
     batch.targets = batch.targets.to(options_.device, /*non_blocking=*/true);
   }
   return batch;
+}
+
+void Loader::pause_workers() { stop_workers(); }
+
+void Loader::resume_workers() {
+  if (workers_.empty()) start_workers();
 }
 
 void Loader::seek(LoaderPosition position) {

@@ -4,6 +4,7 @@
 
 #include "kiln/error.h"
 #include "kiln/log.h"
+#include "kiln/profile.h"
 #include "kiln/rungs.h"
 
 namespace kiln {
@@ -35,6 +36,11 @@ const std::vector<Rung>& ladder_rungs() {
        [](const Config& config, const SessionOptions& options) {
          auto session = open_session(config, options);
          return run_baseline(*session);
+       }},
+      {"profile", [](const Config&) { return true; },
+       [](const Config& config, const SessionOptions& options) {
+         auto session = open_session(config, options);
+         return run_profile(*session);
        }},
   };
   return rungs;

@@ -1,0 +1,464 @@
+// Trace analysis: Kineto Chrome traces in, TraceAnalysis out. Pure functions of the JSON, so the
+// same code reads kiln's traces and torch.profiler's.
+//
+// Event kinds used (Kineto's "cat"): cpu_op (ATen operators), user_annotation (ProfilerStep#N
+// and the phase scopes), cpu_instant_event "[memory]" (allocations: args "Total Allocated",
+// "Device Type", "Device Id"), kernel / gpu_memcpy / gpu_memset (device activity: args "stream",
+// "correlation", "External id"), cuda_runtime / cuda_driver (launches: args "correlation").
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+#include <unordered_map>
+
+#include "kiln/error.h"
+#include "kiln/profile.h"
+
+namespace kiln {
+namespace {
+
+using nlohmann::json;
+
+// Kineto writes microseconds with fractional nanoseconds; nesting tests allow rounding.
+constexpr double kNestingSlackUs = 0.002;
+// HTA's default threshold for "kernel wait": gaps shorter than this between consecutive kernels
+// on a stream are launch delays (30 ns).
+constexpr double kConsecutiveKernelDelayUs = 0.030;
+
+const std::vector<std::string>& phase_order() {
+  static const std::vector<std::string> order = {"data_wait", "forward",    "backward", "comm",
+                                                 "optimizer", "checkpoint", "eval"};
+  return order;
+}
+
+bool is_phase_name(const std::string& name) {
+  const auto& order = phase_order();
+  return std::find(order.begin(), order.end(), name) != order.end();
+}
+
+bool starts_with(const std::string& text, std::string_view prefix) {
+  return text.size() >= prefix.size() && text.compare(0, prefix.size(), prefix) == 0;
+}
+
+double number_or(const json& object, const char* key, double fallback) {
+  auto it = object.find(key);
+  if (it == object.end() || !it->is_number()) return fallback;
+  return it->get<double>();
+}
+
+// A thread's identity: Kineto writes pid and tid as numbers (sometimes strings for GPU rows).
+std::string thread_key(const json& event) {
+  auto field = [&](const char* key) -> std::string {
+    auto it = event.find(key);
+    if (it == event.end()) return "?";
+    return it->is_string() ? it->get<std::string>() : it->dump();
+  };
+  return field("pid") + "/" + field("tid");
+}
+
+struct Interval {
+  double begin = 0, end = 0;
+};
+
+// Sorted, non-overlapping union of intervals.
+std::vector<Interval> merge_intervals(std::vector<Interval> intervals) {
+  std::sort(intervals.begin(), intervals.end(),
+            [](const Interval& a, const Interval& b) { return a.begin < b.begin; });
+  std::vector<Interval> merged;
+  for (const auto& interval : intervals) {
+    if (!merged.empty() && interval.begin <= merged.back().end) {
+      merged.back().end = std::max(merged.back().end, interval.end);
+    } else {
+      merged.push_back(interval);
+    }
+  }
+  return merged;
+}
+
+double total_length(const std::vector<Interval>& merged) {
+  double sum = 0;
+  for (const auto& interval : merged) sum += interval.end - interval.begin;
+  return sum;
+}
+
+// Length of the intersection of two merged interval lists.
+double overlap_length(const std::vector<Interval>& a, const std::vector<Interval>& b) {
+  double sum = 0;
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    const double lo = std::max(a[i].begin, b[j].begin);
+    const double hi = std::min(a[i].end, b[j].end);
+    if (hi > lo) sum += hi - lo;
+    if (a[i].end < b[j].end) {
+      ++i;
+    } else {
+      ++j;
+    }
+  }
+  return sum;
+}
+
+// One duration event on a CPU thread.
+struct HostEvent {
+  const json* source = nullptr;
+  std::string name;
+  bool is_op = false;  // cpu_op (else a user annotation)
+  double ts = 0, dur = 0;
+  double children_us = 0;
+  bool outermost_of_name = true;  // no ancestor with the same name
+  int parent = -1;
+  double end() const { return ts + dur; }
+};
+
+struct OperatorAccumulator {
+  int64_t calls = 0;
+  double self_cpu_us = 0, total_cpu_us = 0, self_device_us = 0, flops = 0;
+  std::map<std::string, std::pair<double, int64_t>> shapes;  // dims -> (self us, calls)
+};
+
+struct MemoryAccumulator {
+  double peak = -1;
+  double growth = 0;
+};
+
+class Analyzer {
+ public:
+  void add(const json& trace) {
+    if (!trace.is_object() || !trace.contains("traceEvents") || !trace["traceEvents"].is_array()) {
+      throw UserError(
+          "not a Chrome trace: no traceEvents array (expected a Kineto .pt.trace.json)");
+    }
+    ++result_.windows;
+    read_device_properties(trace);
+    std::map<std::string, std::vector<HostEvent>> threads;
+    std::vector<const json*> memory_events, device_events;
+    std::unordered_map<int64_t, double> launch_ts;  // correlation -> runtime call start
+    for (const auto& event : trace["traceEvents"]) {
+      if (!event.is_object()) continue;
+      const std::string cat = event.value("cat", "");
+      const std::string ph = event.value("ph", "");
+      if (ph == "X" && (cat == "cpu_op" || cat == "user_annotation")) {
+        HostEvent host;
+        host.source = &event;
+        host.name = event.value("name", "");
+        host.is_op = cat == "cpu_op";
+        host.ts = number_or(event, "ts", 0);
+        host.dur = std::max(0.0, number_or(event, "dur", 0));
+        threads[thread_key(event)].push_back(std::move(host));
+      } else if (ph == "i" && event.value("name", "") == "[memory]") {
+        memory_events.push_back(&event);
+      } else if (ph == "X" && (cat == "kernel" || cat == "gpu_memcpy" || cat == "gpu_memset")) {
+        device_events.push_back(&event);
+      } else if (ph == "X" && (cat == "cuda_runtime" || cat == "cuda_driver")) {
+        auto args = event.find("args");
+        if (args != event.end() && args->contains("correlation") &&
+            (*args)["correlation"].is_number()) {
+          launch_ts[(*args)["correlation"].get<int64_t>()] = number_or(event, "ts", 0);
+        }
+      }
+    }
+
+    // Nesting and self time, thread by thread.
+    std::string step_thread;
+    for (auto& [key, events] : threads) {
+      build_tree(events);
+      for (const auto& e : events) {
+        if (!e.is_op && starts_with(e.name, "ProfilerStep#")) step_thread = key;
+      }
+    }
+    std::unordered_map<int64_t, std::string> op_by_external_id;
+    for (auto& [key, events] : threads) {
+      for (const auto& e : events) {
+        if (!e.is_op) continue;
+        auto& op = operators_[e.name];
+        const double self = std::max(0.0, e.dur - e.children_us);
+        ++op.calls;
+        op.self_cpu_us += self;
+        if (e.outermost_of_name) op.total_cpu_us += e.dur;
+        auto args = e.source->find("args");
+        if (args != e.source->end()) {
+          op.flops += number_or(*args, "flops", 0);
+          auto dims = args->find("Input Dims");
+          if (dims != args->end()) {
+            auto& shape = op.shapes[dims->dump()];
+            shape.first += self;
+            shape.second += 1;
+          }
+          auto id = args->find("External id");
+          if (id != args->end() && id->is_number_integer())
+            op_by_external_id[id->get<int64_t>()] = e.name;
+        }
+      }
+    }
+    if (step_thread.empty()) return;
+
+    // The training thread: steps, phases, operator granularity.
+    const auto& main = threads[step_thread];
+    std::vector<Interval> steps;
+    std::vector<std::pair<std::string, Interval>> phases;  // innermost phases last
+    std::vector<int> step_of(main.size(), -1);
+    for (size_t k = 0; k < main.size(); ++k) {
+      const auto& e = main[k];
+      if (!e.is_op && starts_with(e.name, "ProfilerStep#")) {
+        steps.push_back({e.ts, e.end()});
+        result_.step_seconds += e.dur * 1e-6;
+        ++result_.steps;
+      }
+    }
+    std::map<int, std::pair<double, int64_t>> ops_by_step;  // step event -> (self us, calls)
+    for (size_t k = 0; k < main.size(); ++k) {
+      // The enclosing step, if any.
+      int p = main[k].parent;
+      while (p >= 0 && !(!main[p].is_op && starts_with(main[p].name, "ProfilerStep#")))
+        p = main[p].parent;
+      if (p < 0) continue;
+      const auto& e = main[k];
+      if (e.is_op) {
+        const double self = std::max(0.0, e.dur - e.children_us);
+        ++result_.step_ops;
+        result_.step_op_self_us += self;
+        ops_by_step[p].first += self;
+        ops_by_step[p].second += 1;
+      } else if (is_phase_name(e.name)) {
+        phases.push_back({e.name, {e.ts, e.end()}});
+        // Top-level phases (directly under the step) make up the step; nested ones (comm
+        // inside backward) are counted in their own row but not again in "other".
+        const bool top = main[e.parent].name.rfind("ProfilerStep#", 0) == 0;
+        phase_seconds_[e.name] += e.dur * 1e-6;
+        if (top) top_phase_seconds_ += e.dur * 1e-6;
+      }
+    }
+
+    for (const auto& [step, ops] : ops_by_step) {
+      step_mean_op_us_.push_back(ops.first / static_cast<double>(ops.second));
+    }
+
+    // Peak memory by phase: each allocation event belongs to the innermost phase of the
+    // training thread open at its time ("other" inside a step outside any phase).
+    for (const json* event : memory_events) {
+      const auto& args = (*event)["args"];
+      if (!args.is_object() || !args.contains("Total Allocated")) continue;
+      const double ts = number_or(*event, "ts", 0);
+      const double total = number_or(args, "Total Allocated", 0);
+      const double bytes = number_or(args, "Bytes", 0);
+      const int device_type = static_cast<int>(number_or(args, "Device Type", 0));
+      const int device_id = static_cast<int>(number_or(args, "Device Id", -1));
+      const std::string device =
+          device_type == 1 ? fmt::format("cuda:{}", std::max(device_id, 0)) : "cpu";
+      std::string phase;
+      int phase_index = -1;
+      for (size_t k = phases.size(); k-- > 0;) {
+        if (ts >= phases[k].second.begin && ts <= phases[k].second.end) {
+          if (phase_index < 0 || phases[k].second.begin >= phases[phase_index].second.begin) {
+            phase_index = static_cast<int>(k);
+          }
+        }
+      }
+      if (phase_index >= 0) {
+        phase = phases[phase_index].first;
+      } else {
+        bool in_step = false;
+        for (const auto& s : steps) in_step = in_step || (ts >= s.begin && ts <= s.end);
+        if (!in_step) continue;
+        phase = "other";
+      }
+      auto& acc = memory_[{phase, device}];
+      acc.peak = std::max(acc.peak, total);
+      // Growth within this occurrence of the phase: relative to the total before its first
+      // allocation event.
+      auto& baseline = phase_baseline_[{phase_index, device}];
+      if (!baseline.second) baseline = {total - bytes, true};
+      acc.growth = std::max(acc.growth, total - baseline.first);
+    }
+    phase_baseline_.clear();
+
+    // Device activity (CUDA): HTA's temporal and idle-time breakdowns, self device time.
+    if (!device_events.empty()) analyze_device(device_events, launch_ts, op_by_external_id);
+  }
+
+  TraceAnalysis finish() {
+    if (result_.steps == 0) {
+      throw UserError(
+          "the trace holds no ProfilerStep#N annotation: it was not recorded on a "
+          "schedule (kiln's profiler or torch.profiler.profile(schedule=...) with "
+          "prof.step())");
+    }
+    for (auto& [name, acc] : operators_) {
+      OperatorStats op;
+      op.name = name;
+      op.calls = acc.calls;
+      op.self_cpu_us = acc.self_cpu_us;
+      op.total_cpu_us = acc.total_cpu_us;
+      op.self_device_us = acc.self_device_us;
+      op.flops = acc.flops;
+      std::vector<std::pair<std::string, std::pair<double, int64_t>>> shapes(acc.shapes.begin(),
+                                                                             acc.shapes.end());
+      std::sort(shapes.begin(), shapes.end(),
+                [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
+      for (const auto& [dims, stat] : shapes) op.input_shapes.emplace_back(dims, stat.second);
+      result_.operators.push_back(std::move(op));
+    }
+    result_.device_sorted = result_.has_gpu;
+    std::sort(result_.operators.begin(), result_.operators.end(),
+              [&](const OperatorStats& a, const OperatorStats& b) {
+                if (result_.device_sorted && a.self_device_us != b.self_device_us) {
+                  return a.self_device_us > b.self_device_us;
+                }
+                if (a.self_cpu_us != b.self_cpu_us) return a.self_cpu_us > b.self_cpu_us;
+                return a.name < b.name;
+              });
+    const double step = result_.step_seconds;
+    for (const auto& name : phase_order()) {
+      auto it = phase_seconds_.find(name);
+      if (it == phase_seconds_.end()) continue;
+      result_.phases.push_back({name, it->second, step > 0 ? it->second / step : 0});
+    }
+    const double other = std::max(0.0, step - top_phase_seconds_);
+    result_.phases.push_back({"other", other, step > 0 ? other / step : 0});
+    for (const auto& name : phase_order()) {
+      for (const auto& [key, acc] : memory_) {
+        if (key.first == name) result_.memory.push_back({name, key.second, acc.peak, acc.growth});
+      }
+    }
+    for (const auto& [key, acc] : memory_) {
+      if (key.first == "other")
+        result_.memory.push_back({"other", key.second, acc.peak, acc.growth});
+    }
+    // The median over steps of each step's mean: one step stretched by the OS (a preempted
+    // operator on a busy machine) does not move it.
+    if (!step_mean_op_us_.empty()) {
+      auto& v = step_mean_op_us_;
+      std::sort(v.begin(), v.end());
+      const size_t n = v.size();
+      result_.mean_op_us = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+    }
+    result_.operator_share = step > 0 ? result_.step_op_self_us * 1e-6 / step : 0;
+    if (result_.has_gpu) {
+      auto& g = result_.gpu;
+      g.non_compute_us = std::max(0.0, g.kernel_us - g.compute_us - g.idle_us);
+      g.comm_overlap_share = g.communication_us > 0 ? comm_overlap_us_ / g.communication_us : -1;
+    }
+    return result_;
+  }
+
+ private:
+  // Parent links, children time and same-name nesting for one thread's events.
+  static void build_tree(std::vector<HostEvent>& events) {
+    std::sort(events.begin(), events.end(), [](const HostEvent& a, const HostEvent& b) {
+      if (a.ts != b.ts) return a.ts < b.ts;
+      return a.dur > b.dur;  // the enclosing event first
+    });
+    std::vector<int> stack;
+    for (size_t k = 0; k < events.size(); ++k) {
+      auto& e = events[k];
+      while (!stack.empty() && events[stack.back()].end() < e.end() - kNestingSlackUs)
+        stack.pop_back();
+      if (!stack.empty()) {
+        e.parent = stack.back();
+        events[stack.back()].children_us += e.dur;
+        for (int a : stack) {
+          if (events[a].name == e.name) {
+            e.outermost_of_name = false;
+            break;
+          }
+        }
+      }
+      stack.push_back(static_cast<int>(k));
+    }
+  }
+
+  void read_device_properties(const json& trace) {
+    auto it = trace.find("deviceProperties");
+    if (it == trace.end() || !it->is_array()) return;
+    for (const auto& device : *it) {
+      const double bytes = number_or(device, "totalGlobalMem", -1);
+      if (bytes > 0) result_.device_memory_bytes = std::max(result_.device_memory_bytes, bytes);
+    }
+  }
+
+  void analyze_device(const std::vector<const json*>& events,
+                      const std::unordered_map<int64_t, double>& launch_ts,
+                      const std::unordered_map<int64_t, std::string>& op_by_external_id) {
+    result_.has_gpu = true;
+    auto& g = result_.gpu;
+    std::vector<Interval> all, compute, communication, memory;
+    struct Kernel {
+      double ts, end, launch;
+    };
+    std::map<std::string, std::vector<Kernel>> streams;
+    for (const json* event : events) {
+      const std::string name = event->value("name", "");
+      const std::string cat = event->value("cat", "");
+      const double ts = number_or(*event, "ts", 0);
+      const double dur = std::max(0.0, number_or(*event, "dur", 0));
+      const Interval interval{ts, ts + dur};
+      all.push_back(interval);
+      ++g.kernels;
+      const bool is_memory = cat != "kernel" || name.find("Memcpy") != std::string::npos ||
+                             name.find("Memset") != std::string::npos;
+      const bool is_comm = !is_memory && name.find("nccl") != std::string::npos;
+      (is_memory ? memory : is_comm ? communication : compute).push_back(interval);
+      double launch = -1;
+      const json empty = json::object();
+      const json& args = event->contains("args") ? (*event)["args"] : empty;
+      if (args.contains("correlation") && args["correlation"].is_number()) {
+        auto found = launch_ts.find(args["correlation"].get<int64_t>());
+        if (found != launch_ts.end()) launch = found->second;
+      }
+      const std::string stream =
+          args.contains("stream") ? args["stream"].dump() : thread_key(*event);
+      streams[stream].push_back({ts, ts + dur, launch});
+      if (args.contains("External id") && args["External id"].is_number_integer()) {
+        auto op = op_by_external_id.find(args["External id"].get<int64_t>());
+        if (op != op_by_external_id.end()) operators_[op->second].self_device_us += dur;
+      }
+    }
+    const auto merged_all = merge_intervals(all);
+    const auto merged_compute = merge_intervals(compute);
+    const auto merged_comm = merge_intervals(communication);
+    const double span = merged_all.back().end - merged_all.front().begin;
+    const double busy = total_length(merged_all);
+    g.kernel_us += span;
+    g.idle_us += span - busy;
+    g.compute_us += total_length(merged_compute);
+    g.communication_us += total_length(merged_comm);
+    g.memory_us += total_length(merge_intervals(memory));
+    comm_overlap_us_ += overlap_length(merged_comm, merged_compute);
+    for (auto& [stream, kernels] : streams) {
+      std::sort(kernels.begin(), kernels.end(),
+                [](const Kernel& a, const Kernel& b) { return a.ts < b.ts; });
+      for (size_t k = 1; k < kernels.size(); ++k) {
+        const double gap = kernels[k].ts - kernels[k - 1].end;
+        if (gap <= 0) continue;
+        if (kernels[k].launch >= 0 && kernels[k].launch > kernels[k - 1].end) {
+          g.host_wait_us += gap;
+        } else if (gap < kConsecutiveKernelDelayUs) {
+          g.kernel_wait_us += gap;
+        } else {
+          g.other_wait_us += gap;
+        }
+      }
+    }
+  }
+
+  TraceAnalysis result_;
+  std::map<std::string, OperatorAccumulator> operators_;
+  std::map<std::string, double> phase_seconds_;
+  double top_phase_seconds_ = 0;
+  std::map<std::pair<std::string, std::string>, MemoryAccumulator> memory_;
+  std::map<std::pair<int, std::string>, std::pair<double, bool>> phase_baseline_;
+  double comm_overlap_us_ = 0;
+  std::vector<double> step_mean_op_us_;
+};
+
+}  // namespace
+
+TraceAnalysis analyze_traces(const std::vector<nlohmann::json>& traces) {
+  Analyzer analyzer;
+  for (const auto& trace : traces) analyzer.add(trace);
+  return analyzer.finish();
+}
+
+}  // namespace kiln

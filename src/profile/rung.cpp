@@ -1,0 +1,181 @@
+// The profile rung: run the schedule with a Profiler attached, analyse the windows, decide.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <fstream>
+
+#include "core/strings.h"
+#include "kiln/error.h"
+#include "kiln/log.h"
+#include "kiln/profile.h"
+
+namespace kiln {
+namespace {
+
+using nlohmann::json;
+
+// MemTotal from /proc/meminfo, in bytes; -1 when unknown.
+double host_memory_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  std::string unit;
+  while (in >> key >> kib >> unit) {
+    if (key == "MemTotal:") return kib * 1024.0;
+  }
+  return -1;
+}
+
+}  // namespace
+
+RungResult run_profile(Session& session, std::string* tables) {
+  Trainer& trainer = *session.trainer;
+  const Config& config = session.config;
+  RungResult result;
+  result.rung = "profile";
+
+  ProfilerOptions options = profiler_options(config, session.run->dir(), session.device,
+                                             session.comm->rank(), session.comm->world_size());
+  ProfileSchedule schedule = options.schedule;
+  if (schedule.repeat == 0)
+    schedule.repeat = 1;  // the rung runs one cycle of an open-ended schedule
+  options.schedule = schedule;
+  const int64_t total_steps = schedule.total_steps();
+  const int64_t expected_windows = schedule.repeat;
+  const int64_t expected_steps = schedule.repeat * schedule.active;
+  auto profiler = std::make_shared<Profiler>(options);  // checks profile.dir before any step
+  trainer.add_hook(profiler);
+
+  log::info(fmt::format(
+      "profile: {} steps (skip_first {}, then {} x [wait {}, warmup {}, active {}]) on {}; "
+      "traces in {}",
+      total_steps, schedule.skip_first, schedule.repeat, schedule.wait, schedule.warmup,
+      schedule.active, session.device.str(), options.dir.string()));
+  std::vector<double> losses;
+  std::string failure;
+  try {
+    for (int64_t k = 0; k < total_steps; ++k) {
+      const StepStats s = trainer.train_step();
+      losses.push_back(s.loss);
+      session.run->append_metrics({{"step", s.step},
+                                   {"loss", s.loss},
+                                   {"step_seconds", s.step_seconds},
+                                   {"data_wait_seconds", s.data_wait_seconds},
+                                   {"profiler", profiler_action_name(profiler->current_action())}});
+    }
+    profiler->finish(trainer);
+  } catch (const TrainingError& e) {
+    failure = e.what();
+    try {
+      profiler->finish(trainer);
+    } catch (...) {
+    }
+  }
+  if (!failure.empty()) {
+    result.verdict = failure;
+    result.numbers = {{"passed", false}, {"reason", failure}, {"losses", losses}};
+    session.run->write_json("profile.json", result.numbers);
+    return result;
+  }
+
+  std::vector<json> traces;
+  for (const auto& path : profiler->traces()) traces.push_back(read_trace(path));
+  TraceAnalysis analysis = analyze_traces(traces);
+
+  VerdictContext context;
+  context.num_workers = static_cast<int>(config.get_int("data.num_workers"));
+  context.prefetch = static_cast<int>(config.get_int("data.prefetch"));
+  context.batch_size = config.get_int("train.batch_size");
+  context.grad_accum_steps = config.get_int("train.grad_accum_steps");
+  context.world_size = session.comm->world_size();
+  context.cuda = session.device.is_cuda();
+  if (!context.cuda) context.device_memory_bytes = host_memory_bytes();
+  const Verdict verdict =
+      decide_bottleneck(analysis, VerdictThresholds::from_config(config), context);
+  const int top = static_cast<int>(config.get_int("profile.top_operators"));
+
+  // The gate: the capture worked. Every window written, every active step annotated, the step's
+  // phases and operators present.
+  std::vector<std::string> problems;
+  if (static_cast<int64_t>(traces.size()) != expected_windows) {
+    problems.push_back(
+        fmt::format("{} trace files written, expected {}", traces.size(), expected_windows));
+  }
+  if (analysis.steps != expected_steps) {
+    problems.push_back(fmt::format("{} ProfilerStep annotations in the traces, expected {}",
+                                   analysis.steps, expected_steps));
+  }
+  for (const char* phase : {"forward", "backward", "optimizer"}) {
+    bool found = false;
+    for (const auto& p : analysis.phases) found = found || (p.phase == phase && p.seconds > 0);
+    if (!found) problems.push_back(fmt::format("no {} scope in the traces", phase));
+  }
+  if (analysis.operators.empty()) problems.push_back("no operators recorded");
+  result.passed = problems.empty();
+  result.verdict = result.passed ? verdict.reason : "capture incomplete: " + problems.front();
+
+  json trace_files = json::array();
+  for (const auto& path : profiler->traces()) trace_files.push_back(path.string());
+  result.numbers = {{"passed", result.passed},
+                    {"device", session.device.str()},
+                    {"schedule",
+                     {{"skip_first", schedule.skip_first},
+                      {"wait", schedule.wait},
+                      {"warmup", schedule.warmup},
+                      {"active", schedule.active},
+                      {"repeat", schedule.repeat}}},
+                    {"options",
+                     {{"record_shapes", options.record_shapes},
+                      {"profile_memory", options.profile_memory},
+                      {"with_stack", options.with_stack},
+                      {"with_flops", options.with_flops},
+                      {"gzip", options.gzip}}},
+                    {"traces", trace_files},
+                    {"analysis", analysis_to_json(analysis, top)},
+                    {"verdict", verdict.numbers},
+                    {"losses", losses}};
+  if (!problems.empty()) result.numbers["problems"] = problems;
+  session.run->write_json("profile.json", result.numbers);
+
+  auto& t = result.table;
+  t.emplace_back("bottleneck", verdict.bottleneck);
+  t.emplace_back("captured",
+                 fmt::format("{} steps in {} window{} ({})", analysis.steps, analysis.windows,
+                             analysis.windows == 1 ? "" : "s", options.dir.string()));
+  std::string phases;
+  for (const auto& p : analysis.phases) {
+    if (p.share < 0.0005) continue;
+    phases += fmt::format("{}{} {:.1f}%", phases.empty() ? "" : ", ", p.phase, 100 * p.share);
+  }
+  t.emplace_back("step phases", phases);
+  // The five operators with the most self time: share of all operators' self time, ms per step.
+  double total_self_us = 0;
+  for (const auto& op : analysis.operators) {
+    total_self_us += analysis.has_gpu ? op.self_device_us : op.self_cpu_us;
+  }
+  std::string operators;
+  for (size_t k = 0; k < analysis.operators.size() && k < 5; ++k) {
+    const auto& op = analysis.operators[k];
+    const double self_us = analysis.has_gpu ? op.self_device_us : op.self_cpu_us;
+    operators +=
+        fmt::format("{}{} {:.1f}% ({:.2f} ms/step{})", k ? ", " : "", op.name,
+                    total_self_us > 0 ? 100 * self_us / total_self_us : 0.0,
+                    1e-3 * self_us / static_cast<double>(std::max<int64_t>(1, analysis.steps)),
+                    analysis.has_gpu ? " on the device" : "");
+  }
+  t.emplace_back(
+      analysis.has_gpu ? "top operators (self device time)" : "top operators (self CPU time)",
+      operators);
+  t.emplace_back("operator granularity",
+                 fmt::format("{:.1f} us per call, {:.0f} calls per step", analysis.mean_op_us,
+                             analysis.steps ? static_cast<double>(analysis.step_ops) /
+                                                  static_cast<double>(analysis.steps)
+                                            : 0.0));
+  std::string actions;
+  for (const auto& action : verdict.actions) actions += (actions.empty() ? "" : "; ") + action;
+  t.emplace_back("actions", actions);
+  if (tables) *tables = format_profile_tables(analysis, verdict, top);
+  return result;
+}
+
+}  // namespace kiln

@@ -1,0 +1,610 @@
+#include "kiln/profile.h"
+
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "kiln/error.h"
+#include "kiln/session.h"
+#include "profile/trace_io.h"
+#include "support/helpers.h"
+
+namespace kiln::testing {
+namespace {
+
+using nlohmann::json;
+using ::testing::HasSubstr;
+
+// ---- schedule -----------------------------------------------------------------------------------
+
+std::string actions_of(const ProfileSchedule& s, int steps) {
+  std::string out;
+  for (int k = 0; k < steps; ++k)
+    out += std::string(k ? " " : "") + profiler_action_name(s.action(k));
+  return out;
+}
+
+TEST(ProfileSchedule, FollowsTorchProfilerScheduleSemantics) {
+  ProfileSchedule s{.skip_first = 2, .wait = 1, .warmup = 1, .active = 2, .repeat = 2};
+  EXPECT_EQ(
+      actions_of(s, 12),
+      "none none none warmup record record_and_save none warmup record record_and_save none none");
+  EXPECT_EQ(s.total_steps(), 10);
+  ProfileSchedule unbounded{.wait = 0, .warmup = 0, .active = 1, .repeat = 0};
+  EXPECT_EQ(actions_of(unbounded, 3), "record_and_save record_and_save record_and_save");
+  EXPECT_EQ(unbounded.total_steps(), -1);
+  EXPECT_THROW(ProfileSchedule{.active = 0}.action(0), std::invalid_argument);
+}
+
+// The same schedules, asked of torch.profiler.schedule itself.
+TEST(ProfileSchedule, MatchesPythonTorchProfilerSchedule) {
+  const std::vector<ProfileSchedule> schedules = {
+      {.skip_first = 0, .wait = 0, .warmup = 0, .active = 1, .repeat = 0},
+      {.skip_first = 3, .wait = 2, .warmup = 1, .active = 3, .repeat = 2},
+      {.skip_first = 1, .wait = 0, .warmup = 2, .active = 1, .repeat = 3},
+      {.skip_first = 0, .wait = 5, .warmup = 0, .active = 2, .repeat = 0},
+  };
+  std::string script =
+      "import warnings; warnings.simplefilter('ignore')\n"
+      "from torch.profiler import schedule, ProfilerAction as A\n"
+      "names = {A.NONE: 'none', A.WARMUP: 'warmup', A.RECORD: 'record', A.RECORD_AND_SAVE: "
+      "'record_and_save'}\n"
+      "for sf, w, wu, a, r in [";
+  for (const auto& s : schedules) {
+    script +=
+        fmt::format("({}, {}, {}, {}, {}),", s.skip_first, s.wait, s.warmup, s.active, s.repeat);
+  }
+  script +=
+      "]:\n"
+      "    f = schedule(skip_first=sf, wait=w, warmup=wu, active=a, repeat=r)\n"
+      "    print(' '.join(names[f(k)] for k in range(30)))\n";
+  TempDir dir;
+  write_text(dir / "schedule.py", script);
+  auto result = run_shell((source_dir() / ".venv/bin/python").string() + " " +
+                          (dir / "schedule.py").string());
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  std::istringstream lines(result.out);
+  for (const auto& s : schedules) {
+    std::string line;
+    ASSERT_TRUE(std::getline(lines, line));
+    EXPECT_EQ(actions_of(s, 30), line) << "skip_first " << s.skip_first << " wait " << s.wait;
+  }
+}
+
+// ---- capture ------------------------------------------------------------------------------------
+
+std::vector<std::string> profile_overrides(std::vector<std::string> extra = {}) {
+  std::vector<std::string> o = {"profile.skip_first=1", "profile.wait=1", "profile.warmup=1",
+                                "profile.active=2", "profile.repeat=1"};
+  o.insert(o.end(), extra.begin(), extra.end());
+  return o;
+}
+
+std::vector<const json*> events_named(const json& trace, const std::string& name) {
+  std::vector<const json*> out;
+  for (const auto& e : trace["traceEvents"]) {
+    if (e.value("name", "") == name) out.push_back(&e);
+  }
+  return out;
+}
+
+TEST(Profiler, WritesOneGzippedTensorBoardTracePerWindowWithStepsPhasesAndOps) {
+  TempDir dir;
+  Config config = gpt_config(
+      dir.path(), profile_overrides({"data.num_workers=2", "profile.repeat=2", "run.threads=1"}));
+  auto session = open_session(config, {});
+  RungResult result = run_profile(*session);
+  ASSERT_TRUE(result.passed) << result.verdict;
+
+  const auto traces_dir = session->run->dir() / "traces";
+  std::vector<std::filesystem::path> files;
+  for (const auto& entry : std::filesystem::directory_iterator(traces_dir))
+    files.push_back(entry.path());
+  std::sort(files.begin(), files.end());
+  ASSERT_EQ(files.size(), 2u);
+  // TensorBoard's profiler plugin naming: <hostname>_<pid>.<ns>.pt.trace.json.gz
+  const std::regex name(R"(.+_[0-9]+\.[0-9]{18,}\.pt\.trace\.json\.gz)");
+  for (const auto& f : files) EXPECT_TRUE(std::regex_match(f.filename().string(), name)) << f;
+  EXPECT_TRUE(profile_detail::is_gzip(slurp(files[0])));
+
+  // Steps 0 skipped, 1 wait, 2 warm-up, 3-4 recorded; then 5 wait, 6 warm-up, 7-8 recorded.
+  const json first = read_trace(files[0]);
+  const json second = read_trace(files[1]);
+  EXPECT_EQ(events_named(first, "ProfilerStep#3").size(), 1u);
+  EXPECT_EQ(events_named(first, "ProfilerStep#4").size(), 1u);
+  EXPECT_TRUE(events_named(first, "ProfilerStep#2").empty());  // warm-up is not recorded
+  EXPECT_EQ(events_named(second, "ProfilerStep#8").size(), 1u);
+  for (const char* phase : {"data_wait", "forward", "backward", "optimizer"}) {
+    const auto scopes = events_named(first, phase);
+    ASSERT_EQ(scopes.size(), 2u) << phase;
+    EXPECT_EQ((*scopes[0])["cat"], "user_annotation");
+  }
+  std::set<std::string> op_threads;
+  std::string step_thread;
+  int aten_ops = 0;
+  for (const auto& e : first["traceEvents"]) {
+    const std::string n = e.value("name", "");
+    if (n.rfind("ProfilerStep#", 0) == 0) step_thread = e["tid"].dump();
+    if (e.value("cat", "") == "cpu_op" && n.rfind("aten::", 0) == 0) {
+      ++aten_ops;
+      op_threads.insert(e["tid"].dump());
+    }
+  }
+  EXPECT_GT(aten_ops, 50);
+  EXPECT_TRUE(events_named(first, "aten::mm").size() + events_named(first, "aten::addmm").size() >
+              0);
+  // The loader's worker threads are recorded too.
+  op_threads.erase(step_thread);
+  EXPECT_FALSE(op_threads.empty()) << "no operator from a loader worker thread in the trace";
+
+  // profile.json holds the analysis and the verdict.
+  const json report = json::parse(slurp(session->run->dir() / "profile.json"));
+  EXPECT_EQ(report["analysis"]["steps"], 4);
+  EXPECT_EQ(report["traces"].size(), 2u);
+  EXPECT_FALSE(report["analysis"]["top_operators"].empty());
+  EXPECT_FALSE(report["analysis"]["top_operators"][0]["input_shapes"].empty());
+  EXPECT_THAT(report["verdict"]["bottleneck"].get<std::string>(),
+              ::testing::AnyOf("data-bound", "host-bound", "compute-bound"));
+}
+
+TEST(Profiler, PlainJsonWhenGzipIsOffAndDistributedInfoWhenDistributed) {
+  TempDir dir;
+  Config config = mlp_config(dir.path(), profile_overrides({"data.num_workers=0"}));
+  apply_runtime_settings(config);
+  Trainer trainer(config, make_model(config), make_datasets(config));
+  ProfilerOptions options =
+      profiler_options(config, dir / "traces", torch::kCPU, /*rank=*/1, /*world_size=*/2);
+  options.gzip = false;
+  options.backend = "gloo";
+  auto profiler = std::make_shared<Profiler>(options);
+  trainer.add_hook(profiler);
+  for (int k = 0; k < 5; ++k) trainer.train_step();
+  profiler->finish(trainer);
+  ASSERT_EQ(profiler->traces().size(), 1u);
+  const auto& path = profiler->traces()[0];
+  EXPECT_TRUE(path.string().ends_with(".pt.trace.json"));
+  const std::string bytes = slurp(path);
+  ASSERT_FALSE(profile_detail::is_gzip(bytes));
+  const json trace = json::parse(bytes);
+  EXPECT_EQ(trace["distributedInfo"]["rank"], 1);
+  EXPECT_EQ(trace["distributedInfo"]["world_size"], 2);
+  EXPECT_EQ(trace["distributedInfo"]["backend"], "gloo");
+}
+
+TEST(Profiler, FinishSavesAWindowThatIsStillRecording) {
+  TempDir dir;
+  Config config =
+      mlp_config(dir.path(), {"data.num_workers=0", "profile.skip_first=0", "profile.wait=0",
+                              "profile.warmup=0", "profile.active=10", "profile.repeat=1"});
+  apply_runtime_settings(config);
+  Trainer trainer(config, make_model(config), make_datasets(config));
+  auto profiler =
+      std::make_shared<Profiler>(profiler_options(config, dir / "traces", torch::kCPU, 0, 1));
+  trainer.add_hook(profiler);
+  for (int k = 0; k < 3; ++k) trainer.train_step();
+  EXPECT_TRUE(profiler->traces().empty());
+  profiler->finish(trainer);
+  ASSERT_EQ(profiler->traces().size(), 1u);
+  EXPECT_EQ(analyze_traces({read_trace(profiler->traces()[0])}).steps, 3);
+  profiler->finish(trainer);  // idempotent
+  EXPECT_EQ(profiler->traces().size(), 1u);
+}
+
+// Profiling observes; it must not change a single bit of the results.
+TEST(Profiler, LossesAreBitwiseEqualWithAndWithoutTheProfiler) {
+  TempDir dir;
+  for (const char* workers : {"data.num_workers=0", "data.num_workers=2"}) {
+    Config config =
+        mlp_config(dir.path(), profile_overrides({workers, "profile.repeat=0", "run.threads=1"}));
+    auto losses = [&](bool profiled) {
+      apply_runtime_settings(config);
+      Trainer trainer(config, make_model(config), make_datasets(config));
+      std::shared_ptr<Profiler> profiler;
+      if (profiled) {
+        profiler =
+            std::make_shared<Profiler>(profiler_options(config, dir / "traces", torch::kCPU, 0, 1));
+        trainer.add_hook(profiler);
+      }
+      std::vector<double> out;
+      for (int k = 0; k < 12; ++k) out.push_back(trainer.train_step().loss);
+      if (profiler) {
+        // Cycles of 4 after one skipped step: windows end at steps 4 and 8; step 11 is
+        // recording when finish() saves it.
+        profiler->finish(trainer);
+        EXPECT_EQ(profiler->traces().size(), 3u);
+      }
+      return out;
+    };
+    EXPECT_EQ(losses(false), losses(true)) << workers;
+  }
+}
+
+// The profiler pauses and resumes the loader's workers around each window: the batches and their
+// order must not change.
+TEST(Profiler, PausingTheLoaderWorkersKeepsTheBatchSequence) {
+  TempDir dir;
+  const Config config = mlp_config(dir.path());
+  const Datasets data = make_datasets(config);
+  LoaderOptions options;
+  options.batch_size = 16;
+  options.num_workers = 3;
+  options.prefetch = 2;
+  options.seed = 5;
+  Loader reference(data.train, options), paused(data.train, options);
+  for (int k = 0; k < 40; ++k) {
+    if (k % 7 == 3) {
+      paused.pause_workers();
+      paused.pause_workers();  // idempotent
+      paused.resume_workers();
+      paused.resume_workers();
+    }
+    const Batch a = reference.next(), b = paused.next();
+    ASSERT_TRUE(torch::equal(a.inputs, b.inputs)) << "batch " << k;
+    ASSERT_TRUE(torch::equal(a.targets, b.targets)) << "batch " << k;
+  }
+  EXPECT_EQ(reference.position(), paused.position());
+}
+
+// ---- bad input ----------------------------------------------------------------------------------
+
+TEST(Profiler, ActiveZeroIsAConfigError) {
+  TempDir dir;
+  EXPECT_THROW(mlp_config(dir.path(), {"profile.active=0"}), UserError);
+  write_text(dir / "cfg.toml", "[profile]\nactive = 0\n");
+  auto result = run_kiln("profile " + (dir / "cfg.toml").string());
+  EXPECT_EQ(result.exit_code, 2);
+  EXPECT_THAT(result.err, HasSubstr("profile.active"));
+  EXPECT_THAT(result.err, HasSubstr("cfg.toml:2"));
+}
+
+TEST(Profiler, UnwritableTraceDirectoryFailsBeforeTrainingStarts) {
+  TempDir dir;
+  write_text(dir / "a-file", "x");
+  const std::string bad = (dir / "a-file" / "traces").string();  // a path under a regular file
+  Config config = mlp_config(dir.path(), profile_overrides({"profile.dir=" + bad}));
+  auto session = open_session(config, {});
+  try {
+    run_profile(*session);
+    FAIL() << "expected UserError";
+  } catch (const UserError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("profile.dir"));
+    EXPECT_THAT(e.what(), HasSubstr(bad));
+    EXPECT_THAT(e.what(), HasSubstr("--set profile.dir="));
+  }
+  EXPECT_EQ(session->trainer->step(), 0);  // not one step ran
+  auto cli = run_kiln("profile --set run.dir=" + dir.path().string() + " --set profile.dir=" + bad +
+                      " --set run.progress=off " + (source_dir() / "configs/mlp.toml").string());
+  EXPECT_EQ(cli.exit_code, 2) << cli.err;
+  const auto error_line = cli.err.find("kiln: error: profile.dir");
+  ASSERT_NE(error_line, std::string::npos) << cli.err;
+  EXPECT_EQ(cli.err.find('\n', error_line), cli.err.size() - 1) << cli.err;  // one line, the last
+  EXPECT_FALSE(std::filesystem::exists(dir / "mlp" / "metrics.jsonl") &&
+               !slurp(dir / "mlp" / "metrics.jsonl").empty());  // no step ran
+}
+
+TEST(Profiler, CorruptOrForeignTraceFilesAreUserErrors) {
+  TempDir dir;
+  write_text(dir / "cut.pt.trace.json.gz",
+             profile_detail::gzip_compress("{\"traceEvents\": []}").substr(0, 12));
+  EXPECT_THROW(read_trace(dir / "cut.pt.trace.json.gz"), UserError);
+  write_text(dir / "bad.pt.trace.json", "{not json");
+  EXPECT_THROW(read_trace(dir / "bad.pt.trace.json"), UserError);
+  EXPECT_THROW(analyze_traces({json::object()}), UserError);
+  EXPECT_THROW(analyze_traces({json{{"traceEvents", json::array()}}}), UserError);  // no steps
+  EXPECT_EQ(profile_detail::gzip_decompress(profile_detail::gzip_compress("abc"), "x"), "abc");
+}
+
+// ---- analysis on hand-made traces ---------------------------------------------------------------
+
+json x_event(const std::string& cat, const std::string& name, double ts, double dur, int tid = 1,
+             json args = json::object()) {
+  return {{"ph", "X"},  {"cat", cat}, {"name", name}, {"pid", 7},
+          {"tid", tid}, {"ts", ts},   {"dur", dur},   {"args", args}};
+}
+
+json memory_event(double ts, double total, double bytes, int tid = 1) {
+  return {{"ph", "i"},
+          {"cat", "cpu_instant_event"},
+          {"name", "[memory]"},
+          {"pid", 7},
+          {"tid", tid},
+          {"ts", ts},
+          {"args",
+           {{"Total Allocated", total}, {"Bytes", bytes}, {"Device Type", 0}, {"Device Id", -1}}}};
+}
+
+TEST(TraceAnalysis, SelfTimesPhasesAndMemoryFromAHandMadeTrace) {
+  // One 100 us step: data_wait 10, forward 40 (linear 30 > addmm 20), backward 30, optimizer 10,
+  // 10 us outside any phase; a loader thread runs aten::stack for 5 us.
+  json events = json::array({
+      x_event("user_annotation", "ProfilerStep#0", 0, 100),
+      x_event("user_annotation", "data_wait", 0, 10),
+      x_event("user_annotation", "forward", 10, 40),
+      x_event("cpu_op", "aten::linear", 12, 30, 1,
+              {{"Input Dims", json::parse("[[8, 4], [16, 4], [16]]")}, {"External id", 1}}),
+      x_event("cpu_op", "aten::addmm", 15, 20, 1,
+              {{"Input Dims", json::parse("[[16], [8, 4], [4, 16]]")},
+               {"External id", 2},
+               {"flops", 1024}}),
+      x_event("user_annotation", "backward", 50, 30),
+      x_event("cpu_op", "aten::mm", 52, 25),
+      x_event("user_annotation", "optimizer", 80, 10),
+      x_event("cpu_op", "aten::_fused_adamw_", 81, 8),
+      x_event("cpu_op", "aten::stack", 3, 5, /*tid=*/2),
+      memory_event(16, 1000, 1000),
+      memory_event(53, 5000, 4000),
+      memory_event(54, 3000, -2000),
+      memory_event(82, 3500, 500),
+  });
+  const TraceAnalysis a = analyze_traces({json{{"traceEvents", events}}});
+  EXPECT_EQ(a.steps, 1);
+  EXPECT_DOUBLE_EQ(a.step_seconds, 100e-6);
+  ASSERT_EQ(a.operators.size(), 5u);
+  EXPECT_EQ(a.operators[0].name, "aten::mm");
+  EXPECT_DOUBLE_EQ(a.operators[0].self_cpu_us, 25);
+  auto op = [&](const std::string& name) {
+    for (const auto& o : a.operators) {
+      if (o.name == name) return o;
+    }
+    return OperatorStats{};
+  };
+  EXPECT_DOUBLE_EQ(op("aten::linear").self_cpu_us, 10);  // 30 minus the nested addmm
+  EXPECT_DOUBLE_EQ(op("aten::linear").total_cpu_us, 30);
+  EXPECT_DOUBLE_EQ(op("aten::addmm").flops, 1024);
+  ASSERT_EQ(op("aten::addmm").input_shapes.size(), 1u);
+  EXPECT_EQ(op("aten::addmm").input_shapes[0].first, "[[16],[8,4],[4,16]]");
+  EXPECT_EQ(op("aten::stack").calls, 1);  // other threads count in the operator table
+  // Training thread inside the step: linear, addmm, mm, adamw (not the loader's stack).
+  EXPECT_EQ(a.step_ops, 4);
+  EXPECT_DOUBLE_EQ(a.step_op_self_us, 10 + 20 + 25 + 8);
+  EXPECT_DOUBLE_EQ(a.mean_op_us, 63.0 / 4);
+  std::map<std::string, double> share;
+  for (const auto& p : a.phases) share[p.phase] = p.share;
+  EXPECT_DOUBLE_EQ(share["data_wait"], 0.10);
+  EXPECT_DOUBLE_EQ(share["forward"], 0.40);
+  EXPECT_DOUBLE_EQ(share["backward"], 0.30);
+  EXPECT_DOUBLE_EQ(share["optimizer"], 0.10);
+  EXPECT_NEAR(share["other"], 0.10, 1e-12);
+  std::map<std::string, PhaseMemory> memory;
+  for (const auto& m : a.memory) memory[m.phase] = m;
+  EXPECT_DOUBLE_EQ(memory["forward"].peak_allocated_bytes, 1000);
+  EXPECT_DOUBLE_EQ(memory["backward"].peak_allocated_bytes, 5000);
+  EXPECT_DOUBLE_EQ(memory["backward"].growth_bytes, 4000);  // from 1000 before the phase
+  EXPECT_DOUBLE_EQ(memory["optimizer"].peak_allocated_bytes, 3500);
+  EXPECT_DOUBLE_EQ(memory["optimizer"].growth_bytes, 500);
+  EXPECT_FALSE(a.has_gpu);
+}
+
+TEST(TraceAnalysis, GpuTemporalAndIdleBreakdownFollowHolisticTraceAnalysis) {
+  // Stream 7: k1 [0,10); k2 [10.01,20) launched at 5, before k1 ended: a 0.01 us kernel wait;
+  // k3 [30,40) launched at 25, after k2 ended: 10 us host wait; k4 [45,50) launched at 35:
+  // 5 us other. Stream 8: an NCCL all-reduce [40,60), overlapped by k4 for 5 us.
+  auto kernel = [](const std::string& name, double ts, double dur, int stream, int correlation,
+                   int external) {
+    return json{
+        {"ph", "X"},
+        {"cat", "kernel"},
+        {"name", name},
+        {"pid", 0},
+        {"tid", stream},
+        {"ts", ts},
+        {"dur", dur},
+        {"args", {{"stream", stream}, {"correlation", correlation}, {"External id", external}}}};
+  };
+  auto launch = [](double ts, int correlation) {
+    return json{{"ph", "X"},
+                {"cat", "cuda_runtime"},
+                {"name", "cudaLaunchKernel"},
+                {"pid", 7},
+                {"tid", 1},
+                {"ts", ts},
+                {"dur", 1},
+                {"args", {{"correlation", correlation}}}};
+  };
+  json events = json::array({
+      x_event("user_annotation", "ProfilerStep#0", 0, 70),
+      x_event("cpu_op", "aten::mm", 0, 60, 1, {{"External id", 100}}),
+      launch(0, 1),
+      launch(5, 2),
+      launch(25, 3),
+      launch(35, 4),
+      launch(36, 5),
+      kernel("gemm_kernel", 0, 10, 7, 1, 100),
+      kernel("gemm_kernel", 10.01, 9.99, 7, 2, 100),
+      kernel("elementwise_kernel", 30, 10, 7, 3, 100),
+      kernel("ncclDevKernel_AllReduce", 40, 20, 8, 5, 100),
+      kernel("elementwise_kernel", 45, 5, 7, 4, 100),
+  });
+  const TraceAnalysis a = analyze_traces({json{{"traceEvents", events}}});
+  ASSERT_TRUE(a.has_gpu);
+  const auto& g = a.gpu;
+  EXPECT_EQ(g.kernels, 5);
+  EXPECT_DOUBLE_EQ(g.kernel_us, 60);    // 0 .. 60
+  EXPECT_NEAR(g.idle_us, 10.01, 1e-9);  // [10,10.01) and [20,30)
+  EXPECT_NEAR(g.compute_us, 10 + 9.99 + 10 + 5, 1e-9);
+  EXPECT_DOUBLE_EQ(g.communication_us, 20);
+  EXPECT_NEAR(g.non_compute_us, 60 - 34.99 - 10.01, 1e-9);  // the comm not covered by compute
+  EXPECT_NEAR(g.kernel_wait_us, 0.01, 1e-9);
+  EXPECT_NEAR(g.host_wait_us, 10, 1e-9);
+  EXPECT_NEAR(g.other_wait_us, 5, 1e-9);  // stream 7: [40,45) with the launch at 35
+  EXPECT_NEAR(g.comm_overlap_share, 5.0 / 20, 1e-12);
+  EXPECT_TRUE(a.device_sorted);
+  EXPECT_NEAR(a.operators[0].self_device_us, 10 + 9.99 + 10 + 20 + 5, 1e-9);
+}
+
+// ---- verdicts -----------------------------------------------------------------------------------
+
+TraceAnalysis analysis_with(double data_wait_share, double comm_share, double mean_op_us) {
+  TraceAnalysis a;
+  a.steps = 10;
+  a.step_seconds = 1.0;
+  a.phases = {{"data_wait", data_wait_share, data_wait_share}, {"comm", comm_share, comm_share}};
+  a.mean_op_us = mean_op_us;
+  a.step_ops = 100;
+  OperatorStats mm;
+  mm.name = "aten::mm";
+  mm.calls = 10;
+  mm.self_cpu_us = 500;
+  a.operators = {mm};
+  return a;
+}
+
+TEST(Verdict, EachBottleneckWithTheNumbersThatDecidedIt) {
+  VerdictThresholds t;
+  VerdictContext c{.num_workers = 2, .prefetch = 4, .batch_size = 32, .grad_accum_steps = 1};
+  Verdict v = decide_bottleneck(analysis_with(0.40, 0.30, 5), t, c);
+  EXPECT_EQ(v.bottleneck, "data-bound");  // data first, even when comm and host also trip
+  EXPECT_THAT(v.reason, HasSubstr("40.0%"));
+  EXPECT_THAT(v.actions[0], HasSubstr("data.num_workers (now 2)"));
+  EXPECT_DOUBLE_EQ(v.numbers["data_wait_share"].get<double>(), 0.40);
+
+  // Traces analysed without their config: no "(now N)" in the actions.
+  for (const auto& action :
+       decide_bottleneck(analysis_with(0.40, 0.0, 5), t, VerdictContext{}).actions) {
+    EXPECT_THAT(action, ::testing::Not(HasSubstr("(now")));
+  }
+
+  v = decide_bottleneck(analysis_with(0.05, 0.30, 500), t, c);
+  EXPECT_EQ(v.bottleneck, "communication-bound");
+  EXPECT_THAT(v.reason, HasSubstr("30.0%"));
+  EXPECT_THAT(v.actions[0], HasSubstr("bucket size"));
+
+  TraceAnalysis full = analysis_with(0.05, 0.0, 500);
+  full.memory = {{"backward", "cpu", 95e9, 10e9}};
+  c.device_memory_bytes = 100e9;
+  v = decide_bottleneck(full, t, c);
+  EXPECT_EQ(v.bottleneck, "memory-bound");
+  EXPECT_DOUBLE_EQ(v.numbers["memory_fraction"].get<double>(), 0.95);
+  EXPECT_THAT(v.actions[0], HasSubstr("activation checkpointing"));
+
+  v = decide_bottleneck(analysis_with(0.05, 0.0, 5), t, c);
+  EXPECT_EQ(v.bottleneck, "host-bound");
+  EXPECT_THAT(v.reason, HasSubstr("5.0 us"));
+  EXPECT_THAT(v.actions[0], HasSubstr("train.batch_size (now 32)"));
+
+  v = decide_bottleneck(analysis_with(0.05, 0.0, 500), t, c);
+  EXPECT_EQ(v.bottleneck, "compute-bound");
+  EXPECT_THAT(v.reason, HasSubstr("aten::mm"));
+
+  // CUDA: an idle GPU waiting on the host is launch-bound; a busy one compute-bound.
+  TraceAnalysis gpu = analysis_with(0.0, 0.0, 5);
+  gpu.has_gpu = true;
+  gpu.gpu = {
+      .kernel_us = 100, .compute_us = 50, .idle_us = 50, .host_wait_us = 40, .other_wait_us = 10};
+  c.cuda = true;
+  EXPECT_EQ(decide_bottleneck(gpu, t, c).bottleneck, "host-bound");
+  gpu.gpu = {.kernel_us = 100, .compute_us = 95, .idle_us = 5, .host_wait_us = 5};
+  EXPECT_EQ(decide_bottleneck(gpu, t, c).bottleneck, "compute-bound");
+  gpu.gpu = {.kernel_us = 100,
+             .compute_us = 60,
+             .non_compute_us = 40,
+             .communication_us = 40,
+             .comm_overlap_share = 0.25};
+  v = decide_bottleneck(gpu, t, c);
+  EXPECT_EQ(v.bottleneck, "communication-bound");  // 30 of 40 us exposed = 30% of kernel time
+  EXPECT_NEAR(v.numbers["exposed_comm_kernel_share"].get<double>(), 0.30, 1e-12);
+}
+
+// A dataset whose batches take `delay` to build: a loader that cannot keep up.
+class SlowDataset final : public Dataset {
+ public:
+  SlowDataset(std::shared_ptr<const Dataset> inner, std::chrono::milliseconds delay)
+      : inner_(std::move(inner)), delay_(delay) {}
+  int64_t size() const override { return inner_->size(); }
+  int64_t tokens_per_sample() const override { return inner_->tokens_per_sample(); }
+  Batch get(const std::vector<int64_t>& indices) const override {
+    std::this_thread::sleep_for(delay_);
+    return inner_->get(indices);
+  }
+
+ private:
+  std::shared_ptr<const Dataset> inner_;
+  std::chrono::milliseconds delay_;
+};
+
+// Trains `steps` steps under the profiler and returns the verdict on its traces.
+Verdict profiled_verdict(const Config& config, Datasets data, int64_t steps) {
+  apply_runtime_settings(config);
+  Trainer trainer(config, make_model(config), std::move(data));
+  TempDir traces;
+  auto profiler =
+      std::make_shared<Profiler>(profiler_options(config, traces.path(), torch::kCPU, 0, 1));
+  trainer.add_hook(profiler);
+  for (int64_t k = 0; k < steps; ++k) trainer.train_step();
+  profiler->finish(trainer);
+  std::vector<json> windows;
+  for (const auto& path : profiler->traces()) windows.push_back(read_trace(path));
+  VerdictContext context{.num_workers = static_cast<int>(config.get_int("data.num_workers")),
+                         .batch_size = config.get_int("train.batch_size")};
+  return decide_bottleneck(analyze_traces(windows), VerdictThresholds::from_config(config),
+                           context);
+}
+
+const std::vector<std::string> kShortSchedule = {"profile.skip_first=2", "profile.wait=0",
+                                                 "profile.warmup=1",     "profile.active=5",
+                                                 "profile.repeat=1",     "run.threads=1"};
+constexpr int64_t kShortScheduleSteps = 2 + 1 + 5;
+
+TEST(Verdict, ASlowDatasetIsDataBound) {
+  TempDir dir;
+  auto overrides = kShortSchedule;
+  overrides.push_back("data.num_workers=0");
+  Config config = mlp_config(dir.path(), overrides);
+  Datasets data = make_datasets(config);
+  data.train = std::make_shared<SlowDataset>(data.train, std::chrono::milliseconds(20));
+  const Verdict v = profiled_verdict(config, std::move(data), kShortScheduleSteps);
+  EXPECT_EQ(v.bottleneck, "data-bound") << v.reason;
+  EXPECT_GT(v.numbers["data_wait_share"].get<double>(), 0.5);
+}
+
+TEST(Verdict, ATinyModelWithTinyBatchesIsHostBound) {
+  TempDir dir;
+  auto overrides = kShortSchedule;
+  // Batches built in the training thread: a worker's wake-up latency on a busy machine would
+  // add data wait that has nothing to do with the model.
+  for (const char* o : {"model.input_dim=8", "model.hidden_dim=8", "model.num_classes=2",
+                        "train.batch_size=2", "data.num_workers=0"}) {
+    overrides.push_back(o);
+  }
+  const Verdict v =
+      profiled_verdict(mlp_config(dir.path(), overrides),
+                       make_datasets(mlp_config(dir.path(), overrides)), kShortScheduleSteps);
+  EXPECT_EQ(v.bottleneck, "host-bound") << v.reason;
+  EXPECT_LT(v.numbers["mean_op_us"].get<double>(), 20.0);
+}
+
+TEST(Verdict, AWideMlpWithBigBatchesIsComputeBound) {
+  TempDir dir;
+  auto overrides = kShortSchedule;
+  for (const char* o : {"model.input_dim=512", "model.hidden_dim=2048", "train.batch_size=256",
+                        "data.num_workers=0", "data.num_samples=2048"}) {
+    overrides.push_back(o);
+  }
+  Config config = mlp_config(dir.path(), overrides);
+  const Verdict v = profiled_verdict(config, make_datasets(config), kShortScheduleSteps);
+  EXPECT_EQ(v.bottleneck, "compute-bound") << v.reason;
+  EXPECT_GT(v.numbers["mean_op_us"].get<double>(), 20.0);
+}
+
+// ---- the ladder ---------------------------------------------------------------------------------
+
+TEST(Profiler, LadderRunsProfileRightAfterBaseline) {
+  std::vector<std::string> names;
+  for (const auto& rung : ladder_rungs()) names.push_back(rung.name);
+  auto baseline = std::find(names.begin(), names.end(), "baseline");
+  auto profile = std::find(names.begin(), names.end(), "profile");
+  ASSERT_NE(baseline, names.end());
+  ASSERT_NE(profile, names.end());
+  // After the baseline, with at most the compile rung in between.
+  ASSERT_GT(profile, baseline);
+  for (auto it = baseline + 1; it != profile; ++it) EXPECT_EQ(*it, "compile");
+}
+
+}  // namespace
+}  // namespace kiln::testing
