@@ -12,6 +12,7 @@
 #include <array>
 #include <cerrno>
 #include <chrono>
+#include <ctime>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -33,6 +34,13 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point begin) {
   return std::chrono::duration<double>(Clock::now() - begin).count();
+}
+
+// CPU time of the whole process (every thread: training, loader, the backend's), in seconds.
+double process_cpu_seconds() {
+  timespec t{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
 }
 
 double percentile(std::vector<double> values, double q) {
@@ -267,11 +275,13 @@ RungResult run_scale(Session& session) {
   std::vector<double> losses, step_seconds;
   int64_t samples = 0;
   std::string failure;
+  double cpu_begin = 0, cpu_seconds = 0;
   CommunicationStats before, after;
   try {
     for (int64_t k = 0; k < warmup; ++k) losses.push_back(trainer.train_step().loss);
     before = comm.stats();
     timer->measuring = true;
+    cpu_begin = process_cpu_seconds();
     for (int64_t k = 0; k < measured; ++k) {
       StepStats s = trainer.train_step();
       losses.push_back(s.loss);
@@ -286,6 +296,7 @@ RungResult run_scale(Session& session) {
                                    {"measured", true}});
     }
     timer->measuring = false;
+    cpu_seconds = process_cpu_seconds() - cpu_begin;
     after = comm.stats();
   } catch (const CommunicationError&) {
     throw;
@@ -310,6 +321,7 @@ RungResult run_scale(Session& session) {
       {"local_rank", comm.local_rank()},
       {"samples", samples},
       {"seconds", seconds},
+      {"cpu_seconds", cpu_seconds},
       {"samples_per_second", seconds > 0 ? static_cast<double>(samples) / seconds : 0.0},
       {"step_seconds",
        {{"median", percentile(step_seconds, 0.5)},
