@@ -1,16 +1,57 @@
-// Process-group abstraction shared by the rungs that talk across processes (scale, checkpoint).
+// Distributed training: the process group a kiln process belongs to, and data parallelism.
+//
 // A Communicator is one process's handle on a group of world_size() processes. Every collective
 // must be called by every rank, in the same order; calls come from the training thread only.
 // A world of one (single_process_communicator) makes every collective the identity, so code
 // written against this interface runs unchanged in one process.
+//
+// A distributed process is started by a launcher, one process per device: torchrun
+// (`torchrun --no-python --nproc-per-node=N kiln train cfg.toml`) or Slurm (`srun kiln train`).
+// process_communicator() reads the launcher's environment, meets the other ranks through c10d's
+// TCPStore and builds a c10d process group: Gloo on CPU, NCCL on CUDA (device = LOCAL_RANK). See
+// docs/scale.md for launch lines, the [dist] keys and the fault behaviour.
 #pragma once
 
+#include <torch/types.h>
+
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
-#include <torch/types.h>
 #include <vector>
 
+#include "kiln/error.h"
+#include "kiln/train.h"
+
 namespace kiln {
+
+class Config;
+
+/// A collective failed: a peer process died, hung past dist.timeout_seconds, or the network
+/// failed. The message is one line naming this rank, the collective and the cause. The CLI exits
+/// non-zero (status 3, like every TrainingError).
+class CommunicationError : public TrainingError {
+ public:
+  using TrainingError::TrainingError;
+};
+
+/// Traffic and time of the collectives a communicator has run since it was created. Monotonic,
+/// so a measurement is the difference of two snapshots.
+struct CommunicationStats {
+  int64_t collectives = 0;     // collectives started (blocking and asynchronous)
+  double bytes = 0;            // payload bytes this rank contributed
+  double busy_seconds = 0;     // wall time with at least one collective in flight (union)
+  double blocked_seconds = 0;  // time the calling thread spent blocked in collectives
+};
+
+/// A collective started by all_reduce_sum_async, still in flight.
+class PendingCollective {
+ public:
+  virtual ~PendingCollective() = default;
+  /// Blocks until the collective finished. Throws CommunicationError if it failed or timed out.
+  /// Call at most once, from the training thread.
+  virtual void wait() = 0;
+};
 
 class Communicator {
  public:
@@ -25,9 +66,116 @@ class Communicator {
   virtual void broadcast(torch::Tensor& tensor, int root) = 0;
   /// Every rank's `mine`, indexed by rank. For small messages (metadata, hashes, errors).
   virtual std::vector<std::string> all_gather_bytes(const std::string& mine) = 0;
+
+  // ---- added for the scale rung; every one has a default, so existing implementations build ----
+  /// Starts a sum all-reduce of `tensor` (contiguous, on the process group's device) in place and
+  /// returns at once. `tensor` must stay alive and untouched until wait() returns. Collectives
+  /// still complete in the order they were started on every rank. Default: runs all_reduce_sum
+  /// now and returns a finished collective.
+  virtual std::unique_ptr<PendingCollective> all_reduce_sum_async(torch::Tensor& tensor);
+  /// This process's rank on its node (torchrun LOCAL_RANK, Slurm SLURM_LOCALID); on CUDA, the
+  /// index of its device.
+  virtual int local_rank() const { return 0; }
+  /// Processes on this node (LOCAL_WORLD_SIZE).
+  virtual int local_world_size() const { return 1; }
+  /// "gloo", "nccl", or "none" for a world of one.
+  virtual std::string backend_name() const { return "none"; }
+  /// What the collectives cost so far (zeros for a world of one). Thread-safe.
+  virtual CommunicationStats stats() const { return {}; }
 };
 
 /// The world of one process: rank 0 of 1; collectives return their input.
 std::shared_ptr<Communicator> single_process_communicator();
+
+// ---- the launcher's environment ----------------------------------------------------------------
+
+/// Where this process sits in a distributed job, as its launcher described it.
+struct DistEnvironment {
+  std::string launcher = "none";  // "torchrun" (WORLD_SIZE set), "slurm" (srun), or "none"
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr;  // host of the rendezvous store
+  int master_port = 0;
+  int restart_count = 0;     // TORCHELASTIC_RESTART_COUNT (torchrun --max-restarts)
+  bool agent_store = false;  // torchrun's agent already hosts the store: every rank is a client
+};
+
+/// Looks up an environment variable; nullptr when unset. Tests pass a map instead of ::getenv.
+using EnvLookup = std::function<const char*(const char*)>;
+
+/// Reads the launcher's variables. torchrun: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+/// MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_USE_AGENT_STORE. Slurm:
+/// SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE, with the master address from
+/// MASTER_ADDR or dist.master_addr and the port from MASTER_PORT or dist.master_port. dist.launcher
+/// picks one ("auto": torchrun when WORLD_SIZE is set, else Slurm inside an srun step with more
+/// than one task, else one process). Pure apart from `env`. Throws UserError naming the variable
+/// or key and the fix: WORLD_SIZE without a master address, a rank outside [0, WORLD_SIZE), ...
+DistEnvironment read_dist_environment(const Config& config, const EnvLookup& env);
+
+/// This process's communicator. The first call reads the environment (read_dist_environment with
+/// ::getenv); for a world larger than one it joins the rendezvous (c10d TCPStore at
+/// MASTER_ADDR:MASTER_PORT, as a client when torchrun's agent hosts it, else hosted by rank 0),
+/// creates the process group (dist.backend: Gloo on CPU, NCCL on CUDA), sets the log prefix to
+/// "rank R/W", and all-gathers every rank's Config::hash(): ranks started with different configs
+/// all throw UserError naming the differing hashes. Later calls return the same communicator (a
+/// process has one process group; it lives until the process exits). Without a launcher it is
+/// single_process_communicator(). Call from the main thread. Throws UserError (bad environment,
+/// config mismatch) or CommunicationError (the other ranks did not arrive within
+/// dist.timeout_seconds).
+std::shared_ptr<Communicator> process_communicator(const Config& config);
+
+// ---- data parallelism
+// ----------------------------------------------------------------------------
+
+struct DataParallelOptions {
+  int64_t bucket_bytes = 25 << 20;       // dist.bucket_mb: gradient bytes per all-reduce
+  int64_t first_bucket_bytes = 1 << 20;  // dist.first_bucket_mb: the first (last-layer) bucket
+};
+
+/// The options the config gives (dist.bucket_mb, dist.first_bucket_mb).
+DataParallelOptions data_parallel_options(const Config& config);
+
+/// Partitions parameters into all-reduce buckets. `bytes` lists each parameter's gradient bytes in
+/// the order gradients become ready (reverse registration order); the result lists, per bucket,
+/// indices into `bytes`, consecutive. A bucket closes once it holds at least its cap (the first
+/// bucket's cap is first_bucket_bytes, the others' bucket_bytes); a parameter larger than the cap
+/// gets a bucket of its own. Pure.
+std::vector<std::vector<size_t>> assign_buckets(const std::vector<int64_t>& bytes,
+                                                const DataParallelOptions& options);
+
+/// DDP as a TrainerHook. Gradients are averaged across ranks with bucketed sum all-reduces that
+/// start from autograd hooks (post-accumulate-grad) as soon as every gradient of a bucket is ready,
+/// in bucket order, so communication overlaps the rest of backward. Only the last micro-step of a
+/// step communicates (no_sync semantics for gradient accumulation); on_gradients_ready waits for
+/// the buckets (marked Phase::kComm) and writes the averages back as the parameters' gradients, so
+/// clipping sees the global gradient. A parameter without a gradient on a rank contributes zeros.
+/// Not thread-safe: it runs on the training thread, inside the Trainer.
+class DataParallel : public TrainerHook {
+ public:
+  ~DataParallel() override;
+  /// Broadcasts rank 0's parameters and buffers to every rank, confirms with an all-gathered
+  /// weights_hash (throws CommunicationError naming the ranks whose weights differ), registers
+  /// the gradient hooks and adds itself to `trainer`. With a world of one it only returns a hook
+  /// that does nothing. Throws UserError for a model with no trainable parameters.
+  static std::shared_ptr<DataParallel> attach(Trainer& trainer, std::shared_ptr<Communicator> comm,
+                                              const DataParallelOptions& options);
+  /// Bytes of each bucket, in launch order.
+  std::vector<int64_t> bucket_bytes() const;
+  /// Bucket all-reduces started since attach (no_sync steps start none).
+  int64_t bucket_all_reduces() const;
+  /// The weights hash every rank confirmed at attach.
+  const std::string& initial_weights_hash() const;
+
+  void on_micro_step_begin(Trainer& trainer, int micro_step, bool last) override;
+  void on_gradients_ready(Trainer& trainer) override;
+
+  struct State;  // implementation detail (src/dist/ddp.cpp)
+
+ private:
+  explicit DataParallel(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
 
 }  // namespace kiln

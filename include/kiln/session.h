@@ -23,7 +23,7 @@ struct Session {
 
 struct SessionOptions {
   std::vector<std::string> argv;       // recorded in the manifest
-  std::shared_ptr<Communicator> comm = nullptr;  // null: a world of one
+  std::shared_ptr<Communicator> comm = nullptr;  // null: process_communicator() (launcher env)
 };
 
 /// Applies the runtime settings (threads, determinism, seed), builds the datasets, the model and

@@ -19,6 +19,7 @@
 
 namespace kiln {
 
+class Communicator;
 class Config;
 class Run;
 
@@ -102,6 +103,10 @@ struct TrainerOptions {
   torch::Device device = torch::kCPU;
   int rank = 0;
   int world_size = 1;
+  /// The process group when world_size > 1: the logged step loss and evaluate() are averaged
+  /// over every rank through it (gradients are averaged by the DataParallel hook, kiln/dist.h).
+  /// Null: this process only.
+  std::shared_ptr<Communicator> comm = nullptr;
 };
 
 struct TrainSummary {

@@ -1,6 +1,7 @@
 #include <fmt/format.h>
 
 #include "core/files.h"
+#include "dist/scale.h"
 
 #include "kiln/error.h"
 #include "kiln/log.h"
@@ -41,6 +42,11 @@ const std::vector<Rung>& ladder_rungs() {
        [](const Config& config, const SessionOptions& options) {
          auto session = open_session(config, options);
          return run_profile(*session);
+       }},
+      // After profile: data-parallel scaling, when dist.scale_processes asks for it.
+      {"scale", [](const Config& config) { return config.get_int("dist.scale_processes") > 0; },
+       [](const Config& config, const SessionOptions& options) {
+         return run_scale_rung(config, options);
        }},
   };
   return rungs;

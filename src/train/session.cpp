@@ -22,10 +22,15 @@ double proc_status_bytes(const std::string& field) {
 
 std::unique_ptr<Session> open_session(const Config& config, const SessionOptions& options) {
   auto session = std::make_unique<Session>(Session{config, torch::kCPU, options.comm, nullptr, nullptr});
-  if (!session->comm) session->comm = single_process_communicator();
+  // Without a communicator: this process's (torchrun / Slurm environment; else a world of one).
+  if (!session->comm) session->comm = process_communicator(config);
   const int rank = session->comm->rank(), world_size = session->comm->world_size();
   apply_runtime_settings(config);
   session->device = resolve_device(config);
+  if (session->device.is_cuda() && world_size > 1) {  // one process per device: LOCAL_RANK's
+    const auto local_rank = static_cast<c10::DeviceIndex>(session->comm->local_rank());
+    session->device = torch::Device(torch::kCUDA, local_rank);
+  }
   Datasets data = make_datasets(config);
   auto model = make_model(config);
   nlohmann::json model_id = model_identity(*model);
@@ -40,7 +45,11 @@ std::unique_ptr<Session> open_session(const Config& config, const SessionOptions
   trainer_options.device = session->device;
   trainer_options.rank = rank;
   trainer_options.world_size = world_size;
+  trainer_options.comm = session->comm;
   session->trainer = std::make_unique<Trainer>(config, std::move(model), std::move(data), trainer_options);
+  if (world_size > 1) {  // DDP: broadcast rank 0's weights, average gradients during backward
+    DataParallel::attach(*session->trainer, session->comm, data_parallel_options(config));
+  }
   log::info("run directory " + session->run->dir().string() + " | " + model_id["architecture"].get<std::string>() +
             " with " + std::to_string(model_id["parameter_count"].get<int64_t>()) + " parameters on " +
             session->device.str());

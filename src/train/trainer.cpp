@@ -10,6 +10,7 @@
 
 #include "core/strings.h"
 #include "kiln/config.h"
+#include "kiln/dist.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/run.h"
@@ -186,6 +187,12 @@ StepStats Trainer::run_step(int accum, const std::function<Batch(int)>& next_bat
     loss_sum += loss.detach();
   }
   for (auto& hook : hooks_) hook->on_gradients_ready(*this);
+  if (options_.comm && options_.comm->world_size() > 1) {  // the logged loss: mean over every rank
+    phase_begin(Phase::kComm);
+    options_.comm->all_reduce_sum(loss_sum);
+    loss_sum /= static_cast<double>(options_.comm->world_size());
+    phase_end(Phase::kComm);
+  }
   stats.samples *= options_.world_size;
   stats.tokens *= options_.world_size;
 
@@ -238,8 +245,8 @@ EvalStats Trainer::evaluate() {
   phase_begin(Phase::kEval);
   torch::NoGradGuard no_grad;
   model_->eval();
-  const int64_t batches = std::min(config_->get_int("train.eval_batches"),
-                                   val_sampler_->batches_per_epoch());
+  int64_t batches = std::min(config_->get_int("train.eval_batches"),
+                             val_sampler_->batches_per_epoch());
   double loss_sum = 0;
   int64_t correct = 0, samples = 0;
   for (int64_t b = 0; b < batches; ++b) {
@@ -252,6 +259,18 @@ EvalStats Trainer::evaluate() {
     samples += batch.samples();
   }
   model_->train();
+  if (options_.comm && options_.comm->world_size() > 1) {  // every rank evaluated its own shard
+    auto totals = torch::tensor({loss_sum, static_cast<double>(correct),
+                                 static_cast<double>(samples), static_cast<double>(batches)},
+                                torch::kFloat64)
+                      .to(options_.device);
+    options_.comm->all_reduce_sum(totals);
+    totals = totals.cpu();
+    loss_sum = totals[0].item<double>();
+    correct = static_cast<int64_t>(totals[1].item<double>());
+    samples = static_cast<int64_t>(totals[2].item<double>());
+    batches = static_cast<int64_t>(totals[3].item<double>());
+  }
   phase_end(Phase::kEval);
   EvalStats out;
   out.loss = loss_sum / static_cast<double>(batches);

@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Python DistributedDataParallel (Gloo) on kiln's model and data, for the scale benchmark.
+
+Run under torchrun, one process per rank:
+
+    torchrun --standalone --nproc-per-node=2 bench/scale/ddp_peer.py --export <dir> \
+             --steps 30 --result <file.json>
+
+<dir> is `kiln peer export <config> --set train.batch_size=<B x world>`: the resolved config, the
+initial weights and the global batches. Rank r trains on rows r, r+W, r+2W, ... of every global
+batch, which is exactly the shard kiln's DistributedSampler gives rank r with per-rank batch B, so
+both sides see the same data in the same order. Each step is what kiln's step does: forward,
+backward (DDP's bucketed all-reduce overlapped with it; no_sync on all but the last micro-step),
+clipping on the global norm, the optimizer, and the loss averaged over the ranks for logging.
+Rank 0 writes per-step losses and step times.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+import tomllib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "peer"))
+from peer import Gpt, Mlp, learning_rate, make_optimizer  # noqa: E402  (the peer's PyTorch models)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--export", required=True, help="a `kiln peer export` directory")
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--result", required=True, help="rank 0 writes losses and step times here")
+    args = parser.parse_args()
+
+    with open(os.path.join(args.export, "config.toml"), "rb") as f:
+        cfg = tomllib.load(f)
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=cfg["dist"]["timeout_seconds"]))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cfg["run"]["threads"] > 0:
+        torch.set_num_threads(cfg["run"]["threads"])
+    if cfg["run"]["deterministic"]:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+    model = (Mlp if cfg["model"]["name"] == "mlp" else Gpt)(cfg["model"])
+    model.load_state_dict(load_file(os.path.join(args.export, "init.safetensors")), strict=True)
+    model.train()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=cfg["dist"]["bucket_mb"])
+    optimizer = make_optimizer(model, cfg["optim"])
+    accum = cfg["train"]["grad_accum_steps"]
+    clip = cfg["train"]["clip_grad_norm"]
+    params = list(model.parameters())
+
+    batches = load_file(os.path.join(args.export, "batches.safetensors"))
+    shards = [[(batches[f"step{k}.micro{m}.inputs"][rank::world].contiguous(),
+                batches[f"step{k}.micro{m}.targets"][rank::world].contiguous()) for m in range(accum)]
+              for k in range(args.steps)]
+    del batches
+
+    losses, seconds, cpu_seconds = [], [], []
+    for k in range(args.steps):
+        begin, cpu_begin = time.perf_counter(), time.process_time()
+        optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros(())
+        for m, (inputs, targets) in enumerate(shards[k]):
+            last = m == accum - 1
+            with (ddp.no_sync() if not last else torch.enable_grad()):
+                logits = ddp(inputs)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)) / accum
+                loss.backward()
+            total += loss.detach()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(cfg, k)
+        optimizer.step()
+        dist.all_reduce(total)  # the logged loss: the mean over every rank, as kiln logs it
+        losses.append(total.item() / world)
+        seconds.append(time.perf_counter() - begin)
+        cpu_seconds.append(time.process_time() - cpu_begin)  # every thread of this process
+
+    if rank == 0:
+        with open(args.result, "w") as f:
+            json.dump({"losses": losses, "step_seconds": seconds, "cpu_seconds": cpu_seconds,
+                       "world_size": world,
+                       "threads": torch.get_num_threads(), "torch": torch.__version__}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,411 @@
+// The Communicator on a c10d process group: rendezvous through c10d's TCPStore, Gloo or NCCL
+// collectives, failures turned into one-line CommunicationErrors, and traffic accounting.
+#include <fmt/format.h>
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+#include <mutex>
+#include <set>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "dist/backends.h"
+#include "kiln/config.h"
+#include "kiln/dist.h"
+#include "kiln/error.h"
+#include "kiln/log.h"
+
+namespace kiln {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double now_seconds() {
+  return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+}
+
+// c10d's messages span lines (and may carry a C++ stack): keep the first lines, joined.
+std::string one_line(const std::string& text) {
+  std::string out;
+  size_t lines = 0, begin = 0;
+  while (begin < text.size() && lines < 3) {
+    size_t end = text.find('\n', begin);
+    if (end == std::string::npos) end = text.size();
+    std::string line = text.substr(begin, end - begin);
+    begin = end + 1;
+    if (line.find_first_not_of(" \t") == std::string::npos) continue;
+    if (line.rfind("Exception raised from", 0) == 0 || line.rfind("frame #", 0) == 0) break;
+    if (!out.empty()) out += " | ";
+    out += line;
+    ++lines;
+  }
+  if (out.size() > 500) out = out.substr(0, 497) + "...";
+  return out;
+}
+
+std::string error_text(const std::exception& e) {
+  if (auto* c10 = dynamic_cast<const c10::Error*>(&e))
+    return one_line(c10->what_without_backtrace());
+  return one_line(e.what());
+}
+
+// Time and traffic of the collectives; completion callbacks run on the backend's threads.
+// Busy time is the length of the union of [start, end] intervals: for intervals taken in order
+// of their start, each adds max(0, end - max(start, latest end so far)). Finished intervals wait
+// until every collective that started before them has finished too.
+class Ledger {
+ public:
+  // Returns the start time, the interval's key.
+  double started(double bytes) {
+    const double start = now_seconds();
+    std::lock_guard lock(mutex_);
+    ++totals_.collectives;
+    totals_.bytes += bytes;
+    in_flight_.insert(start);
+    return start;
+  }
+  void finished(double start, double end, bool blocking) {
+    std::lock_guard lock(mutex_);
+    if (auto it = in_flight_.find(start); it != in_flight_.end()) in_flight_.erase(it);
+    finished_.emplace_back(start, end);
+    if (blocking) totals_.blocked_seconds += end - start;
+    flush_locked();
+  }
+  void add_blocked(double seconds) {
+    std::lock_guard lock(mutex_);
+    totals_.blocked_seconds += seconds;
+  }
+  CommunicationStats snapshot() const {
+    std::lock_guard lock(mutex_);
+    return totals_;
+  }
+
+ private:
+  void flush_locked() {
+    const double limit =
+        in_flight_.empty() ? std::numeric_limits<double>::infinity() : *in_flight_.begin();
+    std::sort(finished_.begin(), finished_.end());
+    size_t k = 0;
+    for (; k < finished_.size() && finished_[k].first <= limit; ++k) {
+      const auto [start, end] = finished_[k];
+      totals_.busy_seconds += std::max(0.0, end - std::max(start, latest_end_));
+      latest_end_ = std::max(latest_end_, end);
+    }
+    finished_.erase(finished_.begin(), finished_.begin() + static_cast<std::ptrdiff_t>(k));
+  }
+
+  mutable std::mutex mutex_;
+  CommunicationStats totals_;
+  std::multiset<double> in_flight_;
+  std::vector<std::pair<double, double>> finished_;
+  double latest_end_ = -std::numeric_limits<double>::infinity();
+};
+
+// One in-flight collective's end, recorded once: by the completion callback or by wait().
+struct Completion {
+  std::shared_ptr<Ledger> ledger;
+  double start = 0;
+  std::atomic<bool> recorded{false};
+  void record(bool blocking) {
+    if (!recorded.exchange(true)) ledger->finished(start, now_seconds(), blocking);
+  }
+};
+
+class ProcessGroupCommunicator;
+
+class PendingWork final : public PendingCollective {
+ public:
+  PendingWork(const ProcessGroupCommunicator* owner, std::string what,
+              c10::intrusive_ptr<c10d::Work> work, std::shared_ptr<Completion> completion,
+              torch::Tensor tensor)
+      : owner_(owner),
+        what_(std::move(what)),
+        work_(std::move(work)),
+        completion_(std::move(completion)),
+        tensor_(std::move(tensor)) {}
+  void wait() override;
+
+ private:
+  const ProcessGroupCommunicator* owner_;
+  std::string what_;
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::shared_ptr<Completion> completion_;
+  torch::Tensor tensor_;  // kept alive while in flight
+};
+
+class ProcessGroupCommunicator final : public Communicator {
+ public:
+  ProcessGroupCommunicator(DistEnvironment env, c10::intrusive_ptr<c10d::Store> store,
+                           c10::intrusive_ptr<c10d::Backend> backend, std::string backend_name,
+                           torch::Device device, double timeout_seconds)
+      : env_(std::move(env)),
+        store_(std::move(store)),
+        backend_(std::move(backend)),
+        backend_name_(std::move(backend_name)),
+        device_(device),
+        timeout_seconds_(timeout_seconds),
+        ledger_(std::make_shared<Ledger>()) {}
+
+  int rank() const override { return env_.rank; }
+  int world_size() const override { return env_.world_size; }
+  int local_rank() const override { return env_.local_rank; }
+  int local_world_size() const override { return env_.local_world_size; }
+  std::string backend_name() const override { return backend_name_; }
+  CommunicationStats stats() const override { return ledger_->snapshot(); }
+
+  void barrier() override {
+    auto token = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
+    run_blocking("barrier", token, [&] {
+      std::vector<at::Tensor> tensors{token};
+      return backend_->allreduce(tensors);
+    });
+  }
+
+  void all_reduce_sum(torch::Tensor& tensor) override {
+    torch::Tensor staged = stage(tensor);
+    run_blocking("all-reduce", staged, [&] {
+      std::vector<at::Tensor> tensors{staged};
+      c10d::AllreduceOptions options;
+      options.reduceOp = c10d::ReduceOp::SUM;
+      return backend_->allreduce(tensors, options);
+    });
+    if (!staged.is_same(tensor)) tensor.copy_(staged);
+  }
+
+  void broadcast(torch::Tensor& tensor, int root) override {
+    if (root < 0 || root >= env_.world_size) {
+      throw std::invalid_argument(
+          fmt::format("broadcast root {} outside the world of {}", root, env_.world_size));
+    }
+    torch::Tensor staged = stage(tensor);
+    run_blocking("broadcast", staged, [&] {
+      std::vector<at::Tensor> tensors{staged};
+      c10d::BroadcastOptions options;
+      options.rootRank = root;
+      return backend_->broadcast(tensors, options);
+    });
+    if (!staged.is_same(tensor)) tensor.copy_(staged);
+  }
+
+  std::vector<std::string> all_gather_bytes(const std::string& mine) override {
+    const auto on_device = torch::TensorOptions().device(device_);
+    // Lengths first, then every message padded to the longest (all-gather needs equal sizes).
+    auto length =
+        torch::full({1}, static_cast<int64_t>(mine.size()), on_device.dtype(torch::kInt64));
+    auto lengths = all_gather(length, "all-gather (lengths)").to(torch::kCPU);
+    const int64_t longest = std::max<int64_t>(1, lengths.max().item<int64_t>());
+    auto padded = torch::zeros({longest}, torch::kUInt8);
+    std::copy(mine.begin(), mine.end(), padded.data_ptr<uint8_t>());
+    auto gathered =
+        all_gather(padded.to(device_), "all-gather (bytes)").to(torch::kCPU).contiguous();
+    std::vector<std::string> out;
+    for (int r = 0; r < env_.world_size; ++r) {
+      const auto* begin = gathered.data_ptr<uint8_t>() + r * longest;
+      out.emplace_back(reinterpret_cast<const char*>(begin),
+                       static_cast<size_t>(lengths[r].item<int64_t>()));
+    }
+    return out;
+  }
+
+  std::unique_ptr<PendingCollective> all_reduce_sum_async(torch::Tensor& tensor) override {
+    if (!tensor.is_contiguous() || tensor.device() != device_) {
+      throw std::invalid_argument("all_reduce_sum_async needs a contiguous tensor on " +
+                                  device_.str());
+    }
+    auto completion = std::make_shared<Completion>();
+    completion->ledger = ledger_;
+    completion->start = ledger_->started(static_cast<double>(tensor.nbytes()));
+    c10::intrusive_ptr<c10d::Work> work;
+    try {
+      std::vector<at::Tensor> tensors{tensor};
+      c10d::AllreduceOptions options;
+      options.reduceOp = c10d::ReduceOp::SUM;
+      work = backend_->allreduce(tensors, options);
+      work->getFuture()->addCallback(
+          [completion](c10::ivalue::Future&) { completion->record(false); });
+    } catch (const std::exception& e) {
+      completion->record(false);
+      fail("all-reduce", e);
+    }
+    return std::make_unique<PendingWork>(this, "bucket all-reduce", std::move(work), completion,
+                                         tensor);
+  }
+
+  [[noreturn]] void fail(const std::string& what, const std::exception& e) const {
+    throw CommunicationError(fmt::format(
+        "rank {}/{}: {} failed: {} (a peer process died or hung, or the network failed; "
+        "dist.timeout_seconds = {:g})",
+        env_.rank, env_.world_size, what, error_text(e), timeout_seconds_));
+  }
+
+  void account_blocked(double seconds) const { ledger_->add_blocked(seconds); }
+
+ private:
+  // `tensor` itself when it is contiguous on the group's device, else a contiguous copy there.
+  torch::Tensor stage(const torch::Tensor& tensor) const {
+    if (tensor.device() == device_ && tensor.is_contiguous()) return tensor;
+    return tensor.to(device_).contiguous();
+  }
+
+  torch::Tensor all_gather(const torch::Tensor& mine, const char* what) {
+    std::vector<at::Tensor> outputs_for_one;
+    for (int r = 0; r < env_.world_size; ++r) outputs_for_one.push_back(torch::empty_like(mine));
+    std::vector<std::vector<at::Tensor>> outputs{outputs_for_one};
+    run_blocking(what, mine, [&] {
+      std::vector<at::Tensor> inputs{mine};
+      return backend_->allgather(outputs, inputs);
+    });
+    return torch::cat(outputs[0]);
+  }
+
+  template <typename Start>
+  void run_blocking(const char* what, const torch::Tensor& payload, Start start) {
+    const double begin = ledger_->started(static_cast<double>(payload.nbytes()));
+    try {
+      c10::intrusive_ptr<c10d::Work> work = start();
+      work->wait();
+    } catch (const std::exception& e) {
+      ledger_->finished(begin, now_seconds(), true);
+      fail(what, e);
+    }
+    ledger_->finished(begin, now_seconds(), true);
+  }
+
+  DistEnvironment env_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  std::string backend_name_;
+  torch::Device device_;
+  double timeout_seconds_;
+  std::shared_ptr<Ledger> ledger_;
+};
+
+void PendingWork::wait() {
+  if (!work_) return;
+  const double begin = now_seconds();
+  try {
+    work_->wait();
+  } catch (const std::exception& e) {
+    completion_->record(false);
+    work_.reset();
+    owner_->fail(what_, e);
+  }
+  completion_->record(false);
+  owner_->account_blocked(now_seconds() - begin);
+  work_.reset();
+  tensor_ = torch::Tensor();
+}
+
+std::string resolve_backend(const Config& config) {
+  const std::string& backend = config.get_string("dist.backend");
+  if (backend != "auto") return backend;
+  return resolve_device(config).is_cuda() ? "nccl" : "gloo";
+}
+
+std::shared_ptr<Communicator> connect(const DistEnvironment& env, const Config& config) {
+  log::set_rank(env.rank, env.world_size);
+  // A peer that dies closes its sockets; writing to them must fail with EPIPE (a c10d error we
+  // report), not kill this process with SIGPIPE. Python ignores SIGPIPE for the same reason.
+  std::signal(SIGPIPE, SIG_IGN);
+  const double timeout_seconds = config.get_float("dist.timeout_seconds");
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(1000 * timeout_seconds));
+  const std::string backend_name = resolve_backend(config);
+  torch::Device device = torch::kCPU;
+  if (backend_name == "nccl") {
+    if (!dist::nccl_compiled()) dist::make_nccl_backend({}, 0, 0, timeout, 0);  // throws UserError
+    if (!resolve_device(config).is_cuda()) {
+      throw UserError(
+          "dist.backend = \"nccl\" needs CUDA, but run.device resolves to cpu; set "
+          "dist.backend = \"gloo\" (or \"auto\")");
+    }
+    const int devices = static_cast<int>(torch::cuda::device_count());
+    device = torch::Device(torch::kCUDA,
+                           static_cast<c10::DeviceIndex>(env.local_rank % std::max(1, devices)));
+  }
+  const std::string where = fmt::format("{}:{}", env.master_addr, env.master_port);
+  auto rendezvous_error = [&](const std::string& step, const std::exception& e) {
+    return CommunicationError(fmt::format(
+        "rank {}/{}: {} failed: {}; check MASTER_ADDR/MASTER_PORT ({}) and that all {} ranks "
+        "started (dist.timeout_seconds = {:g})",
+        env.rank, env.world_size, step, error_text(e), where, env.world_size, timeout_seconds));
+  };
+
+  // Rendezvous: under torchrun the agent already hosts a TCPStore at MASTER_ADDR:MASTER_PORT
+  // (TORCHELASTIC_USE_AGENT_STORE=True) and every rank is a client; otherwise rank 0 hosts it.
+  c10::intrusive_ptr<c10d::Store> store;
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<std::uint16_t>(env.master_port);
+  store_options.isServer = !env.agent_store && env.rank == 0;
+  store_options.numWorkers = static_cast<size_t>(env.world_size);
+  store_options.waitWorkers = true;
+  store_options.timeout = timeout;
+  store_options.multiTenant = true;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
+  } catch (const std::exception& e) {
+    throw rendezvous_error("rendezvous at the TCPStore", e);
+  }
+  // Keys of this attempt only: a torchrun restart reuses the agent's store.
+  auto group_store = c10::make_intrusive<c10d::PrefixStore>(
+      fmt::format("kiln/restart{}/{}", env.restart_count, backend_name), store);
+
+  c10::intrusive_ptr<c10d::Backend> backend;
+  try {
+    backend = backend_name == "nccl"
+                  ? dist::make_nccl_backend(group_store, env.rank, env.world_size, timeout,
+                                            device.index())
+                  : dist::make_gloo_backend(group_store, env.rank, env.world_size, timeout);
+  } catch (const UserError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw rendezvous_error("creating the " + backend_name + " process group", e);
+  }
+  auto comm = std::make_shared<ProcessGroupCommunicator>(env, store, backend, backend_name, device,
+                                                         timeout_seconds);
+  log::info(fmt::format(
+      "process group: rank {} of {} (local {} of {}), {} via {}, store {} ({}), "
+      "timeout {:g}s{}",
+      env.rank, env.world_size, env.local_rank, env.local_world_size, backend_name, env.launcher,
+      where, env.agent_store ? "torchrun agent" : "rank 0", timeout_seconds,
+      env.restart_count > 0 ? fmt::format(", restart {}", env.restart_count) : ""));
+
+  // Every rank must train the same job: compare the resolved configs' hashes.
+  const std::vector<std::string> hashes = comm->all_gather_bytes(config.hash());
+  if (std::adjacent_find(hashes.begin(), hashes.end(), std::not_equal_to<>()) != hashes.end()) {
+    std::string listing;
+    for (size_t r = 0; r < hashes.size(); ++r) {
+      listing += fmt::format("{}rank {} {}", r ? ", " : "", r, hashes[r]);
+    }
+    throw UserError(fmt::format(
+        "rank {}/{}: the ranks were started with different configs (config hashes: {}); start "
+        "every rank with the same config file and --set overrides",
+        env.rank, env.world_size, listing));
+  }
+  return comm;
+}
+
+}  // namespace
+
+std::shared_ptr<Communicator> process_communicator(const Config& config) {
+  static std::mutex mutex;
+  // Created once and never destroyed: c10d's Gloo destructor joins worker threads that may be
+  // blocked on a dead peer until the timeout, and a process that is failing must exit at once.
+  static std::shared_ptr<Communicator>* process_group = nullptr;
+  std::lock_guard lock(mutex);
+  if (process_group) return *process_group;
+  const DistEnvironment env =
+      read_dist_environment(config, [](const char* name) { return std::getenv(name); });
+  if (env.world_size <= 1) return single_process_communicator();
+  process_group = new std::shared_ptr<Communicator>(connect(env, config));
+  return *process_group;
+}
+
+}  // namespace kiln

@@ -1,0 +1,328 @@
+#!/usr/bin/env python3
+"""Multi-process tests of kiln's distributed runtime: real processes, started by torchrun or
+spawned with the launcher's environment, over c10d's TCPStore and Gloo on CPU.
+
+    dist_cases.py <case> --kiln build/kiln --replica build/tests/dist/kiln_dist_replica \
+                  --torchrun .venv/bin/torchrun --source .
+
+Each case prints what it checked and exits 0 when every check held, 1 otherwise.
+"""
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+from safetensors.numpy import load_file
+
+CHECKS = []
+
+
+def check(condition, what):
+    CHECKS.append((bool(condition), what))
+    print(("ok    " if condition else "FAIL  ") + what, flush=True)
+    return bool(condition)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env():
+    env = dict(os.environ)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "SLURM_PROCID",
+                "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_ID"):
+        env.pop(var, None)
+    env["OMP_NUM_THREADS"] = "1"  # two ranks share the cores, as under torchrun
+    return env
+
+
+def run(cmd, env=None, timeout=240):
+    began = time.monotonic()
+    p = subprocess.run(cmd, env=env or base_env(), capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout, p.stderr, time.monotonic() - began
+
+
+def sets(overrides):
+    out = []
+    for o in overrides:
+        out += ["--set", o]
+    return out
+
+
+def torchrun(args, nproc, cmd):
+    return [args.torchrun, "--standalone", f"--nproc-per-node={nproc}", "--no-python"] + cmd
+
+
+def spawn_ranks(cmds_by_rank, world, port, extra_env=None):
+    """Starts one process per rank with the variables torchrun would set (no agent store)."""
+    procs = []
+    for rank, cmd in enumerate(cmds_by_rank):
+        env = base_env()
+        env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        env.update(extra_env or {})
+        log = tempfile.TemporaryFile(mode="w+")
+        procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True), log))
+    return procs
+
+
+def stderr_of(proc_log):
+    proc_log[1].seek(0)
+    return proc_log[1].read()
+
+
+def last_line(text):
+    lines = [l for l in text.strip().splitlines() if l.strip()]
+    return lines[-1] if lines else ""
+
+
+def metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def relative(a, b):
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+MLP = ["run.progress=log", "run.log_every=5", "data.num_samples=4096", "data.val_samples=1024",
+       "data.num_workers=1", "train.eval_every=0", "train.eval_batches=4"]
+GPT_TINY_2L = ["model.n_layer=2", "run.progress=log", "run.log_every=5", "data.num_workers=1",
+               "train.eval_every=0", "train.eval_batches=2"]
+
+
+# ---- cases ----------------------------------------------------------------------------------------
+
+def case_train_equivalence(args, work):
+    """`torchrun --no-python --nproc-per-node=2 kiln train`: 2 ranks x batch 16 against 1 x 32."""
+    cfg = os.path.join(args.source, "configs/mlp.toml")
+    common = MLP + ["train.steps=25", f"run.dir={work}"]
+    rc, _, err1, _ = run([args.kiln, "train", cfg] + sets(common + ["run.name=single", "train.batch_size=32"]))
+    check(rc == 0, f"single process trains (exit {rc})") or print(err1)
+    rc, out, err2, _ = run(torchrun(args, 2, [args.kiln, "train", cfg] +
+                                    sets(common + ["run.name=ddp", "train.batch_size=16"])))
+    check(rc == 0, f"torchrun with 2 ranks trains (exit {rc})") or print(err2)
+    single, ddp = metrics(os.path.join(work, "single")), metrics(os.path.join(work, "ddp"))
+    s_loss = [m["loss"] for m in single if "loss" in m]
+    d_loss = [m["loss"] for m in ddp if "loss" in m]
+    check(len(s_loss) == 25 and len(d_loss) == 25, "25 steps logged once each in metrics.jsonl (rank 0 only)")
+    worst = max(relative(a, b) for a, b in zip(d_loss, s_loss))
+    check(worst <= 1e-5, f"per-step global mean loss agrees: max relative difference {worst:.2e} <= 1e-5")
+    s_val = [m["val_loss"] for m in single if "val_loss" in m]
+    d_val = [m["val_loss"] for m in ddp if "val_loss" in m]
+    check(len(s_val) == 1 and len(d_val) == 1 and relative(d_val[0], s_val[0]) <= 1e-5,
+          f"eval averaged across ranks matches: {d_val} vs {s_val}")
+    check("[kiln rank 1/2]" in err2 and "[kiln rank 0/2]" in err2, "log lines carry the rank")
+    with open(os.path.join(work, "ddp", "train.log")) as f:
+        train_log = f.read()
+    check("rank 1/2" not in train_log and "rank 0/2" in train_log, "only rank 0 writes train.log")
+    with open(os.path.join(work, "ddp", "manifest.json")) as f:
+        check(json.load(f)["world_size"] == 2, "manifest records world_size 2")
+
+
+def replica(args, work, name, nproc, cfg, overrides, steps):
+    out = os.path.join(work, name)
+    rc, _, err, _ = run(torchrun(args, nproc, [args.replica, cfg, str(steps), out] + overrides +
+                                 [f"run.dir={work}", f"run.name={name}"]))
+    check(rc == 0, f"{name}: {nproc} process(es) train {steps} steps (exit {rc})") or print(err)
+    with open(os.path.join(out, "losses.json")) as f:
+        losses = json.load(f)
+    return losses, load_file(os.path.join(out, "params.safetensors"))
+
+
+def compare_replicas(args, work, cfg, overrides, batch, steps):
+    one, p_one = replica(args, work, "one", 1, cfg, overrides + [f"train.batch_size={batch}"], steps)
+    two, p_two = replica(args, work, "two", 2, cfg, overrides + [f"train.batch_size={batch // 2}"], steps)
+    check(one["world_size"] == 1 and two["world_size"] == 2, "world sizes 1 and 2")
+    worst = max(relative(a, b) for a, b in zip(two["losses"], one["losses"]))
+    check(len(two["losses"]) == steps and worst <= 1e-5,
+          f"{steps} per-step losses agree: max relative difference {worst:.2e} <= 1e-5")
+    worst_param, worst_name = 0.0, ""
+    for name, ref in p_one.items():
+        diff = float(np.max(np.abs(p_two[name] - ref)) / max(float(np.max(np.abs(ref))), 1e-12))
+        if diff > worst_param:
+            worst_param, worst_name = diff, name
+    check(set(p_one) == set(p_two) and worst_param <= 1e-5,
+          f"final parameters agree: max relative difference {worst_param:.2e} ({worst_name}) <= 1e-5")
+
+
+def case_params_mlp(args, work):
+    """2 ranks x batch 16 against 1 x 32: losses and final parameters, fp32, Gloo."""
+    compare_replicas(args, work, os.path.join(args.source, "configs/mlp.toml"),
+                     MLP + ["dist.first_bucket_mb=0.01", "dist.bucket_mb=0.05"], 32, 25)
+
+
+def case_params_gpt_accumulation(args, work):
+    """GPT, SGD with momentum, gradient accumulation (all-reduce on the last micro-step only),
+    clipping on the global norm, several buckets in flight. (SGD: AdamW normalises every gradient
+    element by its own magnitude, which turns fp32 summation-order noise in near-zero gradient
+    elements into visible weight differences; docs/scale.md.)"""
+    compare_replicas(args, work, os.path.join(args.source, "configs/gpt-tiny.toml"),
+                     GPT_TINY_2L + ["optim.name=sgd", "optim.lr=0.3", "optim.momentum=0.9",
+                                    "train.grad_accum_steps=2", "train.clip_grad_norm=0.5",
+                                    "dist.first_bucket_mb=0.05", "dist.bucket_mb=0.25"], 8, 20)
+
+
+def case_no_master(args, work):
+    """WORLD_SIZE without a master address: one clear line, exit 2, no hang."""
+    env = base_env()
+    env.update({"WORLD_SIZE": "2", "RANK": "0"})
+    rc, _, err, seconds = run([args.kiln, "train", os.path.join(args.source, "configs/mlp.toml"),
+                               "--set", f"run.dir={work}"], env=env, timeout=60)
+    check(rc == 2, f"exit status 2 (got {rc})")
+    check(len(err.strip().splitlines()) == 1 and "MASTER_ADDR" in err and "WORLD_SIZE=2" in err,
+          f"one line naming WORLD_SIZE and MASTER_ADDR: {err.strip()!r}")
+    check(seconds < 30, f"immediately ({seconds:.1f}s)")
+
+
+def case_config_mismatch(args, work):
+    """Ranks started with different configs all abort, naming the differing hashes."""
+    cfg = os.path.join(args.source, "configs/mlp.toml")
+    base = [args.kiln, "train", cfg, "--set", f"run.dir={work}", "--set", "dist.timeout_seconds=30"]
+    procs = spawn_ranks([base, base + ["--set", "optim.lr=0.01"]], 2, free_port())
+    for rank, (p, log) in enumerate(procs):
+        rc = p.wait(timeout=90)
+        err = stderr_of((p, log))
+        line = last_line(err)
+        hashes = set(re.findall(r"rank \d ([0-9a-f]{16})", line))
+        check(rc == 2, f"rank {rank} exits with status 2 (got {rc})")
+        check("different configs" in line and len(hashes) == 2,
+              f"rank {rank} names both config hashes: {line!r}")
+
+
+def wait_for_step(proc_log, step, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if re.search(rf"step {step}/", stderr_of(proc_log)):
+            return True
+        if proc_log[0].poll() is not None:
+            return False
+        time.sleep(0.2)
+    return False
+
+
+def fault_case(args, work, action, timeout_seconds):
+    cfg = os.path.join(args.source, "configs/mlp.toml")
+    cmd = [args.kiln, "train", cfg] + sets(MLP + [f"run.dir={work}", "train.steps=100000000",
+                                                 "run.log_every=1", f"dist.timeout_seconds={timeout_seconds}"])
+    procs = spawn_ranks([cmd, cmd], 2, free_port())
+    try:
+        check(wait_for_step(procs[0], 5, 120), "both ranks are training (rank 0 logged step 5)")
+        victim = procs[1][0]
+        os.kill(victim.pid, signal.SIGKILL if action == "kill" else signal.SIGSTOP)
+        began = time.monotonic()
+        try:
+            rc = procs[0][0].wait(timeout=timeout_seconds + 60)
+        except subprocess.TimeoutExpired:
+            rc = None
+        seconds = time.monotonic() - began
+        line = last_line(stderr_of(procs[0]))
+        check(rc is not None and rc != 0, f"the survivor exits non-zero (status {rc})")
+        check(seconds <= timeout_seconds + 10,
+              f"within the timeout: {seconds:.1f}s after the {action} (dist.timeout_seconds = {timeout_seconds})")
+        check(line.startswith("kiln: stopped: rank 0/2:") and "failed" in line,
+              f"one clear line: {line!r}")
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def case_sigkill(args, work):
+    """A rank killed with SIGKILL mid-training: the survivor exits non-zero within the timeout."""
+    fault_case(args, work, "kill", 20)
+
+
+def case_hang(args, work):
+    """A rank that hangs (SIGSTOP): the survivor's collective times out, it exits non-zero."""
+    fault_case(args, work, "stop", 5)
+
+
+def case_missing_rank(args, work):
+    """Rank 1 never starts: rank 0 (hosting the store) gives up after the timeout."""
+    cfg = os.path.join(args.source, "configs/mlp.toml")
+    cmd = [args.kiln, "train", cfg, "--set", f"run.dir={work}", "--set", "dist.timeout_seconds=4"]
+    (p, log), = spawn_ranks([cmd], 2, free_port())
+    began = time.monotonic()
+    rc = p.wait(timeout=90)
+    seconds = time.monotonic() - began
+    line = last_line(stderr_of((p, log)))
+    check(rc != 0, f"exit non-zero (status {rc})")
+    check(seconds <= 4 + 15, f"within the timeout ({seconds:.1f}s, dist.timeout_seconds = 4)")
+    check("rank 0/2" in line and "rendezvous" in line, f"one clear line: {line!r}")
+
+
+def case_slurm(args, work):
+    """srun's variables (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) with MASTER_ADDR/PORT."""
+    cfg = os.path.join(args.source, "configs/mlp.toml")
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = base_env()
+        env.update({"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+                    "SLURM_STEP_ID": "0", "SLURM_NTASKS_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port)})
+        procs.append(subprocess.Popen([args.kiln, "train", cfg] + sets(MLP + [f"run.dir={work}", "train.steps=10"]),
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    for rank, p in enumerate(procs):
+        _, err = p.communicate(timeout=120)
+        check(p.returncode == 0, f"Slurm rank {rank} trains (exit {p.returncode})") or print(err)
+        check(f"[kiln rank {rank}/2]" in err and "via slurm" in err, f"rank {rank} joined through the Slurm variables")
+
+
+def case_scale_ladder(args, work):
+    """The ladder runs the scale rung by launching torchrun with dist.scale_processes = 2."""
+    cfg = os.path.join(args.source, "configs/mlp.toml")
+    rc, out, err, _ = run([args.kiln, "ladder", cfg] + sets(MLP + [
+        f"run.dir={work}", "run.name=ladder", "dist.scale_processes=2", f"dist.torchrun={args.torchrun}",
+        "dist.scale_warmup_steps=2", "dist.scale_steps=6", "dist.scale_baseline_steps=4",
+        "baseline.warmup_steps=2", "baseline.steps=20"]), timeout=300)
+    check(rc == 0, f"ladder passes (exit {rc})") or print(out, err)
+    with open(os.path.join(work, "ladder", "scale.json")) as f:
+        scale = json.load(f)
+    check(scale["world_size"] == 2 and len(scale["per_rank"]) == 2, "scale.json: 2 ranks, per-rank numbers")
+    check(scale["replicas_in_sync"] and scale["passed"], "replicas in sync, gate passed")
+    check(scale["scaling_efficiency"] is not None and scale["scaling_efficiency"] > 0,
+          f"scaling efficiency measured: {scale['scaling_efficiency']}")
+    check(all(r["comm"]["collectives"] > 0 and r["compute_seconds"] > 0 for r in scale["per_rank"]),
+          "communication and compute time per rank")
+    with open(os.path.join(work, "ladder", "report.md")) as f:
+        report = f.read()
+    check("| scale | passed |" in report, "report.md has the scale rung")
+
+
+CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("case", choices=sorted(CASES))
+    parser.add_argument("--kiln", required=True)
+    parser.add_argument("--replica", required=True)
+    parser.add_argument("--torchrun", required=True)
+    parser.add_argument("--source", required=True)
+    args = parser.parse_args()
+    print(CASES[args.case].__doc__.strip())
+    with tempfile.TemporaryDirectory(prefix=f"kiln-dist-{args.case}-") as work:
+        try:
+            CASES[args.case](args, work)
+        except Exception as e:  # a crash is a failed check, with the reason
+            check(False, f"{type(e).__name__}: {e}")
+    failed = [what for ok, what in CHECKS if not ok]
+    print(f"{len(CHECKS) - len(failed)}/{len(CHECKS)} checks passed")
+    return 1 if failed or not CHECKS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

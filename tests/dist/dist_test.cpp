@@ -1,0 +1,357 @@
+// Unit tests of the distributed runtime: the launcher environment, bucket assignment, and DDP's
+// logic with two ranks as two threads of this process (a shared-memory communicator). The
+// multi-process tests (torchrun, Gloo, faults) are in tests/dist/CMakeLists.txt.
+#include "kiln/dist.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <barrier>
+#include <map>
+#include <thread>
+
+#include "kiln/error.h"
+#include "kiln/session.h"
+#include "support/helpers.h"
+
+namespace kiln::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// ---- the launcher's environment
+// -------------------------------------------------------------------
+
+DistEnvironment read_env(const std::map<std::string, std::string>& vars,
+                         const Config& config = Config::defaults()) {
+  return read_dist_environment(config, [&](const char* name) -> const char* {
+    auto it = vars.find(name);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  });
+}
+
+std::string env_error(const std::map<std::string, std::string>& vars,
+                      const Config& config = Config::defaults()) {
+  try {
+    read_env(vars, config);
+  } catch (const UserError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+const std::map<std::string, std::string> kTorchrun = {{"RANK", "3"},
+                                                      {"WORLD_SIZE", "4"},
+                                                      {"LOCAL_RANK", "1"},
+                                                      {"LOCAL_WORLD_SIZE", "2"},
+                                                      {"MASTER_ADDR", "node7"},
+                                                      {"MASTER_PORT", "29555"},
+                                                      {"TORCHELASTIC_RESTART_COUNT", "2"},
+                                                      {"TORCHELASTIC_USE_AGENT_STORE", "True"}};
+
+TEST(DistEnvironment, NoLauncherIsOneProcess) {
+  DistEnvironment env = read_env({});
+  EXPECT_EQ(env.launcher, "none");
+  EXPECT_EQ(env.world_size, 1);
+  EXPECT_EQ(env.rank, 0);
+}
+
+TEST(DistEnvironment, ReadsTorchrunVariables) {
+  DistEnvironment env = read_env(kTorchrun);
+  EXPECT_EQ(env.launcher, "torchrun");
+  EXPECT_EQ(env.rank, 3);
+  EXPECT_EQ(env.world_size, 4);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.local_world_size, 2);
+  EXPECT_EQ(env.master_addr, "node7");
+  EXPECT_EQ(env.master_port, 29555);
+  EXPECT_EQ(env.restart_count, 2);
+  EXPECT_TRUE(env.agent_store);
+  auto manual = kTorchrun;
+  manual.erase("TORCHELASTIC_USE_AGENT_STORE");
+  EXPECT_FALSE(read_env(manual).agent_store);  // rank 0 hosts the store then
+}
+
+TEST(DistEnvironment, WorldSizeWithoutMasterAddressIsAClearError) {
+  const std::string error = env_error({{"RANK", "0"}, {"WORLD_SIZE", "2"}});
+  EXPECT_THAT(error, HasSubstr("WORLD_SIZE=2"));
+  EXPECT_THAT(error, HasSubstr("MASTER_ADDR"));
+  EXPECT_THAT(error, HasSubstr("dist.master_addr"));
+  // The config can name the master instead; the port then defaults to dist.master_port.
+  Config config = Config::defaults();
+  config.set_from_string("dist.master_addr=head-node");
+  DistEnvironment env = read_env({{"RANK", "1"}, {"WORLD_SIZE", "2"}}, config);
+  EXPECT_EQ(env.master_addr, "head-node");
+  EXPECT_EQ(env.master_port, 29500);
+}
+
+TEST(DistEnvironment, BadValuesNameTheVariable) {
+  auto vars = kTorchrun;
+  vars["RANK"] = "4";
+  EXPECT_THAT(env_error(vars), HasSubstr("rank 4 is outside the world of 4"));
+  vars["RANK"] = "two";
+  EXPECT_THAT(env_error(vars), HasSubstr("RANK=\"two\""));
+  vars = kTorchrun;
+  vars.erase("RANK");
+  EXPECT_THAT(env_error(vars), HasSubstr("RANK is not set"));
+  vars = kTorchrun;
+  vars["MASTER_PORT"] = "70000";
+  EXPECT_THAT(env_error(vars), HasSubstr("MASTER_PORT"));
+}
+
+TEST(DistEnvironment, WorldOfOneNeedsNoMaster) {
+  DistEnvironment env = read_env({{"RANK", "0"}, {"WORLD_SIZE", "1"}});
+  EXPECT_EQ(env.launcher, "torchrun");
+  EXPECT_EQ(env.world_size, 1);
+}
+
+TEST(DistEnvironment, ReadsSlurmVariables) {
+  const std::map<std::string, std::string> slurm = {{"SLURM_PROCID", "5"},
+                                                    {"SLURM_NTASKS", "8"},
+                                                    {"SLURM_LOCALID", "1"},
+                                                    {"SLURM_STEP_ID", "0"},
+                                                    {"SLURM_NTASKS_PER_NODE", "4(x2)"},
+                                                    {"MASTER_ADDR", "gpu001"}};
+  DistEnvironment env = read_env(slurm);
+  EXPECT_EQ(env.launcher, "slurm");
+  EXPECT_EQ(env.rank, 5);
+  EXPECT_EQ(env.world_size, 8);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.local_world_size, 4);
+  EXPECT_EQ(env.master_addr, "gpu001");
+  auto no_master = slurm;
+  no_master.erase("MASTER_ADDR");
+  EXPECT_THAT(env_error(no_master), HasSubstr("SLURM_NTASKS=8 is set but MASTER_ADDR is not"));
+  // A batch script (no srun step) or a single task is one process.
+  auto batch = slurm;
+  batch.erase("SLURM_STEP_ID");
+  EXPECT_EQ(read_env(batch).launcher, "none");
+}
+
+TEST(DistEnvironment, LauncherKeyForcesTheChoice) {
+  Config none = Config::defaults();
+  none.set_from_string("dist.launcher=none");
+  EXPECT_EQ(read_env(kTorchrun, none).world_size, 1);
+  Config slurm = Config::defaults();
+  slurm.set_from_string("dist.launcher=slurm");
+  EXPECT_THAT(env_error(kTorchrun, slurm), HasSubstr("SLURM_PROCID"));
+  Config torchrun = Config::defaults();
+  torchrun.set_from_string("dist.launcher=torchrun");
+  EXPECT_THAT(env_error({}, torchrun), HasSubstr("WORLD_SIZE is not set"));
+}
+
+// ---- bucket assignment --------------------------------------------------------------------------
+
+TEST(Buckets, FirstBucketIsSmallTheOthersFillToTheCap) {
+  DataParallelOptions options;
+  options.first_bucket_bytes = 100;
+  options.bucket_bytes = 250;
+  using Buckets = std::vector<std::vector<size_t>>;
+  EXPECT_EQ(assign_buckets({60, 60, 100, 100, 100, 10}, options),
+            (Buckets{{0, 1}, {2, 3, 4}, {5}}));
+  // A parameter over the cap gets a bucket of its own; no empty trailing bucket.
+  EXPECT_EQ(assign_buckets({1000, 10, 1000}, options), (Buckets{{0}, {1, 2}}));
+  EXPECT_EQ(assign_buckets({100}, options), (Buckets{{0}}));
+  EXPECT_TRUE(assign_buckets({}, options).empty());
+}
+
+TEST(Buckets, DefaultsAre25MiBAnd1MiB) {
+  DataParallelOptions options = data_parallel_options(Config::defaults());
+  EXPECT_EQ(options.bucket_bytes, 25 << 20);
+  EXPECT_EQ(options.first_bucket_bytes, 1 << 20);
+  Config config = Config::defaults();
+  config.set_from_string("dist.bucket_mb=0.5");
+  EXPECT_EQ(data_parallel_options(config).bucket_bytes, 512 << 10);
+}
+
+// ---- DDP with two ranks as two threads ----------------------------------------------------------
+
+// A communicator between the threads of this process: shared slots and a barrier. Sums in rank
+// order, so results are deterministic.
+class ThreadGroup {
+ public:
+  explicit ThreadGroup(int world) : world_(world), sync_(world), tensors_(world), strings_(world) {}
+  int world() const { return world_; }
+  void wait() { sync_.arrive_and_wait(); }
+  std::vector<torch::Tensor>& tensors() { return tensors_; }
+  std::vector<std::string>& strings() { return strings_; }
+  torch::Tensor result;
+  int64_t all_reduces = 0;
+
+ private:
+  int world_;
+  std::barrier<> sync_;
+  std::vector<torch::Tensor> tensors_;
+  std::vector<std::string> strings_;
+};
+
+class ThreadCommunicator final : public Communicator {
+ public:
+  ThreadCommunicator(std::shared_ptr<ThreadGroup> group, int rank)
+      : group_(std::move(group)), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int world_size() const override { return group_->world(); }
+  void barrier() override { group_->wait(); }
+  void all_reduce_sum(torch::Tensor& tensor) override {
+    group_->tensors()[rank_] = tensor;
+    group_->wait();
+    if (rank_ == 0) {
+      group_->result = group_->tensors()[0].clone();
+      for (int r = 1; r < group_->world(); ++r) group_->result += group_->tensors()[r];
+      ++group_->all_reduces;
+    }
+    group_->wait();
+    tensor.copy_(group_->result);
+    group_->wait();
+  }
+  void broadcast(torch::Tensor& tensor, int root) override {
+    group_->tensors()[rank_] = tensor;
+    group_->wait();
+    if (rank_ != root) tensor.copy_(group_->tensors()[root]);
+    group_->wait();
+  }
+  std::vector<std::string> all_gather_bytes(const std::string& mine) override {
+    group_->strings()[rank_] = mine;
+    group_->wait();
+    auto out = group_->strings();
+    group_->wait();
+    return out;
+  }
+
+ private:
+  std::shared_ptr<ThreadGroup> group_;
+  int rank_;
+};
+
+struct RunResult {
+  std::vector<double> losses;
+  std::vector<torch::Tensor> parameters;
+  int64_t bucket_all_reduces = 0;
+  size_t buckets = 0;
+};
+
+RunResult train_single(const Config& config, int64_t steps) {
+  apply_runtime_settings(config);
+  Trainer trainer(config, make_model(config), make_datasets(config));
+  RunResult out;
+  for (int64_t k = 0; k < steps; ++k) out.losses.push_back(trainer.train_step().loss);
+  for (const auto& p : trainer.model().parameters()) out.parameters.push_back(p.detach().clone());
+  return out;
+}
+
+// Each rank's trainer in its own thread; rank 1's model is built from another seed, so the
+// initial broadcast is what makes the replicas equal.
+std::vector<RunResult> train_two_threads(const Config& config, int64_t steps,
+                                         DataParallelOptions options = {}) {
+  auto group = std::make_shared<ThreadGroup>(2);
+  std::vector<RunResult> results(2);
+  std::vector<std::string> errors(2);
+  apply_runtime_settings(config);
+  auto run_rank = [&](int rank) {
+    try {
+      auto comm = std::make_shared<ThreadCommunicator>(group, rank);
+      Config model_config = config;
+      if (rank == 1) model_config.set("run.seed", int64_t{777});
+      Trainer trainer(config, make_model(model_config), make_datasets(config),
+                      TrainerOptions{torch::kCPU, rank, 2, comm});
+      auto ddp = DataParallel::attach(trainer, comm, options);
+      for (int64_t k = 0; k < steps; ++k) results[rank].losses.push_back(trainer.train_step().loss);
+      for (const auto& p : trainer.model().parameters())
+        results[rank].parameters.push_back(p.detach().clone());
+      results[rank].bucket_all_reduces = ddp->bucket_all_reduces();
+      results[rank].buckets = ddp->bucket_bytes().size();
+    } catch (const std::exception& e) {
+      errors[rank] = e.what();
+    }
+  };
+  std::thread other(run_rank, 1);
+  run_rank(0);
+  other.join();
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+  return results;
+}
+
+double relative_difference(const torch::Tensor& a, const torch::Tensor& b) {
+  const double scale = std::max(b.abs().max().item<double>(), 1e-12);
+  return (a - b).abs().max().item<double>() / scale;
+}
+
+void expect_equivalent(const RunResult& single, const RunResult& rank0, double tolerance) {
+  ASSERT_EQ(single.losses.size(), rank0.losses.size());
+  for (size_t k = 0; k < single.losses.size(); ++k) {
+    EXPECT_NEAR(rank0.losses[k], single.losses[k], tolerance * std::abs(single.losses[k]))
+        << "step " << k + 1;
+  }
+  ASSERT_EQ(single.parameters.size(), rank0.parameters.size());
+  for (size_t k = 0; k < single.parameters.size(); ++k) {
+    EXPECT_LE(relative_difference(rank0.parameters[k], single.parameters[k]), tolerance)
+        << "parameter " << k;
+  }
+}
+
+TEST(DataParallel, TwoRanksOfHalfTheBatchMatchOneProcess) {
+  TempDir dir;
+  // Small buckets, so several all-reduces start during backward.
+  DataParallelOptions options;
+  options.first_bucket_bytes = 4096;
+  options.bucket_bytes = 64 << 10;
+  RunResult single =
+      train_single(mlp_config(dir.path(), {"train.batch_size=32", "data.num_workers=0"}), 20);
+  auto ranks = train_two_threads(
+      mlp_config(dir.path(), {"train.batch_size=16", "data.num_workers=0"}), 20, options);
+  expect_equivalent(single, ranks[0], 1e-5);
+  // The replicas stay bit-identical.
+  for (size_t k = 0; k < ranks[0].parameters.size(); ++k) {
+    EXPECT_TRUE(torch::equal(ranks[0].parameters[k], ranks[1].parameters[k])) << "parameter " << k;
+  }
+  EXPECT_EQ(ranks[0].losses, ranks[1].losses);
+  EXPECT_GT(ranks[0].buckets, 1u);
+  EXPECT_EQ(ranks[0].bucket_all_reduces, 20 * static_cast<int64_t>(ranks[0].buckets));
+}
+
+TEST(DataParallel, AccumulationAllReducesOnlyOnTheLastMicroStep) {
+  TempDir dir;
+  DataParallelOptions options;
+  options.first_bucket_bytes = 64 << 10;
+  options.bucket_bytes = 256 << 10;
+  // SGD with momentum: AdamW divides each gradient element by its own running magnitude, so for
+  // elements whose gradient is ~0 (a cancelling sum) fp32 summation-order noise becomes a visible
+  // update difference; SGD keeps parameter differences at the gradients' own ~1e-7 level.
+  const std::vector<std::string> gpt = {
+      "train.grad_accum_steps=2", "data.num_workers=0", "train.clip_grad_norm=0.5",
+      "optim.name=sgd",           "optim.lr=0.3",       "optim.momentum=0.9"};
+  auto with = [&](const std::string& batch) {
+    auto extra = gpt;
+    extra.push_back(batch);
+    return gpt_config(dir.path(), extra);
+  };
+  RunResult single = train_single(with("train.batch_size=8"), 8);
+  auto ranks = train_two_threads(with("train.batch_size=4"), 8, options);
+  expect_equivalent(single, ranks[0], 1e-5);
+  // One all-reduce per bucket per optimizer step, not per micro-step.
+  EXPECT_GT(ranks[0].buckets, 1u);
+  EXPECT_EQ(ranks[0].bucket_all_reduces, 8 * static_cast<int64_t>(ranks[0].buckets));
+}
+
+TEST(DataParallel, WorldOfOneAddsNothing) {
+  TempDir dir;
+  Config config = mlp_config(dir.path());
+  Trainer trainer(config, make_model(config), make_datasets(config));
+  auto ddp = DataParallel::attach(trainer, single_process_communicator(), {});
+  trainer.train_step();
+  EXPECT_EQ(ddp->bucket_all_reduces(), 0);
+}
+
+TEST(Communicator, DefaultAsyncAllReduceRunsTheBlockingOne) {
+  auto comm = single_process_communicator();
+  auto t = torch::ones({3});
+  auto pending = comm->all_reduce_sum_async(t);
+  pending->wait();
+  EXPECT_TRUE(torch::equal(t, torch::ones({3})));
+  EXPECT_EQ(comm->backend_name(), "none");
+  EXPECT_EQ(comm->stats().collectives, 0);
+}
+
+}  // namespace
+}  // namespace kiln::testing
