@@ -69,6 +69,13 @@ std::string safetensors_dtype(torch::ScalarType dtype) {
   throw UserError(std::string("dtype ") + c10::toString(dtype) + " cannot be stored in safetensors");
 }
 
+torch::ScalarType safetensors_dtype_from_name(std::string_view name) {
+  for (const auto& d : kDtypes) {
+    if (name == d.name) return d.dtype;
+  }
+  throw UserError("unknown safetensors dtype \"" + std::string(name) + "\"");
+}
+
 SafetensorsHeader parse_safetensors_header(std::string_view prefix, uint64_t file_size,
                                            const std::string& source) {
   if (prefix.size() < 8 || file_size < 8) {
@@ -165,7 +172,7 @@ SafetensorsHeader read_safetensors_header(const std::filesystem::path& path) {
   Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) throw UserError("cannot open " + path.string() + ": " + errno_text());
   struct stat st{};
-  ::fstat(fd.get(), &st);
+  if (::fstat(fd.get(), &st) != 0) throw UserError("cannot stat " + path.string() + ": " + errno_text());
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   std::string prefix(8, '\0');
   if (size < 8) return parse_safetensors_header({}, size, path.string());
@@ -225,8 +232,15 @@ SafetensorsWriteResult write_safetensors(const std::filesystem::path& path,
       bytes -= static_cast<size_t>(n);
     }
   };
+  SafetensorsWriteResult result;
+  result.data_start = prefix.size();
   put(prefix.data(), prefix.size());
-  for (const auto& t : cpu) put(t.data_ptr(), t.nbytes());
+  uint64_t cursor = result.data_start;
+  for (const auto& t : cpu) {
+    result.tensor_byte_ranges.emplace_back(cursor, cursor + t.nbytes());
+    cursor += t.nbytes();
+    if (t.nbytes() > 0) put(t.data_ptr(), t.nbytes());
+  }
   if (::fsync(fd.get()) != 0 || ::close(fd.release()) != 0) {
     std::string why = errno_text();
     ::unlink(tmp.c_str());
@@ -238,21 +252,71 @@ SafetensorsWriteResult write_safetensors(const std::filesystem::path& path,
     throw UserError("cannot rename " + tmp.string() + ": " + why);
   }
   fsync_directory(path.has_parent_path() ? path.parent_path() : std::filesystem::path("."));
-  return {prefix.size() + offset, XXH3_64bits_digest(hash.get())};
+  result.size_bytes = prefix.size() + offset;
+  result.xxh3 = XXH3_64bits_digest(hash.get());
+  return result;
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> read_safetensors(const std::filesystem::path& path) {
-  SafetensorsHeader header = read_safetensors_header(path);
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) throw UserError("cannot open " + path.string() + ": " + errno_text());
+  SafetensorsReader reader(path);
   std::vector<std::pair<std::string, torch::Tensor>> out;
-  for (const auto& entry : header.tensors) {
+  for (const auto& entry : reader.header().tensors) {
     auto t = torch::empty(entry.shape, torch::TensorOptions().dtype(entry.dtype));
-    read_exact(fd.get(), t.data_ptr(), entry.end - entry.begin, header.data_start + entry.begin,
-               path.string());
+    reader.read(entry, 0, entry.end - entry.begin, t.data_ptr());
     out.emplace_back(entry.name, std::move(t));
   }
   return out;
+}
+
+SafetensorsReader::SafetensorsReader(const std::filesystem::path& path) : path_(path) {
+  // The header is read through its own descriptor; then the file is opened for the data and its
+  // size checked again, so a file replaced in between is caught.
+  header_ = read_safetensors_header(path);
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) throw UserError("cannot open " + path.string() + ": " + errno_text());
+  struct stat st{};
+  if (::fstat(fd_, &st) != 0) {
+    const std::string why = errno_text();
+    ::close(fd_);
+    throw UserError("cannot stat " + path.string() + ": " + why);
+  }
+  size_bytes_ = static_cast<uint64_t>(st.st_size);
+  const uint64_t described = header_.data_start + (header_.tensors.empty() ? 0 : header_.tensors.back().end);
+  if (size_bytes_ != described) {
+    ::close(fd_);
+    throw UserError(path.string() + ": file is " + std::to_string(size_bytes_) + " bytes but its header describes " +
+                    std::to_string(described) + "; it changed while being opened");
+  }
+}
+
+SafetensorsReader::~SafetensorsReader() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+const SafetensorsEntry* SafetensorsReader::find(std::string_view name) const {
+  for (const auto& entry : header_.tensors) {
+    if (entry.name == name) return &entry;
+  }
+  return nullptr;
+}
+
+void SafetensorsReader::read(const SafetensorsEntry& entry, uint64_t offset, uint64_t bytes, void* out) const {
+  const uint64_t size = entry.end - entry.begin;
+  if (offset > size || bytes > size - offset) {
+    throw UserError(path_.string() + ": read of " + std::to_string(bytes) + " bytes at offset " +
+                    std::to_string(offset) + " falls outside tensor '" + entry.name + "' (" +
+                    std::to_string(size) + " bytes)");
+  }
+  read_exact(fd_, out, bytes, header_.data_start + entry.begin + offset, path_.string());
+}
+
+void SafetensorsReader::read_raw(uint64_t offset, uint64_t bytes, void* out) const {
+  if (offset > size_bytes_ || bytes > size_bytes_ - offset) {
+    throw UserError(path_.string() + ": read of " + std::to_string(bytes) + " bytes at offset " +
+                    std::to_string(offset) + " is past the end of the file (" + std::to_string(size_bytes_) +
+                    " bytes)");
+  }
+  read_exact(fd_, out, bytes, offset, path_.string());
 }
 
 }  // namespace kiln

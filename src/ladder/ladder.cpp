@@ -2,6 +2,7 @@
 
 #include "core/files.h"
 
+#include "kiln/checkpoint.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/rungs.h"
@@ -36,6 +37,7 @@ const std::vector<Rung>& ladder_rungs() {
          auto session = open_session(config, options);
          return run_baseline(*session);
        }},
+      {"checkpoint", [](const Config& config) { return config.get_bool("checkpoint.drill"); }, run_checkpoint_drill},
   };
   return rungs;
 }
