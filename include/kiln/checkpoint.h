@@ -13,6 +13,8 @@
 // when one rank fails, all throw.
 #pragma once
 
+#include <torch/types.h>
+
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -20,8 +22,6 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
-#include <thread>
-#include <torch/types.h>
 #include <vector>
 
 #include "kiln/dist.h"
@@ -32,7 +32,8 @@ namespace kiln {
 
 inline constexpr int kCheckpointFormatVersion = 1;
 
-// ---- the state to save ---------------------------------------------------------------------------
+// ---- the state to save
+// ---------------------------------------------------------------------------
 
 /// How a logical tensor is spread over the ranks.
 enum class Placement {
@@ -44,11 +45,16 @@ enum class Placement {
 struct StateTensor {
   StateTensor() = default;
   /// A replicated tensor: every rank holds all of it.
-  StateTensor(std::string name, torch::Tensor tensor) : name(std::move(name)), tensor(std::move(tensor)) {}
+  StateTensor(std::string name, torch::Tensor tensor)
+      : name(std::move(name)), tensor(std::move(tensor)) {}
   /// A sharded piece: `tensor` sits at `offsets` of a whole tensor of `global_shape`.
-  StateTensor(std::string name, torch::Tensor tensor, std::vector<int64_t> global_shape, std::vector<int64_t> offsets)
-      : name(std::move(name)), tensor(std::move(tensor)), placement(Placement::kSharded),
-        global_shape(std::move(global_shape)), offsets(std::move(offsets)) {}
+  StateTensor(std::string name, torch::Tensor tensor, std::vector<int64_t> global_shape,
+              std::vector<int64_t> offsets)
+      : name(std::move(name)),
+        tensor(std::move(tensor)),
+        placement(Placement::kSharded),
+        global_shape(std::move(global_shape)),
+        offsets(std::move(offsets)) {}
 
   std::string name;      // logical name, unique in the checkpoint ("model/<param>", "optim/...")
   torch::Tensor tensor;  // this rank's whole tensor (replicated) or piece (sharded); any device
@@ -59,30 +65,36 @@ struct StateTensor {
 
 /// What one rank hands to Checkpointer::save.
 struct SaveRequest {
-  int64_t step = 0;                   // the same on every rank
-  std::vector<StateTensor> tensors;   // this rank's tensors; replicated ones listed alike on every rank
-  nlohmann::json rank_state;          // this rank's small state (loader position, RNG tensor names)
-  nlohmann::json training_state;      // the run's state (step, epoch, schedule...); rank 0's is kept
+  int64_t step = 0;  // the same on every rank
+  std::vector<StateTensor>
+      tensors;                    // this rank's tensors; replicated ones listed alike on every rank
+  nlohmann::json rank_state;      // this rank's small state (loader position, RNG tensor names)
+  nlohmann::json training_state;  // the run's state (step, epoch, schedule...); rank 0's is kept
 };
 
 // ---- saving ------------------------------------------------------------------------------------
 
 struct CheckpointOptions {
-  std::filesystem::path dir;   // holds step-<N>/ directories and `latest`
-  int64_t keep_last_k = 3;     // committed checkpoints kept (>= 2)
-  int64_t keep_every = 0;      // steps that are multiples of this are kept for good (0 = none)
-  bool async = true;           // stage to CPU and write in a background thread
+  std::filesystem::path dir;  // holds step-<N>/ directories and `latest`
+  int64_t keep_last_k = 3;    // committed checkpoints kept (>= 2)
+  int64_t keep_every = 0;     // steps that are multiples of this are kept for good (0 = none)
+  bool async = true;          // stage to CPU and write in a background thread
+  /// Async only: copy the tensors to CPU in the background thread too, so save() returns at once.
+  /// The caller must then not change the saved tensors until wait_for_staging() returns (the
+  /// CheckpointHook fences before the optimizer step: the copy overlaps data, forward, backward).
+  bool background_staging = false;
 };
 
 /// Timings and sizes of one save, on this rank.
 struct SaveStats {
-  uint64_t bytes_written = 0;         // this rank's file
-  uint64_t total_bytes = 0;           // every rank's files (known once committed)
-  double stall_seconds = 0;           // the training thread blocked in save(): staging + waiting
-  double wait_previous_seconds = 0;   // of which: waiting for the previous save to finish
-  double staging_seconds = 0;         // of which: copying the state to CPU (async only)
-  double write_seconds = 0;           // writing and fsyncing this rank's file
-  double total_seconds = 0;           // save() called -> committed or failed
+  uint64_t bytes_written = 0;        // this rank's file
+  uint64_t total_bytes = 0;          // every rank's files (known once committed)
+  double stall_seconds = 0;          // the caller blocked in save(): agreeing, staging, waiting
+  double wait_previous_seconds = 0;  // of which: waiting for the previous save to finish
+  double staging_seconds = 0;        // copying the state to CPU (async; in the background with
+                                     // background_staging, else part of the stall)
+  double write_seconds = 0;          // writing and fsyncing this rank's file
+  double total_seconds = 0;          // save() called -> committed or failed
 };
 
 /// The outcome of one save, shared between the Checkpointer and the caller. It is resolved by the
@@ -126,7 +138,8 @@ class Checkpointer {
 
   /// Saves `request` as step-<request.step>. Collective. Waits for the save in flight first (and
   /// logs how long). Async: copies every tensor to CPU (real copies, never aliases of the live
-  /// state) and returns while a background thread writes; sync: returns when committed.
+  /// state; with background_staging in the writer thread, see wait_for_staging) and returns while
+  /// a background thread writes; sync: writes the tensors as they are and returns when committed.
   /// Throws UserError for an inconsistent request (ranks disagree on the step or on the replicated
   /// tensors, a duplicate name, shards that do not tile their tensor). Write errors (ENOSPC, ...)
   /// do not throw: they fail the handle, the previous checkpoints stay intact.
@@ -137,6 +150,10 @@ class Checkpointer {
   void poll();
   /// Blocks until the save in flight resolves (and logs how long it waited). Collective.
   void wait();
+  /// With background_staging: blocks until the save in flight has copied the tensors it was given
+  /// (after that, changing them is safe). Returns the seconds it blocked. Not collective; cheap
+  /// when there is nothing to wait for.
+  double wait_for_staging();
   /// True while a save is in flight (the same on every rank).
   bool in_flight() const { return job_ != nullptr; }
   /// The most recent save's handle, or nullptr.
@@ -158,34 +175,34 @@ class Checkpointer {
 /// Removes committed checkpoints beyond the retention policy: keeps the newest keep_last_k, every
 /// step that is a multiple of keep_every, and always the newest one; never touches .tmp
 /// directories. Returns the removed directories. Single-process (rank 0 calls it).
-std::vector<std::filesystem::path> prune_checkpoints(const std::filesystem::path& dir, int64_t keep_last_k,
-                                                     int64_t keep_every);
+std::vector<std::filesystem::path> prune_checkpoints(const std::filesystem::path& dir,
+                                                     int64_t keep_last_k, int64_t keep_every);
 
 // ---- reading -----------------------------------------------------------------------------------
 
 struct ChunkInfo {
-  std::string file;                // a file of the checkpoint directory (a plain name)
-  std::string name;                // the tensor's name inside that safetensors file
-  std::vector<int64_t> offsets;    // where the chunk starts in the whole tensor
-  std::vector<int64_t> sizes;      // the chunk's shape
-  uint64_t byte_begin = 0;         // absolute byte range of the chunk in the file
+  std::string file;              // a file of the checkpoint directory (a plain name)
+  std::string name;              // the tensor's name inside that safetensors file
+  std::vector<int64_t> offsets;  // where the chunk starts in the whole tensor
+  std::vector<int64_t> sizes;    // the chunk's shape
+  uint64_t byte_begin = 0;       // absolute byte range of the chunk in the file
   uint64_t byte_end = 0;
 };
 
 struct TensorInfo {
   std::string name;
   torch::ScalarType dtype = torch::kFloat;
-  std::vector<int64_t> shape;      // the whole tensor's shape
+  std::vector<int64_t> shape;  // the whole tensor's shape
   Placement placement = Placement::kReplicated;
-  std::vector<ChunkInfo> chunks;   // tile the whole tensor exactly
+  std::vector<ChunkInfo> chunks;  // tile the whole tensor exactly
   uint64_t bytes() const;
 };
 
 struct FileInfo {
-  std::string name;      // "rank-<r>.safetensors"
-  int rank = 0;          // the rank that wrote it
+  std::string name;  // "rank-<r>.safetensors"
+  int rank = 0;      // the rank that wrote it
   uint64_t size_bytes = 0;
-  uint64_t xxh3 = 0;     // of the whole file
+  uint64_t xxh3 = 0;  // of the whole file
 };
 
 /// A parsed, validated index.json.
@@ -195,9 +212,9 @@ struct CheckpointIndex {
   int world_size = 1;
   std::string created_utc;
   std::vector<FileInfo> files;
-  std::vector<TensorInfo> tensors;   // sorted by name
-  nlohmann::json training_state;     // as saved by rank 0
-  nlohmann::json ranks;              // array: each saving rank's rank_state
+  std::vector<TensorInfo> tensors;  // sorted by name
+  nlohmann::json training_state;    // as saved by rank 0
+  nlohmann::json ranks;             // array: each saving rank's rank_state
   /// The tensor named `name`, or nullptr.
   const TensorInfo* find(std::string_view name) const;
   uint64_t total_file_bytes() const;
@@ -229,7 +246,7 @@ struct LoadOptions {
 struct LoadResult {
   std::filesystem::path path;  // the step directory loaded
   CheckpointIndex index;
-  uint64_t bytes_read = 0;     // tensor bytes this rank read (not counting hashing)
+  uint64_t bytes_read = 0;  // tensor bytes this rank read (not counting hashing)
   double seconds = 0;
 };
 
@@ -259,16 +276,16 @@ std::filesystem::path resolve_checkpoint_path(const std::filesystem::path& path)
 /// Returns nullopt when `dir` holds no committed checkpoint; throws UserError when it holds some
 /// but none loads. Collective.
 std::optional<LoadResult> load_latest_checkpoint(const std::filesystem::path& dir,
-                                                 std::vector<StateTensor>& targets, Communicator& comm,
-                                                 LoadOptions options = {});
+                                                 std::vector<StateTensor>& targets,
+                                                 Communicator& comm, LoadOptions options = {});
 
 /// Writes the whole tensors of a checkpoint (model parameters, and the optimizer state when
 /// `include_optimizer`) into one standard safetensors file, reassembling sharded tensors. Model
 /// tensors keep their model names ("transformer.wte.weight"); optimizer tensors keep their logical
 /// names ("optim/..."). Verifies checksums first. Returns the number of tensors written.
 /// Single-process. Throws UserError.
-int64_t consolidate_checkpoint(const std::filesystem::path& step_dir, const std::filesystem::path& out,
-                               bool include_optimizer);
+int64_t consolidate_checkpoint(const std::filesystem::path& step_dir,
+                               const std::filesystem::path& out, bool include_optimizer);
 
 // ---- training integration ---------------------------------------------------------------------
 
@@ -279,23 +296,30 @@ CheckpointOptions checkpoint_options(const Config& config, const std::filesystem
 /// ("model/<name>") and optimizer state ("optim/<name>"), replicated; this rank's CPU (and CUDA)
 /// RNG state ("rng/rank-<r>/cpu"); rank state: loader position and RNG names; training state:
 /// step, epoch, optimizer steps, LR-schedule state, grad scaler (null), config hash, manifest.
-SaveRequest capture_training_state(Trainer& trainer, Communicator& comm, const std::filesystem::path& manifest);
+SaveRequest capture_training_state(Trainer& trainer, Communicator& comm,
+                                   const std::filesystem::path& manifest);
 
-/// Restores a Trainer from the checkpoint at `step_dir` (or, with `dir_fallback`, the newest loadable
-/// one in that directory): parameters, optimizer state and steps, step, loader position (converted
-/// when the world size changed), RNG states. Warns when the config hash or the LR schedule differ.
-/// Returns what was loaded, or nullopt when `dir_fallback` found no checkpoint. Collective.
+/// Restores a Trainer from the checkpoint at `step_dir` (or, with `dir_fallback`, the newest
+/// loadable one in that directory): parameters, optimizer state and steps, step, loader position
+/// (converted when the world size changed), RNG states. Warns when the config hash or the LR
+/// schedule differ. Returns what was loaded, or nullopt when `dir_fallback` found no checkpoint.
+/// Collective.
 std::optional<LoadResult> restore_training_state(Trainer& trainer, Communicator& comm,
-                                                 const std::filesystem::path& path, bool dir_fallback);
+                                                 const std::filesystem::path& path,
+                                                 bool dir_fallback);
 
 /// The periodic checkpointer as a TrainerHook: saves every checkpoint.every_steps steps (and at
 /// the end with checkpoint.save_final), polls the save in flight after every step, waits for it at
-/// the end. A failed save stops training with a TrainingError (checkpoint.on_save_error = "stop")
-/// or is logged and training continues ("continue"). Training thread only.
+/// the end. Async saves stage in the background; the hook fences on the staging before the next
+/// optimizer step (on_gradients_ready), the first moment the saved tensors change. A failed save
+/// stops training with a TrainingError (checkpoint.on_save_error = "stop") or is logged and
+/// training continues ("continue"). Training thread only.
 class CheckpointHook : public TrainerHook {
  public:
   CheckpointHook(const Config& config, CheckpointOptions options, Communicator& comm,
                  std::filesystem::path manifest);
+  void on_train_begin(Trainer& trainer) override;
+  void on_gradients_ready(Trainer& trainer) override;
   void on_step_end(Trainer& trainer, const StepStats& stats) override;
   void on_train_end(Trainer& trainer) override;
   Checkpointer& checkpointer() { return checkpointer_; }

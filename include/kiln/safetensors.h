@@ -7,12 +7,13 @@
 // data or overlapping each other, and gaps in the data region.
 #pragma once
 
+#include <torch/types.h>
+
 #include <cstdint>
 #include <filesystem>
 #include <map>
 #include <string>
 #include <string_view>
-#include <torch/types.h>
 #include <utility>
 #include <vector>
 
@@ -27,7 +28,7 @@ struct SafetensorsEntry {
 };
 
 struct SafetensorsHeader {
-  std::vector<SafetensorsEntry> tensors;       // in file order (by begin offset)
+  std::vector<SafetensorsEntry> tensors;        // in file order (by begin offset)
   std::map<std::string, std::string> metadata;  // "__metadata__"
   uint64_t data_start = 0;                      // absolute offset of the data region
 };
@@ -54,11 +55,13 @@ struct SafetensorsWriteResult {
 /// Writes tensors (any device; copied to CPU contiguous) to `path` atomically: a temp file,
 /// fsync, rename, fsync of the directory. Names must be unique. Throws UserError (e.g. ENOSPC);
 /// an existing `path` is intact then.
-SafetensorsWriteResult write_safetensors(const std::filesystem::path& path,
-                                         const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
-                                         const std::map<std::string, std::string>& metadata = {});
+SafetensorsWriteResult write_safetensors(
+    const std::filesystem::path& path,
+    const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
+    const std::map<std::string, std::string>& metadata = {});
 /// Reads every tensor as CPU tensors, in file order. Throws UserError.
-std::vector<std::pair<std::string, torch::Tensor>> read_safetensors(const std::filesystem::path& path);
+std::vector<std::pair<std::string, torch::Tensor>> read_safetensors(
+    const std::filesystem::path& path);
 
 /// An open safetensors file with a validated header, for reading parts of it (a checkpoint loader
 /// reads only the byte ranges it needs). Owns the file descriptor. The read methods use pread and

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <set>
 
@@ -29,7 +30,9 @@ double seconds_since(Clock::time_point begin) {
   return std::chrono::duration<double>(Clock::now() - begin).count();
 }
 
-std::vector<int64_t> shape_of(const torch::Tensor& t) { return {t.sizes().begin(), t.sizes().end()}; }
+std::vector<int64_t> shape_of(const torch::Tensor& t) {
+  return {t.sizes().begin(), t.sizes().end()};
+}
 
 // One rank's account of its save request, exchanged at the start of a save.
 json describe_request(const SaveRequest& request, int rank) {
@@ -40,8 +43,10 @@ json describe_request(const SaveRequest& request, int rank) {
   uint64_t sharded_bytes = 0;
   for (const auto& t : request.tensors) {
     if (t.name.empty()) throw UserError("checkpoint: a state tensor has an empty name");
-    if (!names.insert(t.name).second) throw UserError("checkpoint: state tensor '" + t.name + "' is listed twice");
-    if (!t.tensor.defined()) throw UserError("checkpoint: state tensor '" + t.name + "' is undefined");
+    if (!names.insert(t.name).second)
+      throw UserError("checkpoint: state tensor '" + t.name + "' is listed twice");
+    if (!t.tensor.defined())
+      throw UserError("checkpoint: state tensor '" + t.name + "' is undefined");
     const std::string dtype = safetensors_dtype(t.tensor.scalar_type());
     if (t.placement == Placement::kReplicated) {
       replicated += t.name + "|" + dtype + "|" + json(shape_of(t.tensor)).dump() + "\n";
@@ -49,18 +54,23 @@ json describe_request(const SaveRequest& request, int rank) {
     }
     const auto sizes = shape_of(t.tensor);
     if (t.global_shape.size() != sizes.size() || t.offsets.size() != sizes.size()) {
-      throw UserError("checkpoint: sharded tensor '" + t.name + "' on rank " + std::to_string(rank) +
+      throw UserError("checkpoint: sharded tensor '" + t.name + "' on rank " +
+                      std::to_string(rank) +
                       ": global_shape and offsets need one entry per dimension of the piece");
     }
     for (size_t d = 0; d < sizes.size(); ++d) {
       if (t.offsets[d] < 0 || t.offsets[d] + sizes[d] > t.global_shape[d]) {
-        throw UserError("checkpoint: sharded tensor '" + t.name + "' on rank " + std::to_string(rank) +
-                        ": the piece at offsets " + json(t.offsets).dump() + " with shape " + json(sizes).dump() +
-                        " does not fit in the global shape " + json(t.global_shape).dump());
+        throw UserError("checkpoint: sharded tensor '" + t.name + "' on rank " +
+                        std::to_string(rank) + ": the piece at offsets " + json(t.offsets).dump() +
+                        " with shape " + json(sizes).dump() + " does not fit in the global shape " +
+                        json(t.global_shape).dump());
       }
     }
-    sharded.push_back({{"name", t.name}, {"dtype", dtype}, {"shape", t.global_shape},
-                       {"offsets", t.offsets}, {"sizes", sizes}});
+    sharded.push_back({{"name", t.name},
+                       {"dtype", dtype},
+                       {"shape", t.global_shape},
+                       {"offsets", t.offsets},
+                       {"sizes", sizes}});
     sharded_bytes += t.tensor.nbytes();
   }
   desc["replicated_xxh3"] = hex64(XXH3_64bits(replicated.data(), replicated.size()));
@@ -80,11 +90,16 @@ std::string check_descriptions(const std::vector<json>& descs) {
   }
   for (size_t r = 1; r < descs.size(); ++r) {
     if (descs[r]["step"] != descs[0]["step"]) {
-      return fmt::format("checkpoint: rank {} saves step {} but rank 0 saves step {}; every rank must save the same step",
-                         r, descs[r]["step"].dump(), descs[0]["step"].dump());
+      return fmt::format(
+          "checkpoint: rank {} saves step {} but rank 0 saves step {}; every rank must save the "
+          "same step",
+          r, descs[r]["step"].dump(), descs[0]["step"].dump());
     }
     if (descs[r]["replicated_xxh3"] != descs[0]["replicated_xxh3"]) {
-      return fmt::format("checkpoint: rank {} lists other replicated tensors (names, dtypes or shapes) than rank 0", r);
+      return fmt::format(
+          "checkpoint: rank {} lists other replicated tensors (names, dtypes or shapes) than rank "
+          "0",
+          r);
     }
   }
   struct Piece {
@@ -99,7 +114,8 @@ std::string check_descriptions(const std::vector<json>& descs) {
         return "checkpoint: the pieces of sharded tensor '" + s["name"].get<std::string>() +
                "' disagree on dtype or global shape across ranks";
       }
-      pieces.push_back({s["offsets"].get<std::vector<int64_t>>(), s["sizes"].get<std::vector<int64_t>>()});
+      pieces.push_back(
+          {s["offsets"].get<std::vector<int64_t>>(), s["sizes"].get<std::vector<int64_t>>()});
     }
   }
   for (const auto& [name, entry] : sharded) {
@@ -118,7 +134,8 @@ std::string check_descriptions(const std::vector<json>& descs) {
       }
     }
     if (covered != ckpt::element_count(meta["shape"].get<std::vector<int64_t>>())) {
-      return "checkpoint: the pieces of sharded tensor '" + name + "' do not cover the whole tensor";
+      return "checkpoint: the pieces of sharded tensor '" + name +
+             "' do not cover the whole tensor";
     }
   }
   return "";
@@ -127,7 +144,8 @@ std::string check_descriptions(const std::vector<json>& descs) {
 // Which rank writes each replicated tensor: largest first, each to the rank with the fewest bytes
 // so far (sharded bytes included; ties to the lowest rank). Deterministic, so every rank computes
 // the same plan from the same list.
-std::vector<int> plan_replicated(const std::vector<const StateTensor*>& replicated, const std::vector<json>& descs) {
+std::vector<int> plan_replicated(const std::vector<const StateTensor*>& replicated,
+                                 const std::vector<json>& descs) {
   std::vector<uint64_t> load(descs.size());
   for (size_t r = 0; r < descs.size(); ++r) load[r] = descs[r]["sharded_bytes"].get<uint64_t>();
   std::vector<size_t> order(replicated.size());
@@ -143,6 +161,36 @@ std::vector<int> plan_replicated(const std::vector<const StateTensor*>& replicat
     load[static_cast<size_t>(r)] += replicated[k]->tensor.nbytes();
   }
   return owner;
+}
+
+// Copies `live` into reusable CPU buffers (pinned when the source is on CUDA): real copies, never
+// aliases. Returns the copies, named.
+std::vector<std::pair<std::string, torch::Tensor>> stage(
+    std::vector<torch::Tensor>& buffers,
+    const std::vector<std::pair<std::string, torch::Tensor>>& live) {
+  torch::NoGradGuard no_grad;
+  if (buffers.size() < live.size()) buffers.resize(live.size());
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  bool any_cuda = false;
+  for (size_t k = 0; k < live.size(); ++k) {
+    const torch::Tensor& source = live[k].second;
+    torch::Tensor& buffer = buffers[k];
+    if (!buffer.defined() || buffer.sizes() != source.sizes() ||
+        buffer.scalar_type() != source.scalar_type()) {
+      buffer = torch::empty(
+          source.sizes(),
+          torch::TensorOptions().dtype(source.scalar_type()).pinned_memory(source.is_cuda()));
+    }
+    if (source.is_cpu() && source.is_contiguous()) {
+      if (source.nbytes() > 0) std::memcpy(buffer.data_ptr(), source.data_ptr(), source.nbytes());
+    } else {
+      buffer.copy_(source, /*non_blocking=*/source.is_cuda());
+      any_cuda = any_cuda || source.is_cuda();
+    }
+    out.emplace_back(live[k].first, buffer);
+  }
+  if (any_cuda) torch::cuda::synchronize();
+  return out;
 }
 
 void remove_quietly(const std::filesystem::path& path) {
@@ -186,6 +234,9 @@ struct Checkpointer::Job {
   CheckpointOptions options;
   std::filesystem::path tmp_dir, final_dir;
   std::vector<std::pair<std::string, torch::Tensor>> tensors;  // this rank's file, CPU tensors
+  std::vector<std::pair<std::string, torch::Tensor>>
+      sources;                                    // background staging: the live tensors
+  std::vector<torch::Tensor>* staging = nullptr;  // ... and the buffers to copy them into
   std::map<std::string, std::string> metadata;
   json index;  // rank 0: the index without files and byte ranges
   Clock::time_point begin;
@@ -194,22 +245,48 @@ struct Checkpointer::Job {
   std::condition_variable cv;
   Status status = Status::kWriting;
   std::string message;  // the written file's description, or the error
-  double write_seconds = 0;
+  double write_seconds = 0, staging_seconds = 0;
+  bool staged = true;  // false while background staging has not copied `sources` yet
   uint64_t bytes_written = 0, total_bytes = 0;
   bool commit_requested = false, abandon = false;
   std::vector<std::string> gathered;  // rank 0: every rank's "written" message
   std::thread thread;
 
   void run() {
+    if (!sources.empty() || !staged) {
+      const auto staging_begin = Clock::now();
+      std::string error;
+      try {
+        tensors = stage(*staging, sources);
+      } catch (const std::exception& e) {
+        error = std::string("staging failed: ") + e.what();
+      }
+      sources.clear();
+      {
+        std::lock_guard lock(mutex);
+        staged = true;
+        staging_seconds = seconds_since(staging_begin);
+        if (!error.empty()) {
+          status = Status::kFailed;
+          message = error;
+        }
+      }
+      cv.notify_all();
+      if (!error.empty()) return;
+    }
     const auto start = Clock::now();
     bool written = false;
     try {
       const std::string file = ckpt::rank_file_name(rank);
+      std::error_code ec;
+      std::filesystem::create_directories(tmp_dir, ec);
+      if (ec) throw UserError("cannot create " + tmp_dir.string() + ": " + ec.message());
       SafetensorsWriteResult result = write_safetensors(tmp_dir / file, tensors, metadata);
       json info = {{"file", file}, {"size_bytes", result.size_bytes}, {"xxh3", hex64(result.xxh3)}};
       json ranges = json::object();
       for (size_t k = 0; k < tensors.size(); ++k) {
-        ranges[tensors[k].first] = {result.tensor_byte_ranges[k].first, result.tensor_byte_ranges[k].second};
+        ranges[tensors[k].first] = {result.tensor_byte_ranges[k].first,
+                                    result.tensor_byte_ranges[k].second};
       }
       info["ranges"] = std::move(ranges);
       std::lock_guard lock(mutex);
@@ -256,7 +333,10 @@ struct Checkpointer::Job {
     for (size_t r = 0; r < gathered.size(); ++r) {
       json info = json::parse(gathered[r].substr(1));
       const std::string file = info["file"].get<std::string>();
-      files.push_back({{"name", file}, {"rank", r}, {"size_bytes", info["size_bytes"]}, {"xxh3", info["xxh3"]}});
+      files.push_back({{"name", file},
+                       {"rank", r},
+                       {"size_bytes", info["size_bytes"]},
+                       {"xxh3", info["xxh3"]}});
       total += info["size_bytes"].get<uint64_t>();
       for (const auto& [name, range] : info["ranges"].items()) ranges[{file, name}] = range;
     }
@@ -264,7 +344,8 @@ struct Checkpointer::Job {
     for (auto& [name, tensor] : index["tensors"].items()) {
       for (auto& chunk : tensor["chunks"]) {
         auto it = ranges.find({chunk["file"].get<std::string>(), chunk["name"].get<std::string>()});
-        if (it == ranges.end()) throw UserError("checkpoint: internal error: no byte range for " + name);
+        if (it == ranges.end())
+          throw UserError("checkpoint: internal error: no byte range for " + name);
         chunk["byte_range"] = it->second;
       }
     }
@@ -282,15 +363,18 @@ struct Checkpointer::Job {
     std::filesystem::rename(tmp_dir, final_dir, ec);
     if (ec) {
       if (!replaced.empty()) std::filesystem::rename(replaced, final_dir, ec);
-      throw UserError("cannot rename " + tmp_dir.string() + " to " + final_dir.string() + ": " + ec.message());
+      throw UserError("cannot rename " + tmp_dir.string() + " to " + final_dir.string() + ": " +
+                      ec.message());
     }
     fsync_directory(options.dir);
     if (!replaced.empty()) remove_quietly(replaced);
     write_file_atomic(options.dir / ckpt::kLatestFile, ckpt::step_dir_name(step) + "\n");
     try {
-      for (const auto& removed : prune_checkpoints(options.dir, options.keep_last_k, options.keep_every)) {
-        log::info("checkpoint: removed " + removed.string() + " (retention: keep_last_k = " +
-                  std::to_string(options.keep_last_k) + ", keep_every = " + std::to_string(options.keep_every) + ")");
+      for (const auto& removed :
+           prune_checkpoints(options.dir, options.keep_last_k, options.keep_every)) {
+        log::info("checkpoint: removed " + removed.string() +
+                  " (retention: keep_last_k = " + std::to_string(options.keep_last_k) +
+                  ", keep_every = " + std::to_string(options.keep_every) + ")");
       }
     } catch (const std::exception& e) {
       log::warn(std::string("checkpoint: retention failed (checkpoints kept): ") + e.what());
@@ -301,7 +385,8 @@ struct Checkpointer::Job {
 
 // ---- Checkpointer ------------------------------------------------------------------------------
 
-Checkpointer::Checkpointer(CheckpointOptions options, Communicator& comm) : options_(std::move(options)), comm_(comm) {
+Checkpointer::Checkpointer(CheckpointOptions options, Communicator& comm)
+    : options_(std::move(options)), comm_(comm) {
   if (options_.keep_last_k < 2) {
     throw UserError("checkpoint.keep_last_k = " + std::to_string(options_.keep_last_k) +
                     " must be >= 2 (a checkpoint being written must never be the only one)");
@@ -311,12 +396,16 @@ Checkpointer::Checkpointer(CheckpointOptions options, Communicator& comm) : opti
     try {
       std::error_code ec;
       std::filesystem::create_directories(options_.dir, ec);
-      if (ec) throw UserError("cannot create checkpoint directory " + options_.dir.string() + ": " + ec.message());
+      if (ec)
+        throw UserError("cannot create checkpoint directory " + options_.dir.string() + ": " +
+                        ec.message());
       for (const auto& item : std::filesystem::directory_iterator(options_.dir)) {
         const std::string name = item.path().filename().string();
         const bool stale_latest = name.rfind(std::string(ckpt::kLatestFile) + ".tmp.", 0) == 0;
-        if (stale_latest || (name.rfind("step-", 0) == 0 && (name.ends_with(".tmp") || name.ends_with(".replaced")))) {
-          log::info("checkpoint: removing " + item.path().string() + " (an unfinished save of an earlier run)");
+        if (stale_latest || (name.rfind("step-", 0) == 0 &&
+                             (name.ends_with(".tmp") || name.ends_with(".replaced")))) {
+          log::info("checkpoint: removing " + item.path().string() +
+                    " (an unfinished save of an earlier run)");
           remove_quietly(item.path());
         }
       }
@@ -336,7 +425,8 @@ Checkpointer::~Checkpointer() {
   job_->cv.notify_all();
   if (job_->thread.joinable()) job_->thread.join();
   if (comm_.rank() == 0) remove_quietly(job_->tmp_dir);
-  log::warn("checkpoint: the save of step " + std::to_string(job_->step) + " was not committed (abandoned)");
+  log::warn("checkpoint: the save of step " + std::to_string(job_->step) +
+            " was not committed (abandoned)");
 }
 
 std::shared_ptr<const SaveHandle> Checkpointer::save(SaveRequest request) {
@@ -356,23 +446,18 @@ std::shared_ptr<const SaveHandle> Checkpointer::save(SaveRequest request) {
   for (const auto& text : comm_.all_gather_bytes(mine.dump())) descs.push_back(json::parse(text));
   if (std::string problem = check_descriptions(descs); !problem.empty()) throw UserError(problem);
 
-  // 2. Rank 0 prepares step-<N>.tmp/; the others wait for it.
+  // 2. Every rank's writer thread creates step-<N>.tmp/ (idempotent), so no further round trip is
+  // needed here; stale .tmp directories were removed when the Checkpointer started, failed saves
+  // remove theirs.
   const std::filesystem::path tmp_dir = options_.dir / ckpt::tmp_dir_name(request.step);
-  std::string error;
-  if (rank == 0) {
-    std::error_code ec;
-    std::filesystem::remove_all(tmp_dir, ec);
-    std::filesystem::create_directories(tmp_dir, ec);
-    if (ec) error = "cannot create " + tmp_dir.string() + ": " + ec.message();
-  }
-  ckpt::agree(comm_, error);
 
   // 3. What this rank writes: its share of the replicated tensors and its own pieces.
   std::vector<const StateTensor*> replicated;
   for (const auto& t : request.tensors) {
     if (t.placement == Placement::kReplicated) replicated.push_back(&t);
   }
-  std::sort(replicated.begin(), replicated.end(), [](auto* a, auto* b) { return a->name < b->name; });
+  std::sort(replicated.begin(), replicated.end(),
+            [](auto* a, auto* b) { return a->name < b->name; });
   const std::vector<int> owner = plan_replicated(replicated, descs);
   std::vector<const StateTensor*> to_write;
   for (const auto& t : request.tensors) {
@@ -396,33 +481,25 @@ std::shared_ptr<const SaveHandle> Checkpointer::save(SaveRequest request) {
                    {"rank", std::to_string(rank)},
                    {"world_size", std::to_string(world)}};
 
-  // 4. Staging: async saves copy to CPU (into buffers reused across saves; pinned for CUDA), so
-  // training may change the live tensors meanwhile. Sync saves write the live CPU tensors.
-  const auto staging_begin = Clock::now();
-  {
-    torch::NoGradGuard no_grad;
-    bool any_cuda = false;
-    if (options_.async && staging_.size() < to_write.size()) staging_.resize(to_write.size());
-    for (size_t k = 0; k < to_write.size(); ++k) {
-      const torch::Tensor& live = to_write[k]->tensor;
-      torch::Tensor cpu;
-      if (options_.async) {
-        torch::Tensor& buffer = staging_[k];
-        if (!buffer.defined() || buffer.sizes() != live.sizes() || buffer.scalar_type() != live.scalar_type()) {
-          auto opts = torch::TensorOptions().dtype(live.scalar_type()).pinned_memory(live.is_cuda());
-          buffer = torch::empty(live.sizes(), opts);
-        }
-        buffer.copy_(live.detach(), /*non_blocking=*/live.is_cuda());
-        any_cuda = any_cuda || live.is_cuda();
-        cpu = buffer;
-      } else {
-        cpu = live.detach().to(torch::kCPU).contiguous();
-      }
-      job->tensors.emplace_back(to_write[k]->name, cpu);
-    }
-    if (any_cuda) torch::cuda::synchronize();
+  // 4. Staging. Sync saves write the live CPU tensors (training waits). Async saves copy them to
+  // CPU buffers reused across saves (pinned for CUDA) so training may change the live tensors:
+  // here, or with background_staging in the writer thread before it writes (wait_for_staging()
+  // fences the caller's next change of them).
+  std::vector<std::pair<std::string, torch::Tensor>> live;
+  for (const auto* t : to_write) live.emplace_back(t->name, t->tensor.detach());
+  double staging_seconds = 0;
+  if (!options_.async) {
+    for (auto& [name, tensor] : live)
+      job->tensors.emplace_back(name, tensor.to(torch::kCPU).contiguous());
+  } else if (options_.background_staging) {
+    job->sources = std::move(live);
+    job->staging = &staging_;
+    job->staged = false;
+  } else {
+    const auto staging_begin = Clock::now();
+    job->tensors = stage(staging_, live);
+    staging_seconds = seconds_since(staging_begin);
   }
-  const double staging_seconds = options_.async ? seconds_since(staging_begin) : 0.0;
 
   // 5. Rank 0 drafts the index (files and byte ranges are filled in at commit).
   if (rank == 0) {
@@ -430,19 +507,23 @@ std::shared_ptr<const SaveHandle> Checkpointer::save(SaveRequest request) {
     for (size_t k = 0; k < replicated.size(); ++k) {
       const auto& t = *replicated[k];
       const auto shape = shape_of(t.tensor);
-      tensors[t.name] = {{"dtype", safetensors_dtype(t.tensor.scalar_type())},
-                         {"shape", shape},
-                         {"placement", "replicated"},
-                         {"chunks", json::array({{{"file", ckpt::rank_file_name(owner[k])},
-                                                  {"name", t.name},
-                                                  {"offsets", std::vector<int64_t>(shape.size(), 0)},
-                                                  {"sizes", shape}}})}};
+      tensors[t.name] = {
+          {"dtype", safetensors_dtype(t.tensor.scalar_type())},
+          {"shape", shape},
+          {"placement", "replicated"},
+          {"chunks", json::array({{{"file", ckpt::rank_file_name(owner[k])},
+                                   {"name", t.name},
+                                   {"offsets", std::vector<int64_t>(shape.size(), 0)},
+                                   {"sizes", shape}}})}};
     }
     for (size_t r = 0; r < descs.size(); ++r) {
       for (const auto& s : descs[r]["sharded"]) {
         json& entry = tensors[s["name"].get<std::string>()];
         if (entry.is_null()) {
-          entry = {{"dtype", s["dtype"]}, {"shape", s["shape"]}, {"placement", "sharded"}, {"chunks", json::array()}};
+          entry = {{"dtype", s["dtype"]},
+                   {"shape", s["shape"]},
+                   {"placement", "sharded"},
+                   {"chunks", json::array()}};
         }
         entry["chunks"].push_back({{"file", ckpt::rank_file_name(static_cast<int>(r))},
                                    {"name", s["name"]},
@@ -458,7 +539,8 @@ std::shared_ptr<const SaveHandle> Checkpointer::save(SaveRequest request) {
                   {"world_size", world},
                   {"created_utc", utc_now_iso8601()},
                   {"tensors", std::move(tensors)},
-                  {"training_state", request.training_state.is_null() ? json::object() : request.training_state},
+                  {"training_state",
+                   request.training_state.is_null() ? json::object() : request.training_state},
                   {"ranks", std::move(ranks)}};
   }
 
@@ -481,6 +563,14 @@ std::shared_ptr<const SaveHandle> Checkpointer::save(SaveRequest request) {
   return handle;
 }
 
+double Checkpointer::wait_for_staging() {
+  if (!job_) return 0;
+  const auto begin = Clock::now();
+  std::unique_lock lock(job_->mutex);
+  job_->cv.wait(lock, [&] { return job_->staged; });
+  return seconds_since(begin);
+}
+
 void Checkpointer::poll() {
   if (job_) advance(/*blocking=*/false);
 }
@@ -490,8 +580,8 @@ void Checkpointer::wait() {
   const auto begin = Clock::now();
   const int64_t step = job_->step;
   advance(/*blocking=*/true);
-  log::info(fmt::format("checkpoint: waited {} for the save of step {} to finish", format_duration(seconds_since(begin)),
-                        step));
+  log::info(fmt::format("checkpoint: waited {} for the save of step {} to finish",
+                        format_duration(seconds_since(begin)), step));
 }
 
 void Checkpointer::advance(bool blocking) {
@@ -501,15 +591,29 @@ void Checkpointer::advance(bool blocking) {
     {
       std::unique_lock lock(job_->mutex);
       if (blocking) {
-        job_->cv.wait(lock, [&] { return job_->status != Status::kWriting && job_->status != Status::kCommitting; });
+        job_->cv.wait(lock, [&] {
+          return job_->status != Status::kWriting && job_->status != Status::kCommitting;
+        });
       }
       switch (job_->status) {
-        case Status::kWriting: mine = "W"; break;
-        case Status::kWritten: mine = "D" + job_->message; break;
-        case Status::kFailed: mine = "F" + job_->message; break;
-        case Status::kCommitting: mine = "C"; break;
-        case Status::kCommitted: mine = "K" + std::to_string(job_->total_bytes); break;
-        case Status::kCommitFailed: mine = "X" + job_->message; break;
+        case Status::kWriting:
+          mine = "W";
+          break;
+        case Status::kWritten:
+          mine = "D" + job_->message;
+          break;
+        case Status::kFailed:
+          mine = "F" + job_->message;
+          break;
+        case Status::kCommitting:
+          mine = "C";
+          break;
+        case Status::kCommitted:
+          mine = "K" + std::to_string(job_->total_bytes);
+          break;
+        case Status::kCommitFailed:
+          mine = "X" + job_->message;
+          break;
       }
     }
     const std::vector<std::string> all = comm_.all_gather_bytes(mine);
@@ -523,13 +627,15 @@ void Checkpointer::advance(bool blocking) {
       resolve("commit of step " + std::to_string(job_->step) + " failed: " + all[0].substr(1), 0);
       return;
     }
-    const bool waiting = rank0 == 'C' || std::any_of(all.begin(), all.end(), [](const std::string& s) {
-                           return s.empty() || s[0] == 'W';
-                         });
+    const bool waiting =
+        rank0 == 'C' || std::any_of(all.begin(), all.end(),
+                                    [](const std::string& s) { return s.empty() || s[0] == 'W'; });
     if (!waiting) {
       for (size_t r = 0; r < all.size(); ++r) {
         if (all[r][0] == 'F') {
-          resolve((all.size() > 1 ? "rank " + std::to_string(r) + ": " : std::string()) + all[r].substr(1), 0);
+          resolve((all.size() > 1 ? "rank " + std::to_string(r) + ": " : std::string()) +
+                      all[r].substr(1),
+                  0);
           return;
         }
       }
@@ -563,12 +669,14 @@ void Checkpointer::resolve(const std::string& error, uint64_t total_bytes) {
     h.stats_.bytes_written = job_->bytes_written;
     h.stats_.total_bytes = total_bytes;
     h.stats_.write_seconds = job_->write_seconds;
+    if (options_.background_staging) h.stats_.staging_seconds = job_->staging_seconds;
     h.stats_.total_seconds = total_seconds;
   }
   if (error.empty()) {
     if (comm_.rank() == 0) {
       log::info(fmt::format("checkpoint: step-{} committed ({} in {})", job_->step,
-                            format_bytes(static_cast<double>(total_bytes)), format_duration(total_seconds)));
+                            format_bytes(static_cast<double>(total_bytes)),
+                            format_duration(total_seconds)));
     }
   } else {
     log::error(job_->handle->error());
@@ -576,15 +684,16 @@ void Checkpointer::resolve(const std::string& error, uint64_t total_bytes) {
   job_.reset();
 }
 
-std::vector<std::filesystem::path> prune_checkpoints(const std::filesystem::path& dir, int64_t keep_last_k,
-                                                     int64_t keep_every) {
+std::vector<std::filesystem::path> prune_checkpoints(const std::filesystem::path& dir,
+                                                     int64_t keep_last_k, int64_t keep_every) {
   std::vector<CheckpointEntry> committed;
   for (auto& entry : list_checkpoints(dir)) {
     if (entry.committed) committed.push_back(std::move(entry));
   }
   std::vector<std::filesystem::path> removed;
   const int64_t n = static_cast<int64_t>(committed.size());
-  for (int64_t k = 0; k + std::max<int64_t>(keep_last_k, 1) < n; ++k) {  // the newest is always kept
+  for (int64_t k = 0; k + std::max<int64_t>(keep_last_k, 1) < n;
+       ++k) {  // the newest is always kept
     const auto& entry = committed[static_cast<size_t>(k)];
     if (keep_every > 0 && entry.step % keep_every == 0) continue;
     std::error_code ec;

@@ -1,6 +1,7 @@
 // The checkpoint rung: a restore drill across real processes (save, SIGKILL, restore in a fresh
 // process, resume, compare bitwise with an uninterrupted run).
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -9,7 +10,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <fmt/format.h>
 #include <fstream>
 #include <map>
 #include <thread>
@@ -41,13 +41,16 @@ std::string kiln_executable() {
   const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
   if (!ec && self.filename() == "kiln") return self.string();
   if (!ec) {
-    for (const auto& candidate : {self.parent_path() / "kiln", self.parent_path().parent_path() / "kiln"}) {
-      if (::access(candidate.c_str(), X_OK) == 0 && std::filesystem::is_regular_file(candidate, ec)) {
+    for (const auto& candidate :
+         {self.parent_path() / "kiln", self.parent_path().parent_path() / "kiln"}) {
+      if (::access(candidate.c_str(), X_OK) == 0 &&
+          std::filesystem::is_regular_file(candidate, ec)) {
         return candidate.string();
       }
     }
   }
-  throw UserError("checkpoint drill: cannot find the kiln executable to start; set KILN_EXECUTABLE");
+  throw UserError(
+      "checkpoint drill: cannot find the kiln executable to start; set KILN_EXECUTABLE");
 }
 
 // Starts argv[0] with stdout and stderr appended to `log`. Returns the child's pid.
@@ -62,7 +65,8 @@ pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& l
   pid_t pid = -1;
   const int rc = ::posix_spawn(&pid, argv[0].c_str(), &actions, nullptr, args.data(), environ);
   posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) throw UserError("checkpoint drill: cannot start " + argv[0] + ": " + std::strerror(rc));
+  if (rc != 0)
+    throw UserError("checkpoint drill: cannot start " + argv[0] + ": " + std::strerror(rc));
   return pid;
 }
 
@@ -96,7 +100,8 @@ bool bitwise_equal(const std::vector<std::pair<std::string, torch::Tensor>>& a,
   for (size_t k = 0; k < a.size(); ++k) {
     const auto& x = a[k].second;
     const auto& y = b[k].second;
-    if (a[k].first != b[k].first || x.scalar_type() != y.scalar_type() || x.sizes() != y.sizes()) return false;
+    if (a[k].first != b[k].first || x.scalar_type() != y.scalar_type() || x.sizes() != y.sizes())
+      return false;
     if (std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) != 0) return false;
   }
   return true;
@@ -116,14 +121,23 @@ RungResult drill(const Config& config) {
   const std::string exe = kiln_executable();
 
   auto train_args = [&](const std::string& name, int64_t every_steps) {
-    return std::vector<std::string>{exe, "train", (dir / "config.toml").string(),
-                                    "--set", "run.dir=" + dir.string(),
-                                    "--set", "run.name=" + name,
-                                    "--set", "run.progress=log",
-                                    "--set", "train.steps=" + std::to_string(total),
-                                    "--set", "train.eval_every=0",
-                                    "--set", "checkpoint.dir=" + (dir / name / "checkpoints").string(),
-                                    "--set", "checkpoint.every_steps=" + std::to_string(every_steps)};
+    return std::vector<std::string>{exe,
+                                    "train",
+                                    (dir / "config.toml").string(),
+                                    "--set",
+                                    "run.dir=" + dir.string(),
+                                    "--set",
+                                    "run.name=" + name,
+                                    "--set",
+                                    "run.progress=log",
+                                    "--set",
+                                    "train.steps=" + std::to_string(total),
+                                    "--set",
+                                    "train.eval_every=0",
+                                    "--set",
+                                    "checkpoint.dir=" + (dir / name / "checkpoints").string(),
+                                    "--set",
+                                    "checkpoint.every_steps=" + std::to_string(every_steps)};
   };
   json numbers = {{"drill_steps", half}, {"total_steps", total}, {"directory", dir.string()}};
   auto fail = [&](const std::string& why) {
@@ -138,7 +152,9 @@ RungResult drill(const Config& config) {
   auto begin = Clock::now();
   int code = wait_for(spawn(train_args("reference", total), dir / "reference.log"));
   numbers["reference_seconds"] = seconds_since(begin);
-  if (code != 0) return fail(fmt::format("the reference run exited with {} (see {})", code, (dir / "reference.log").string()));
+  if (code != 0)
+    return fail(fmt::format("the reference run exited with {} (see {})", code,
+                            (dir / "reference.log").string()));
 
   // 2. A run that saves at step K and is killed once that checkpoint is committed.
   const std::filesystem::path killed_ckpt = dir / "killed" / "checkpoints";
@@ -167,15 +183,16 @@ RungResult drill(const Config& config) {
   numbers["save_seconds"] = seconds_since(begin);
   std::error_code ec;
   if (!std::filesystem::exists(step_k / ckpt::kIndexFile, ec)) {
-    return fail(fmt::format("the run to be killed exited with {} before committing {} (see {})", killed_status,
-                            step_k.string(), (dir / "killed.log").string()));
+    return fail(fmt::format("the run to be killed exited with {} before committing {} (see {})",
+                            killed_status, step_k.string(), (dir / "killed.log").string()));
   }
 
   // 3. The committed checkpoint verifies.
   const VerifyReport report = verify_checkpoint(step_k);
   numbers["verify_ok"] = report.ok();
   numbers["checkpoint_bytes"] = report.bytes_checked;
-  if (!report.ok()) return fail("the committed checkpoint does not verify: " + report.problems.front());
+  if (!report.ok())
+    return fail("the committed checkpoint does not verify: " + report.problems.front());
   const CheckpointIndex index = read_checkpoint_index(step_k);
   const json& loader = index.ranks.at(0).at("loader");
   numbers["resume_epoch"] = loader.at("epoch");
@@ -188,7 +205,9 @@ RungResult drill(const Config& config) {
   begin = Clock::now();
   code = wait_for(spawn(resume_args, dir / "resumed.log"));
   numbers["resume_seconds"] = seconds_since(begin);
-  if (code != 0) return fail(fmt::format("the resumed run exited with {} (see {})", code, (dir / "resumed.log").string()));
+  if (code != 0)
+    return fail(fmt::format("the resumed run exited with {} (see {})", code,
+                            (dir / "resumed.log").string()));
 
   // 5. Compare with the reference.
   const auto reference_losses = read_losses(dir / "reference" / "metrics.jsonl");
@@ -202,12 +221,16 @@ RungResult drill(const Config& config) {
     equal += a->second == b->second;
     max_difference = std::max(max_difference, std::abs(a->second - b->second));
   }
-  const std::filesystem::path reference_final = dir / "reference" / "checkpoints" / ckpt::step_dir_name(total);
-  const std::filesystem::path resumed_final = dir / "resumed" / "checkpoints" / ckpt::step_dir_name(total);
-  const bool parameters_equal = bitwise_equal(ckpt::read_whole_tensors(reference_final, "model/", true),
-                                              ckpt::read_whole_tensors(resumed_final, "model/", true));
-  const bool optimizer_equal = bitwise_equal(ckpt::read_whole_tensors(reference_final, "optim/", true),
-                                             ckpt::read_whole_tensors(resumed_final, "optim/", true));
+  const std::filesystem::path reference_final =
+      dir / "reference" / "checkpoints" / ckpt::step_dir_name(total);
+  const std::filesystem::path resumed_final =
+      dir / "resumed" / "checkpoints" / ckpt::step_dir_name(total);
+  const bool parameters_equal =
+      bitwise_equal(ckpt::read_whole_tensors(reference_final, "model/", true),
+                    ckpt::read_whole_tensors(resumed_final, "model/", true));
+  const bool optimizer_equal =
+      bitwise_equal(ckpt::read_whole_tensors(reference_final, "optim/", true),
+                    ckpt::read_whole_tensors(resumed_final, "optim/", true));
   numbers["losses_compared"] = compared;
   numbers["losses_bitwise_equal"] = compared == half && equal == compared;
   numbers["max_abs_loss_difference"] = max_difference;
@@ -216,18 +239,23 @@ RungResult drill(const Config& config) {
   numbers["seconds"] = seconds_since(drill_begin);
   result.numbers = numbers;
   result.passed = compared == half && equal == compared && parameters_equal && optimizer_equal;
-  result.verdict = result.passed
-                       ? fmt::format("restored step {} in a fresh process{}: {} losses, parameters and optimizer state "
-                                     "bitwise equal to an uninterrupted run",
-                                     half, killed ? " after SIGKILL" : "", compared)
-                       : fmt::format("resume differs from the uninterrupted run: {}/{} losses equal (max |diff| {:.3g}), "
-                                     "parameters {}, optimizer state {}",
-                                     equal, half, max_difference, parameters_equal ? "equal" : "differ",
-                                     optimizer_equal ? "equal" : "differ");
+  result.verdict =
+      result.passed
+          ? fmt::format(
+                "restored step {} in a fresh process{}: {} losses, parameters and optimizer state "
+                "bitwise equal to an uninterrupted run",
+                half, killed ? " after SIGKILL" : "", compared)
+          : fmt::format(
+                "resume differs from the uninterrupted run: {}/{} losses equal (max |diff| "
+                "{:.3g}), "
+                "parameters {}, optimizer state {}",
+                equal, half, max_difference, parameters_equal ? "equal" : "differ",
+                optimizer_equal ? "equal" : "differ");
   result.table = {
-      {"checkpoint", fmt::format("step {} of {}, {} ({} in epoch {})", half, total,
-                                 format_bytes(static_cast<double>(report.bytes_checked)),
-                                 numbers["resume_batch_in_epoch"].dump(), numbers["resume_epoch"].dump())},
+      {"checkpoint",
+       fmt::format("step {} of {}, {} ({} in epoch {})", half, total,
+                   format_bytes(static_cast<double>(report.bytes_checked)),
+                   numbers["resume_batch_in_epoch"].dump(), numbers["resume_epoch"].dump())},
       {"kill", killed ? "SIGKILL after the commit" : "the run ended before the kill landed"},
       {"verify", "checksums and headers ok"},
       {"losses after resume", fmt::format("{}/{} bitwise equal", equal, compared)},
@@ -260,7 +288,8 @@ RungResult run_checkpoint_drill(const Config& config, const SessionOptions& opti
   }
   // The drill runs in single-process children started by rank 0; the other ranks learn its outcome.
   if (comm->world_size() > 1) {
-    json shared = {{"passed", result.passed}, {"verdict", result.verdict}, {"numbers", result.numbers}};
+    json shared = {
+        {"passed", result.passed}, {"verdict", result.verdict}, {"numbers", result.numbers}};
     shared = json::parse(comm->all_gather_bytes(comm->rank() == 0 ? shared.dump() : "")[0]);
     result.rung = "checkpoint";
     result.passed = shared["passed"].get<bool>();

@@ -15,9 +15,15 @@
 namespace kiln {
 namespace ckpt {
 
-std::string step_dir_name(int64_t step) { return "step-" + std::to_string(step); }
-std::string tmp_dir_name(int64_t step) { return step_dir_name(step) + ".tmp"; }
-std::string rank_file_name(int rank) { return "rank-" + std::to_string(rank) + ".safetensors"; }
+std::string step_dir_name(int64_t step) {
+  return "step-" + std::to_string(step);
+}
+std::string tmp_dir_name(int64_t step) {
+  return step_dir_name(step) + ".tmp";
+}
+std::string rank_file_name(int rank) {
+  return "rank-" + std::to_string(rank) + ".safetensors";
+}
 
 void agree(Communicator& comm, const std::string& local_error) {
   const std::vector<std::string> all = comm.all_gather_bytes(local_error);
@@ -77,9 +83,11 @@ class Fields {
     return value.get_ref<const std::string&>();
   }
   std::vector<int64_t> dims(const json& value, const std::string& where) const {
-    if (!value.is_array() || static_cast<int64_t>(value.size()) > kMaxDims) fail(where, "is not an array of at most 64 integers");
+    if (!value.is_array() || static_cast<int64_t>(value.size()) > kMaxDims)
+      fail(where, "is not an array of at most 64 integers");
     std::vector<int64_t> out;
-    for (size_t k = 0; k < value.size(); ++k) out.push_back(i64(value[k], where + "[" + std::to_string(k) + "]", uint64_t{1} << 40));
+    for (size_t k = 0; k < value.size(); ++k)
+      out.push_back(i64(value[k], where + "[" + std::to_string(k) + "]", uint64_t{1} << 40));
     return out;
   }
 
@@ -92,14 +100,15 @@ bool plain_file_name(const std::string& name) {
   if (name.empty() || name.size() > 255 || name == "." || name == "..") return false;
   if (name.find("..") != std::string::npos) return false;
   return std::all_of(name.begin(), name.end(), [](char c) {
-    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||
-           c == '-';
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+           c == '_' || c == '-';
   });
 }
 
 bool boxes_overlap(const ChunkInfo& a, const ChunkInfo& b) {
   for (size_t d = 0; d < a.offsets.size(); ++d) {
-    if (a.offsets[d] >= b.offsets[d] + b.sizes[d] || b.offsets[d] >= a.offsets[d] + a.sizes[d]) return false;
+    if (a.offsets[d] >= b.offsets[d] + b.sizes[d] || b.offsets[d] >= a.offsets[d] + a.sizes[d])
+      return false;
   }
   return true;
 }
@@ -115,7 +124,9 @@ uint64_t parse_hex64(const std::string& text, const Fields& f, const std::string
 
 }  // namespace
 
-uint64_t TensorInfo::bytes() const { return ckpt::element_count(shape) * c10::elementSize(dtype); }
+uint64_t TensorInfo::bytes() const {
+  return ckpt::element_count(shape) * c10::elementSize(dtype);
+}
 
 const TensorInfo* CheckpointIndex::find(std::string_view name) const {
   auto it = std::lower_bound(tensors.begin(), tensors.end(), name,
@@ -135,16 +146,19 @@ CheckpointIndex parse_checkpoint_index(std::string_view json_text, const std::st
   try {
     root = json::parse(json_text);
   } catch (const json::exception& e) {
-    throw UserError(source + ": not valid JSON (" + std::string(e.what()) + "); the index is corrupt");
+    throw UserError(source + ": not valid JSON (" + std::string(e.what()) +
+                    "); the index is corrupt");
   }
   if (!root.is_object()) f.fail("the top level", "is not an object");
   if (f.str(f.member(root, "format", "the index"), "format") != ckpt::kFormatName) {
     f.fail("format", "is not \"kiln-checkpoint\"");
   }
   CheckpointIndex index;
-  const int64_t version = f.i64(f.member(root, "format_version", "the index"), "format_version", 1 << 20);
+  const int64_t version =
+      f.i64(f.member(root, "format_version", "the index"), "format_version", 1 << 20);
   if (version != kCheckpointFormatVersion) {
-    throw UserError(source + ": format_version " + std::to_string(version) + " is not supported (this kiln reads " +
+    throw UserError(source + ": format_version " + std::to_string(version) +
+                    " is not supported (this kiln reads " +
                     std::to_string(kCheckpointFormatVersion) + "); use the kiln that wrote it");
   }
   index.format_version = static_cast<int>(version);
@@ -159,9 +173,11 @@ CheckpointIndex parse_checkpoint_index(std::string_view json_text, const std::st
     }
   }
   index.step = f.i64(f.member(root, "step", "the index"), "step");
-  index.world_size = static_cast<int>(f.i64(f.member(root, "world_size", "the index"), "world_size", kMaxWorldSize));
+  index.world_size = static_cast<int>(
+      f.i64(f.member(root, "world_size", "the index"), "world_size", kMaxWorldSize));
   if (index.world_size < 1) f.fail("world_size", "is 0");
-  if (auto it = root.find("created_utc"); it != root.end()) index.created_utc = f.str(*it, "created_utc");
+  if (auto it = root.find("created_utc"); it != root.end())
+    index.created_utc = f.str(*it, "created_utc");
 
   const json& files = f.member(root, "files", "the index");
   if (!files.is_array()) f.fail("files", "is not an array");
@@ -172,13 +188,17 @@ CheckpointIndex parse_checkpoint_index(std::string_view json_text, const std::st
     info.name = f.str(f.member(files[k], "name", where), where + ".name");
     if (!plain_file_name(info.name)) {
       f.fail(where + ".name \"" + info.name + "\"",
-             "is not a plain file name inside the checkpoint directory (no '/', no '..', not absolute)");
+             "is not a plain file name inside the checkpoint directory (no '/', no '..', not "
+             "absolute)");
     }
-    info.rank = static_cast<int>(f.i64(f.member(files[k], "rank", where), where + ".rank", kMaxWorldSize));
+    info.rank =
+        static_cast<int>(f.i64(f.member(files[k], "rank", where), where + ".rank", kMaxWorldSize));
     if (info.rank >= index.world_size) f.fail(where + ".rank", "is not below world_size");
     info.size_bytes = f.u64(f.member(files[k], "size_bytes", where), where + ".size_bytes");
-    info.xxh3 = parse_hex64(f.str(f.member(files[k], "xxh3", where), where + ".xxh3"), f, where + ".xxh3");
-    if (!file_by_name.emplace(info.name, k).second) f.fail(where + ".name", "repeats \"" + info.name + "\"");
+    info.xxh3 =
+        parse_hex64(f.str(f.member(files[k], "xxh3", where), where + ".xxh3"), f, where + ".xxh3");
+    if (!file_by_name.emplace(info.name, k).second)
+      f.fail(where + ".name", "repeats \"" + info.name + "\"");
     index.files.push_back(std::move(info));
   }
 
@@ -189,7 +209,8 @@ CheckpointIndex parse_checkpoint_index(std::string_view json_text, const std::st
     TensorInfo info;
     info.name = name;
     try {
-      info.dtype = safetensors_dtype_from_name(f.str(f.member(value, "dtype", where), where + ".dtype"));
+      info.dtype =
+          safetensors_dtype_from_name(f.str(f.member(value, "dtype", where), where + ".dtype"));
     } catch (const UserError& e) {
       f.fail(where + ".dtype", "is not valid (" + std::string(e.what()) + ")");
     }
@@ -204,7 +225,8 @@ CheckpointIndex parse_checkpoint_index(std::string_view json_text, const std::st
     }
     uint64_t numel = 1;
     for (int64_t d : info.shape) {
-      if (d != 0 && numel > (uint64_t{1} << 50) / static_cast<uint64_t>(d)) f.fail(where + ".shape", "is too large");
+      if (d != 0 && numel > (uint64_t{1} << 50) / static_cast<uint64_t>(d))
+        f.fail(where + ".shape", "is too large");
       numel *= static_cast<uint64_t>(d);
     }
     const json& chunks = f.member(value, "chunks", where);
@@ -217,7 +239,8 @@ CheckpointIndex parse_checkpoint_index(std::string_view json_text, const std::st
       ChunkInfo chunk;
       chunk.file = f.str(f.member(chunks[c], "file", cw), cw + ".file");
       if (!file_by_name.count(chunk.file)) {
-        f.fail(cw + ".file \"" + chunk.file + "\"", "is not listed in files (or is not a plain file name)");
+        f.fail(cw + ".file \"" + chunk.file + "\"",
+               "is not listed in files (or is not a plain file name)");
       }
       chunk.name = f.str(f.member(chunks[c], "name", cw), cw + ".name");
       chunk.offsets = f.dims(f.member(chunks[c], "offsets", cw), cw + ".offsets");
@@ -226,7 +249,8 @@ CheckpointIndex parse_checkpoint_index(std::string_view json_text, const std::st
         f.fail(cw, "has offsets/sizes of another rank than the tensor's shape");
       }
       for (size_t d = 0; d < info.shape.size(); ++d) {
-        if (chunk.offsets[d] + chunk.sizes[d] > info.shape[d]) f.fail(cw, "extends outside the tensor");
+        if (chunk.offsets[d] + chunk.sizes[d] > info.shape[d])
+          f.fail(cw, "extends outside the tensor");
       }
       const json& range = f.member(chunks[c], "byte_range", cw);
       if (!range.is_array() || range.size() != 2) f.fail(cw + ".byte_range", "is not [begin, end]");
@@ -238,9 +262,11 @@ CheckpointIndex parse_checkpoint_index(std::string_view json_text, const std::st
         f.fail(cw + ".byte_range", "does not match its sizes and dtype");
       }
       const auto& file = index.files[file_by_name.at(chunk.file)];
-      if (chunk.byte_end > file.size_bytes) f.fail(cw + ".byte_range", "extends past the end of " + chunk.file);
+      if (chunk.byte_end > file.size_bytes)
+        f.fail(cw + ".byte_range", "extends past the end of " + chunk.file);
       for (const auto& other : info.chunks) {
-        if (chunk_numel > 0 && ckpt::element_count(other.sizes) > 0 && boxes_overlap(chunk, other)) {
+        if (chunk_numel > 0 && ckpt::element_count(other.sizes) > 0 &&
+            boxes_overlap(chunk, other)) {
           f.fail(cw, "overlaps another chunk of the tensor");
         }
       }
@@ -287,7 +313,8 @@ VerifyReport verify_checkpoint(const std::filesystem::path& step_dir) {
   }
   std::map<std::string, std::vector<std::pair<const TensorInfo*, const ChunkInfo*>>> chunks_by_file;
   for (const auto& tensor : index.tensors) {
-    for (const auto& chunk : tensor.chunks) chunks_by_file[chunk.file].emplace_back(&tensor, &chunk);
+    for (const auto& chunk : tensor.chunks)
+      chunks_by_file[chunk.file].emplace_back(&tensor, &chunk);
   }
   for (const auto& file : index.files) {
     const std::filesystem::path path = step_dir / file.name;
@@ -298,16 +325,18 @@ VerifyReport verify_checkpoint(const std::filesystem::path& step_dir) {
       continue;
     }
     if (size != file.size_bytes) {
-      report.problems.push_back(path.string() + ": " + std::to_string(size) + " bytes, the index says " +
-                                std::to_string(file.size_bytes) + " (truncated or replaced)");
+      report.problems.push_back(path.string() + ": " + std::to_string(size) +
+                                " bytes, the index says " + std::to_string(file.size_bytes) +
+                                " (truncated or replaced)");
       continue;
     }
     try {
       const uint64_t hash = hash_file(path);
       report.bytes_checked += size;
       if (hash != file.xxh3) {
-        report.problems.push_back(path.string() + ": xxh3 " + hex64(hash) + " does not match the index (" +
-                                  hex64(file.xxh3) + "); the file is damaged");
+        report.problems.push_back(path.string() + ": xxh3 " + hex64(hash) +
+                                  " does not match the index (" + hex64(file.xxh3) +
+                                  "); the file is damaged");
         continue;
       }
       const SafetensorsHeader header = read_safetensors_header(path);
@@ -315,9 +344,11 @@ VerifyReport verify_checkpoint(const std::filesystem::path& step_dir) {
         auto it = std::find_if(header.tensors.begin(), header.tensors.end(),
                                [&](const SafetensorsEntry& e) { return e.name == chunk->name; });
         if (it == header.tensors.end()) {
-          report.problems.push_back(path.string() + ": has no tensor '" + chunk->name + "' (index: " + tensor->name + ")");
+          report.problems.push_back(path.string() + ": has no tensor '" + chunk->name +
+                                    "' (index: " + tensor->name + ")");
         } else if (it->dtype != tensor->dtype || it->shape != chunk->sizes ||
-                   header.data_start + it->begin != chunk->byte_begin || header.data_start + it->end != chunk->byte_end) {
+                   header.data_start + it->begin != chunk->byte_begin ||
+                   header.data_start + it->end != chunk->byte_end) {
           report.problems.push_back(path.string() + ": tensor '" + chunk->name +
                                     "' has another dtype, shape or byte range than the index says");
         }
@@ -342,7 +373,9 @@ std::vector<CheckpointEntry> list_checkpoints(const std::filesystem::path& dir) 
       digits.resize(digits.size() - 4);
       committed = false;
     }
-    if (digits.empty() || digits.size() > 18 || !std::all_of(digits.begin(), digits.end(), ::isdigit)) continue;
+    if (digits.empty() || digits.size() > 18 ||
+        !std::all_of(digits.begin(), digits.end(), ::isdigit))
+      continue;
     out.push_back({std::stoll(digits), item.path(), committed});
   }
   std::sort(out.begin(), out.end(), [](const CheckpointEntry& a, const CheckpointEntry& b) {
@@ -359,7 +392,8 @@ std::filesystem::path resolve_checkpoint_path(const std::filesystem::path& path)
   for (auto it = entries.rbegin(); it != entries.rend(); ++it) {
     if (it->committed) return it->path;
   }
-  throw UserError(path.string() + " holds no committed checkpoint (no index.json and no step-<N>/ directory)");
+  throw UserError(path.string() +
+                  " holds no committed checkpoint (no index.json and no step-<N>/ directory)");
 }
 
 }  // namespace kiln

@@ -34,7 +34,7 @@ uint64_t element_count(const std::vector<int64_t>& shape);
 
 /// Reads the whole tensors of a checkpoint whose names start with `prefix`, reassembled from their
 /// chunks, in name order. Verifies checksums first when `verify`. Single-process.
-std::vector<std::pair<std::string, torch::Tensor>> read_whole_tensors(const std::filesystem::path& step_dir,
-                                                                      const std::string& prefix, bool verify);
+std::vector<std::pair<std::string, torch::Tensor>> read_whole_tensors(
+    const std::filesystem::path& step_dir, const std::string& prefix, bool verify);
 
 }  // namespace kiln::ckpt

@@ -18,15 +18,20 @@ namespace {
 
 using nlohmann::json;
 
-std::string cpu_rng_name(int rank) { return "rng/rank-" + std::to_string(rank) + "/cpu"; }
+std::string cpu_rng_name(int rank) {
+  return "rng/rank-" + std::to_string(rank) + "/cpu";
+}
 std::string cuda_rng_name(int rank, int device) {
   return "rng/rank-" + std::to_string(rank) + "/cuda-" + std::to_string(device);
 }
 
-int cuda_device_count() { return torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0; }
+int cuda_device_count() {
+  return torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
+}
 
 at::Generator cuda_generator(int device) {
-  return at::globalContext().defaultGenerator(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
+  return at::globalContext().defaultGenerator(
+      at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
 }
 
 torch::Tensor generator_state(at::Generator generator) {
@@ -47,11 +52,19 @@ StateTensor own_tensor(std::string name, torch::Tensor tensor) {
 }
 
 // Model parameters and buffers, and optimizer state: the live tensors (load writes into them).
-std::vector<StateTensor> model_and_optimizer(Trainer& trainer) {
+// For saving, buffers are copied now: a forward pass may update them (batch-norm statistics)
+// before a background save has staged them; parameters and optimizer state change only in the
+// optimizer step, which the CheckpointHook fences.
+std::vector<StateTensor> model_and_optimizer(Trainer& trainer, bool copy_buffers) {
+  torch::NoGradGuard no_grad;
   std::vector<StateTensor> tensors;
-  for (const auto& item : trainer.model().named_parameters()) tensors.push_back({"model/" + item.key(), item.value()});
-  for (const auto& item : trainer.model().named_buffers()) tensors.push_back({"model/" + item.key(), item.value()});
-  for (const auto& [name, tensor] : trainer.optimizer().state()) tensors.push_back({"optim/" + name, tensor});
+  for (const auto& item : trainer.model().named_parameters())
+    tensors.push_back({"model/" + item.key(), item.value()});
+  for (const auto& item : trainer.model().named_buffers()) {
+    tensors.push_back({"model/" + item.key(), copy_buffers ? item.value().clone() : item.value()});
+  }
+  for (const auto& [name, tensor] : trainer.optimizer().state())
+    tensors.push_back({"optim/" + name, tensor});
   return tensors;
 }
 
@@ -71,7 +84,8 @@ LoaderPosition resume_position(Trainer& trainer, const CheckpointIndex& index, i
   const int world = trainer.options().world_size;
   const int64_t batch_size = trainer.loader().options().batch_size;
   const json& saved = index.ranks.at(static_cast<size_t>(index.world_size == world ? rank : 0));
-  if (!saved.contains("loader")) throw UserError("checkpoint has no loader position (not a training checkpoint)");
+  if (!saved.contains("loader"))
+    throw UserError("checkpoint has no loader position (not a training checkpoint)");
   const json& loader = saved["loader"];
   LoaderPosition position{loader.at("epoch").get<int64_t>(), loader.at("batch").get<int64_t>()};
   const int64_t saved_batch_size = loader.value("batch_size", batch_size);
@@ -80,9 +94,10 @@ LoaderPosition resume_position(Trainer& trainer, const CheckpointIndex& index, i
   const int64_t consumed = position.batch * saved_batch_size * saved_world;
   const int64_t global_batch = batch_size * world;
   if (consumed % global_batch != 0) {
-    log::warn(fmt::format("checkpoint: {} samples of epoch {} were consumed at world size {} x batch {}; at world "
-                          "size {} x batch {} the epoch resumes at the nearest earlier batch",
-                          consumed, position.epoch, saved_world, saved_batch_size, world, batch_size));
+    log::warn(fmt::format(
+        "checkpoint: {} samples of epoch {} were consumed at world size {} x batch {}; at world "
+        "size {} x batch {} the epoch resumes at the nearest earlier batch",
+        consumed, position.epoch, saved_world, saved_batch_size, world, batch_size));
   }
   position.batch = consumed / global_batch;
   if (position.batch >= trainer.loader().sampler().batches_per_epoch()) {
@@ -92,7 +107,8 @@ LoaderPosition resume_position(Trainer& trainer, const CheckpointIndex& index, i
 }
 
 // Loads one checkpoint into the trainer. Throws UserError; the trainer is untouched then.
-LoadResult restore_from(Trainer& trainer, Communicator& comm, const std::filesystem::path& step_dir) {
+LoadResult restore_from(Trainer& trainer, Communicator& comm,
+                        const std::filesystem::path& step_dir) {
   CheckpointIndex index;
   std::string error;
   try {
@@ -102,14 +118,16 @@ LoadResult restore_from(Trainer& trainer, Communicator& comm, const std::filesys
   }
   ckpt::agree(comm, error);
   const int rank = comm.rank();
-  std::vector<StateTensor> targets = model_and_optimizer(trainer);
+  std::vector<StateTensor> targets = model_and_optimizer(trainer, /*copy_buffers=*/false);
   // RNG states: this rank's, when the saving world had this rank and the generator matches.
   std::vector<std::pair<at::Generator, size_t>> generators;
   auto add_rng = [&](const std::string& name, at::Generator generator) {
     const TensorInfo* info = index.find(name);
     torch::Tensor current = generator_state(generator);
-    if (!info || info->shape != std::vector<int64_t>(current.sizes().begin(), current.sizes().end())) {
-      log::warn("checkpoint: " + step_dir.string() + " has no " + name + "; that generator keeps its seeded state");
+    if (!info ||
+        info->shape != std::vector<int64_t>(current.sizes().begin(), current.sizes().end())) {
+      log::warn("checkpoint: " + step_dir.string() + " has no " + name +
+                "; that generator keeps its seeded state");
       return;
     }
     generators.emplace_back(generator, targets.size());
@@ -145,19 +163,22 @@ LoadResult restore_from(Trainer& trainer, Communicator& comm, const std::filesys
                                      ? state["config_hash"].get<std::string>()
                                      : "?";
   if (saved_hash != config.hash()) {
-    log::warn("checkpoint: " + step_dir.string() + " was saved with another config (hash " + saved_hash + ", now " +
-              config.hash() + ")");
+    log::warn("checkpoint: " + step_dir.string() + " was saved with another config (hash " +
+              saved_hash + ", now " + config.hash() + ")");
   }
   const json* saved_lr = state.contains("lr_schedule") && state["lr_schedule"].is_object() &&
-                                 state["lr_schedule"].contains("next_lr") && state["lr_schedule"]["next_lr"].is_number()
+                                 state["lr_schedule"].contains("next_lr") &&
+                                 state["lr_schedule"]["next_lr"].is_number()
                              ? &state["lr_schedule"]["next_lr"]
                              : nullptr;
   if (saved_lr && saved_lr->get<double>() != learning_rate(config, step)) {
-    log::warn(fmt::format("checkpoint: the learning-rate schedule changed: step {} had lr {} when saved, the config "
-                          "now gives {}", step + 1, saved_lr->get<double>(), learning_rate(config, step)));
+    log::warn(fmt::format(
+        "checkpoint: the learning-rate schedule changed: step {} had lr {} when saved, the config "
+        "now gives {}",
+        step + 1, saved_lr->get<double>(), learning_rate(config, step)));
   }
-  log::info(fmt::format("resumed from {} at step {} (epoch {}, batch {})", step_dir.string(), step, position.epoch,
-                        position.batch));
+  log::info(fmt::format("resumed from {} at step {} (epoch {}, batch {})", step_dir.string(), step,
+                        position.epoch, position.batch));
   return result;
 }
 
@@ -170,21 +191,25 @@ CheckpointOptions checkpoint_options(const Config& config, const std::filesystem
   options.keep_last_k = config.get_int("checkpoint.keep_last_k");
   options.keep_every = config.get_int("checkpoint.keep_every");
   options.async = config.get_bool("checkpoint.async");
+  options.background_staging = options.async;  // CheckpointHook fences before the optimizer step
   return options;
 }
 
-SaveRequest capture_training_state(Trainer& trainer, Communicator& comm, const std::filesystem::path& manifest) {
+SaveRequest capture_training_state(Trainer& trainer, Communicator& comm,
+                                   const std::filesystem::path& manifest) {
   const Config& config = trainer.config();
   const int rank = comm.rank();
   SaveRequest request;
   request.step = trainer.step();
-  request.tensors = model_and_optimizer(trainer);
-  request.tensors.push_back(own_tensor(cpu_rng_name(rank), generator_state(at::detail::getDefaultCPUGenerator())));
+  request.tensors = model_and_optimizer(trainer, /*copy_buffers=*/true);
+  request.tensors.push_back(
+      own_tensor(cpu_rng_name(rank), generator_state(at::detail::getDefaultCPUGenerator())));
   json cuda = nullptr;
   if (const int devices = cuda_device_count(); devices > 0) {
     cuda = json::array();
     for (int d = 0; d < devices; ++d) {
-      request.tensors.push_back(own_tensor(cuda_rng_name(rank, d), generator_state(cuda_generator(d))));
+      request.tensors.push_back(
+          own_tensor(cuda_rng_name(rank, d), generator_state(cuda_generator(d))));
       cuda.push_back(cuda_rng_name(rank, d));
     }
   }
@@ -216,7 +241,8 @@ SaveRequest capture_training_state(Trainer& trainer, Communicator& comm, const s
 }
 
 std::optional<LoadResult> restore_training_state(Trainer& trainer, Communicator& comm,
-                                                 const std::filesystem::path& path, bool dir_fallback) {
+                                                 const std::filesystem::path& path,
+                                                 bool dir_fallback) {
   if (!dir_fallback) return restore_from(trainer, comm, path);
   json steps = json::array();
   if (comm.rank() == 0) {
@@ -237,8 +263,9 @@ std::optional<LoadResult> restore_training_state(Trainer& trainer, Communicator&
                 (k > 0 ? "; falling back to the previous checkpoint" : ""));
     }
   }
-  throw UserError("no loadable checkpoint in " + path.string() + " (" + std::to_string(steps.size()) +
-                  " tried; the newest failed with: " + newest_error + "); run `kiln ckpt list " + path.string() + "`");
+  throw UserError("no loadable checkpoint in " + path.string() + " (" +
+                  std::to_string(steps.size()) + " tried; the newest failed with: " + newest_error +
+                  "); run `kiln ckpt list " + path.string() + "`");
 }
 
 // ---- CheckpointHook ----------------------------------------------------------------------------
@@ -257,8 +284,9 @@ void CheckpointHook::check() {
     const auto& handle = saves_[checked_++];
     if (handle->committed()) continue;
     if (stop_on_error_) {
-      throw TrainingError(handle->error() + "; the previous checkpoints are intact; free space in " +
-                          checkpointer_.options().dir.string() + " or set checkpoint.on_save_error = \"continue\"");
+      throw TrainingError(
+          handle->error() + "; the previous checkpoints are intact; free space in " +
+          checkpointer_.options().dir.string() + " or set checkpoint.on_save_error = \"continue\"");
     }
     log::warn("checkpoint: training continues without the step " + std::to_string(handle->step()) +
               " checkpoint (checkpoint.on_save_error = \"continue\")");
@@ -266,10 +294,23 @@ void CheckpointHook::check() {
 }
 
 void CheckpointHook::save(Trainer& trainer) {
-  checkpointer_.wait();  // at most one save in flight; its failure is acted on before the next starts
+  checkpointer_
+      .wait();  // at most one save in flight; its failure is acted on before the next starts
   check();
   saves_.push_back(checkpointer_.save(capture_training_state(trainer, comm_, manifest_)));
   last_saved_step_ = trainer.step();
+}
+
+void CheckpointHook::on_train_begin(Trainer& trainer) {
+  // A resumed run starts at the step of the checkpoint it came from: no need to save that again.
+  if (trainer.step() > 0 && last_saved_step_ < 0) last_saved_step_ = trainer.step();
+}
+
+void CheckpointHook::on_gradients_ready(Trainer& trainer) {
+  if (!checkpointer_.in_flight()) return;
+  trainer.phase_begin(Phase::kCheckpoint);
+  checkpointer_.wait_for_staging();  // the optimizer step is about to change the saved tensors
+  trainer.phase_end(Phase::kCheckpoint);
 }
 
 void CheckpointHook::on_step_end(Trainer& trainer, const StepStats&) {
@@ -307,7 +348,8 @@ std::shared_ptr<CheckpointHook> attach_checkpointing(Session& session, const std
   const CheckpointOptions options = checkpoint_options(session.config, session.run->dir());
   if (resume == "auto") {
     if (!restore_training_state(trainer, comm, options.dir, /*dir_fallback=*/true)) {
-      log::info("--resume auto: no checkpoint in " + options.dir.string() + "; training starts at step 0");
+      log::info("--resume auto: no checkpoint in " + options.dir.string() +
+                "; training starts at step 0");
     }
   } else if (!resume.empty()) {
     const std::filesystem::path path(resume);
@@ -315,14 +357,17 @@ std::shared_ptr<CheckpointHook> attach_checkpointing(Session& session, const std
     if (std::filesystem::is_regular_file(path / ckpt::kIndexFile, ec)) {
       restore_training_state(trainer, comm, path, /*dir_fallback=*/false);
     } else if (!std::filesystem::is_directory(path, ec)) {
-      throw UserError("--resume " + resume + ": no such checkpoint (give a step-<N> directory, a checkpoint "
+      throw UserError("--resume " + resume +
+                      ": no such checkpoint (give a step-<N> directory, a checkpoint "
                       "directory, or auto)");
     } else if (!restore_training_state(trainer, comm, path, /*dir_fallback=*/true)) {
-      throw UserError("--resume " + resume + ": holds no committed checkpoint (no index.json, no step-<N>/)");
+      throw UserError("--resume " + resume +
+                      ": holds no committed checkpoint (no index.json, no step-<N>/)");
     }
   }
   if (session.config.get_int("checkpoint.every_steps") <= 0) return nullptr;
-  auto hook = std::make_shared<CheckpointHook>(session.config, options, comm, session.run->dir() / "manifest.json");
+  auto hook = std::make_shared<CheckpointHook>(session.config, options, comm,
+                                               session.run->dir() / "manifest.json");
   trainer.add_hook(hook);
   return hook;
 }

@@ -14,12 +14,13 @@ void add_train_command(CLI::App& app, Action& action) {
   auto args = std::make_shared<ConfigArgs>();
   args->add_to(*command);
   auto resume = std::make_shared<std::string>();
-  command->add_option("--resume", *resume, "auto (the newest valid checkpoint in checkpoint.dir, if any) or a checkpoint path");
+  command->add_option("--resume", *resume,
+                      "auto (the newest valid checkpoint in checkpoint.dir, if any) or a checkpoint path");
   command->callback([&action, args, resume] {
     action = [args, resume] {
       Config config = args->load();
       auto session = open_session(config, {process_argv()});
-      auto checkpointing = attach_checkpointing(*session, *resume);  // --resume; checkpoint.every_steps
+      auto checkpointing = attach_checkpointing(*session, *resume);  // --resume, [checkpoint]
       TrainSummary s = session->trainer->fit(config.get_int("train.steps"), session->run.get());
       const bool tokens = s.tokens_per_second > 0;
       fmt::print("\ntrained {} steps in {} | loss {:.4f} -> {:.4f} | val_loss {:.4f}{} | {:.0f} {}\n",

@@ -37,7 +37,8 @@ const std::vector<Rung>& ladder_rungs() {
          auto session = open_session(config, options);
          return run_baseline(*session);
        }},
-      {"checkpoint", [](const Config& config) { return config.get_bool("checkpoint.drill"); }, run_checkpoint_drill},
+      {"checkpoint", [](const Config& config) { return config.get_bool("checkpoint.drill"); },
+       run_checkpoint_drill},
   };
   return rungs;
 }

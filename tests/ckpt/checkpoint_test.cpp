@@ -1,6 +1,8 @@
 // The checkpoint library: the commit protocol, async staging, retention, per-rank parallel writes,
 // resharding across world sizes, sharded reads of only the overlapping bytes, and loads that never
 // touch the live state unless everything verified. Multi-rank cases use thread-backed ranks.
+#include "kiln/checkpoint.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -11,7 +13,6 @@
 #include "ckpt/ckpt_helpers.h"
 #include "ckpt/thread_comm.h"
 #include "core/files.h"
-#include "kiln/checkpoint.h"
 #include "kiln/error.h"
 #include "kiln/safetensors.h"
 
@@ -39,7 +40,8 @@ torch::Tensor iota(int64_t rows, int64_t cols) {
 }
 
 // Rank r's piece of `whole`, split along `dim` into `world` nearly equal parts.
-StateTensor shard_of(const std::string& name, const torch::Tensor& whole, int64_t dim, int rank, int world) {
+StateTensor shard_of(const std::string& name, const torch::Tensor& whole, int64_t dim, int rank,
+                     int world) {
   const int64_t n = whole.size(dim), per = (n + world - 1) / world;
   const int64_t begin = std::min<int64_t>(n, per * rank), end = std::min<int64_t>(n, begin + per);
   StateTensor t;
@@ -129,6 +131,31 @@ TEST(Ckpt, AsyncSaveStagesRealCopies) {
   EXPECT_TRUE(torch::equal(loaded[0].tensor, before));
 }
 
+TEST(Ckpt, BackgroundStagingCopiesBeforeTheFenceReturns) {
+  TempDir dir;
+  auto comm = single_process_communicator();
+  auto state = replicated_state(2);
+  std::vector<torch::Tensor> before;
+  for (const auto& t : state) before.push_back(t.tensor.clone());
+  CheckpointOptions options = options_for(dir.path(), /*async=*/true);
+  options.background_staging = true;
+  Checkpointer checkpointer(options, *comm);
+  for (int64_t step = 1; step <= 2; ++step) {  // the second save reuses the staging buffers
+    auto handle = checkpointer.save(request(step, state));
+    checkpointer.wait_for_staging();
+    for (auto& t : state) t.tensor.add_(1);  // the optimizer step, after the fence
+    checkpointer.wait();
+    ASSERT_TRUE(handle->committed()) << handle->error();
+    EXPECT_GE(handle->stats().staging_seconds, 0.0);
+    auto loaded = empty_like(state);
+    load_checkpoint(dir / ("step-" + std::to_string(step)), loaded, *comm);
+    for (size_t k = 0; k < state.size(); ++k) {
+      EXPECT_TRUE(torch::equal(loaded[k].tensor, before[k] + (step - 1))) << state[k].name;
+    }
+  }
+  EXPECT_EQ(checkpointer.wait_for_staging(), 0.0);  // nothing in flight
+}
+
 TEST(Ckpt, AtMostOneSaveInFlight) {
   TempDir dir;
   auto comm = single_process_communicator();
@@ -159,14 +186,17 @@ TEST(Ckpt, RetentionKeepsLastKAndKeepEvery) {
 
 TEST(Ckpt, PruneNeverRemovesTheNewestNorOneBeingWritten) {
   TempDir dir;
-  for (int step : {1, 2, 3, 4, 5}) std::filesystem::create_directories(dir / ("step-" + std::to_string(step)));
+  for (int step : {1, 2, 3, 4, 5})
+    std::filesystem::create_directories(dir / ("step-" + std::to_string(step)));
   std::filesystem::create_directories(dir / "step-6.tmp");
   auto removed = prune_checkpoints(dir.path(), 2, 0);
   EXPECT_EQ(removed.size(), 3u);
   std::vector<std::string> left;
   for (const auto& e : list_checkpoints(dir.path())) left.push_back(e.path.filename().string());
   EXPECT_EQ(left, (std::vector<std::string>{"step-4", "step-5", "step-6.tmp"}));
-  EXPECT_THROW(Checkpointer(CheckpointOptions{dir.path(), 1, 0, true}, *single_process_communicator()), UserError);
+  EXPECT_THROW(
+      Checkpointer(CheckpointOptions{dir.path(), 1, 0, true}, *single_process_communicator()),
+      UserError);
 }
 
 TEST(Ckpt, AStaleTmpDirectoryIsNeverLoadedAndIsCleanedUp) {
@@ -231,7 +261,8 @@ TEST(Ckpt, ReshardsTwoRanksToOne) {
   targets.push_back({"cols", torch::zeros({10, 6})});
   load_checkpoint(dir / "step-4", targets, *comm);
   auto expected = replicated_state(4);
-  for (size_t k = 0; k < expected.size(); ++k) EXPECT_TRUE(torch::equal(targets[k].tensor, expected[k].tensor));
+  for (size_t k = 0; k < expected.size(); ++k)
+    EXPECT_TRUE(torch::equal(targets[k].tensor, expected[k].tensor));
   EXPECT_TRUE(torch::equal(targets[expected.size()].tensor, whole));
   EXPECT_TRUE(torch::equal(targets[expected.size() + 1].tensor, whole));
 }
@@ -255,9 +286,11 @@ TEST(Ckpt, ReshardsOneRankToTwo) {
     load_checkpoint(dir / "step-5", targets, comm);
     auto expected = replicated_state(5);
     for (size_t k = 0; k < expected.size(); ++k) {
-      if (!torch::equal(targets[k].tensor, expected[k].tensor)) throw std::runtime_error("replicated differs");
+      if (!torch::equal(targets[k].tensor, expected[k].tensor))
+        throw std::runtime_error("replicated differs");
     }
-    if (!torch::equal(targets.back().tensor, expected_piece)) throw std::runtime_error("piece differs");
+    if (!torch::equal(targets.back().tensor, expected_piece))
+      throw std::runtime_error("piece differs");
   });
 }
 
@@ -278,8 +311,10 @@ TEST(Ckpt, ShardedLoadReadsOnlyTheOverlappingBytes) {
       piece.tensor.zero_();
       std::vector<StateTensor> targets = {piece};
       LoadResult result = load_checkpoint(dir / "step-6", targets, comm);
-      if (!torch::equal(targets[0].tensor, expected)) throw std::runtime_error("wrong values for dim " + std::to_string(dim));
-      if (result.bytes_read != expected.nbytes()) throw std::runtime_error("read more than the piece");
+      if (!torch::equal(targets[0].tensor, expected))
+        throw std::runtime_error("wrong values for dim " + std::to_string(dim));
+      if (result.bytes_read != expected.nbytes())
+        throw std::runtime_error("read more than the piece");
       std::lock_guard lock(mutex);
       bytes_read[static_cast<size_t>(comm.rank())] += result.bytes_read;
     }
@@ -289,26 +324,33 @@ TEST(Ckpt, ShardedLoadReadsOnlyTheOverlappingBytes) {
 
 TEST(Ckpt, RanksThatDisagreeFailTogether) {
   TempDir dir;
-  EXPECT_THAT([&] {
-    run_ranks(2, [&](Communicator& comm) {
-      Checkpointer checkpointer(options_for(dir.path(), true), comm);
-      checkpointer.save(request(comm.rank() == 0 ? 1 : 2, replicated_state(1)));
-    });
-  }, ::testing::ThrowsMessage<UserError>(HasSubstr("every rank must save the same step")));
-  EXPECT_THAT([&] {
-    run_ranks(2, [&](Communicator& comm) {
-      Checkpointer checkpointer(options_for(dir.path(), true), comm);
-      auto state = replicated_state(1);
-      if (comm.rank() == 1) state.pop_back();
-      checkpointer.save(request(1, state));
-    });
-  }, ::testing::ThrowsMessage<UserError>(HasSubstr("other replicated tensors")));
-  EXPECT_THAT([&] {
-    run_ranks(2, [&](Communicator& comm) {
-      Checkpointer checkpointer(options_for(dir.path(), true), comm);
-      checkpointer.save(request(1, {shard_of("w", iota(8, 2), 0, 0, 2)}));  // both ranks claim rows 0-3
-    });
-  }, ::testing::ThrowsMessage<UserError>(HasSubstr("overlap")));
+  EXPECT_THAT(
+      [&] {
+        run_ranks(2, [&](Communicator& comm) {
+          Checkpointer checkpointer(options_for(dir.path(), true), comm);
+          checkpointer.save(request(comm.rank() == 0 ? 1 : 2, replicated_state(1)));
+        });
+      },
+      ::testing::ThrowsMessage<UserError>(HasSubstr("every rank must save the same step")));
+  EXPECT_THAT(
+      [&] {
+        run_ranks(2, [&](Communicator& comm) {
+          Checkpointer checkpointer(options_for(dir.path(), true), comm);
+          auto state = replicated_state(1);
+          if (comm.rank() == 1) state.pop_back();
+          checkpointer.save(request(1, state));
+        });
+      },
+      ::testing::ThrowsMessage<UserError>(HasSubstr("other replicated tensors")));
+  EXPECT_THAT(
+      [&] {
+        run_ranks(2, [&](Communicator& comm) {
+          Checkpointer checkpointer(options_for(dir.path(), true), comm);
+          checkpointer.save(
+              request(1, {shard_of("w", iota(8, 2), 0, 0, 2)}));  // both ranks claim rows 0-3
+        });
+      },
+      ::testing::ThrowsMessage<UserError>(HasSubstr("overlap")));
   EXPECT_TRUE(list_checkpoints(dir.path()).empty() ||
               std::none_of(list_checkpoints(dir.path()).begin(), list_checkpoints(dir.path()).end(),
                            [](const CheckpointEntry& e) { return e.committed; }));
@@ -325,8 +367,9 @@ TEST(Ckpt, LoadNamesMissingOrMismatchedTensorsAndLeavesTargetsUntouched) {
   EXPECT_THAT([&] { load_checkpoint(dir / "step-1", missing, *comm); },
               ::testing::ThrowsMessage<UserError>(HasSubstr("has no tensor 'model/nope'")));
   std::vector<StateTensor> wrong_shape = {{"model/a.weight", torch::zeros({32, 64})}};
-  EXPECT_THAT([&] { load_checkpoint(dir / "step-1", wrong_shape, *comm); },
-              ::testing::ThrowsMessage<UserError>(HasSubstr("has shape [64,32] in the checkpoint")));
+  EXPECT_THAT(
+      [&] { load_checkpoint(dir / "step-1", wrong_shape, *comm); },
+      ::testing::ThrowsMessage<UserError>(HasSubstr("has shape [64,32] in the checkpoint")));
 
   flip_byte(dir / "step-1" / "rank-0.safetensors", -3);
   auto targets = empty_like(replicated_state(1));
@@ -340,16 +383,17 @@ TEST(Ckpt, WriteErrorFailsTheHandleAndKeepsThePreviousCheckpoint) {
   SmallDisk disk(3 << 20);
   TempDir fallback;
   const bool tmpfs = disk.mounted();
-  if (!tmpfs) std::cout << "[ note ] tmpfs mount refused (" << disk.why() << "); using RLIMIT_FSIZE\n";
+  if (!tmpfs)
+    std::cout << "[ note ] tmpfs mount refused (" << disk.why() << "); using RLIMIT_FSIZE\n";
   const std::filesystem::path dir = tmpfs ? disk.path() : fallback.path();
   auto comm = single_process_communicator();
   Checkpointer checkpointer(options_for(dir, /*async=*/true), *comm);
-  std::vector<StateTensor> small = {{"w", torch::randn({64 << 10})}};   // 256 KiB
-  std::vector<StateTensor> large = {{"w", torch::randn({1 << 20})}};    // 4 MiB: does not fit
+  std::vector<StateTensor> small = {{"w", torch::randn({64 << 10})}};  // 256 KiB
+  std::vector<StateTensor> large = {{"w", torch::randn({1 << 20})}};   // 4 MiB: does not fit
   auto first = checkpointer.save(request(1, small));
   checkpointer.wait();
   ASSERT_TRUE(first->committed()) << first->error();
-  struct rlimit saved{};
+  struct rlimit saved {};
   if (!tmpfs) {
     ::signal(SIGXFSZ, SIG_IGN);
     ::getrlimit(RLIMIT_FSIZE, &saved);
@@ -364,7 +408,8 @@ TEST(Ckpt, WriteErrorFailsTheHandleAndKeepsThePreviousCheckpoint) {
   EXPECT_FALSE(second->committed());
   EXPECT_THAT(second->error(), HasSubstr(tmpfs ? "No space left on device" : "File too large"));
   EXPECT_THROW(second->rethrow_if_failed(), UserError);
-  EXPECT_FALSE(std::filesystem::exists(dir / "step-2.tmp")) << "a failed save cleans up after itself";
+  EXPECT_FALSE(std::filesystem::exists(dir / "step-2.tmp"))
+      << "a failed save cleans up after itself";
   EXPECT_FALSE(std::filesystem::exists(dir / "step-2"));
   EXPECT_TRUE(verify_checkpoint(dir / "step-1").ok());
   EXPECT_EQ(slurp(dir / "latest"), "step-1\n");

@@ -70,7 +70,8 @@ class SmallDisk {
 /// (RLIMIT_FSIZE, with SIGXFSZ ignored so writes fail with EFBIG instead of killing it).
 class KilnProcess {
  public:
-  KilnProcess(const std::vector<std::string>& args, const std::filesystem::path& log, uint64_t file_size_limit = 0) {
+  KilnProcess(const std::vector<std::string>& args, const std::filesystem::path& log,
+              uint64_t file_size_limit = 0) {
     std::vector<std::string> argv = {KILN_CLI};
     argv.insert(argv.end(), args.begin(), args.end());
     pid_ = ::fork();
@@ -134,19 +135,25 @@ inline std::map<int64_t, double> read_losses(const std::filesystem::path& metric
   std::string line;
   while (std::getline(in, line)) {
     auto record = nlohmann::json::parse(line);
-    if (record.contains("loss")) losses[record["step"].get<int64_t>()] = record["loss"].get<double>();
+    if (record.contains("loss"))
+      losses[record["step"].get<int64_t>()] = record["loss"].get<double>();
   }
   return losses;
 }
 
 /// The `--set` arguments for a small, fast MLP run in `dir`/`name`.
-inline std::vector<std::string> mlp_train_args(const std::filesystem::path& dir, const std::string& name,
+inline std::vector<std::string> mlp_train_args(const std::filesystem::path& dir,
+                                               const std::string& name,
                                                const std::vector<std::string>& extra = {}) {
   std::vector<std::string> args = {"train", (source_dir() / "configs/mlp.toml").string(),
-                                   "--set", "run.dir=" + dir.string(), "--set", "run.name=" + name,
-                                   "--set", "run.progress=log", "--set", "run.log_every=1000",
-                                   "--set", "data.num_samples=256", "--set", "data.val_samples=64",
-                                   "--set", "train.eval_every=0", "--set", "train.eval_batches=1",
+                                   "--set", "run.dir=" + dir.string(),
+                                   "--set", "run.name=" + name,
+                                   "--set", "run.progress=log",
+                                   "--set", "run.log_every=1000",
+                                   "--set", "data.num_samples=256",
+                                   "--set", "data.val_samples=64",
+                                   "--set", "train.eval_every=0",
+                                   "--set", "train.eval_batches=1",
                                    "--set", "run.threads=1"};
   for (const auto& e : extra) {
     args.push_back("--set");

@@ -20,10 +20,12 @@ void make_two_rank_checkpoints(const std::filesystem::path& dir) {
     for (int64_t step : {1, 2}) {
       SaveRequest request;
       request.step = step;
-      request.tensors.emplace_back("model/fc.weight", torch::full({4, 3}, static_cast<float>(step)));
+      request.tensors.emplace_back("model/fc.weight",
+                                   torch::full({4, 3}, static_cast<float>(step)));
       request.tensors.emplace_back("model/fc.bias", torch::ones({4}));
       request.tensors.emplace_back("optim/fc.weight.exp_avg", torch::zeros({4, 3}));
-      request.tensors.emplace_back("model/table", torch::arange(3, torch::kFloat).add(3.0f * comm.rank()),
+      request.tensors.emplace_back("model/table",
+                                   torch::arange(3, torch::kFloat).add(3.0f * comm.rank()),
                                    std::vector<int64_t>{6}, std::vector<int64_t>{3 * comm.rank()});
       request.training_state = {{"step", step}, {"epoch", 0}};
       checkpointer.save(request);
@@ -64,7 +66,8 @@ TEST(CkptCli, ListInspectVerifyConsolidate) {
   EXPECT_EQ(by_name.size(), 3u);  // no optimizer state unless asked
   EXPECT_TRUE(torch::equal(by_name.at("fc.weight"), torch::full({4, 3}, 2.0f)));
   EXPECT_TRUE(torch::equal(by_name.at("table"), torch::arange(6, torch::kFloat)));
-  consolidate = run_kiln("ckpt consolidate " + (dir / "step-2").string() + " " + out.string() + " --optimizer");
+  consolidate = run_kiln("ckpt consolidate " + (dir / "step-2").string() + " " + out.string() +
+                         " --optimizer");
   ASSERT_EQ(consolidate.exit_code, 0) << consolidate.err;
   EXPECT_EQ(read_safetensors(out).size(), 4u);
 
@@ -84,10 +87,12 @@ TEST(CkptCli, ListInspectVerifyConsolidate) {
 // The checkpoint rung on a tiny GPT: save, SIGKILL, restore in a fresh process, compare.
 TEST(CkptCli, DrillRestoresBitwiseOnATinyGpt) {
   TempDir dir;
-  auto r = run_kiln("ckpt drill " + (source_dir() / "configs/gpt-tiny.toml").string() +
-                    " --set model.n_layer=2 --set model.n_embd=64 --set model.n_head=4 --set data.seq_len=32"
-                    " --set train.batch_size=8 --set checkpoint.drill_steps=4 --set run.threads=1"
-                    " --set run.name=d --set run.dir=" + dir.path().string());
+  auto r = run_kiln(
+      "ckpt drill " + (source_dir() / "configs/gpt-tiny.toml").string() +
+      " --set model.n_layer=2 --set model.n_embd=64 --set model.n_head=4 --set data.seq_len=32"
+      " --set train.batch_size=8 --set checkpoint.drill_steps=4 --set run.threads=1"
+      " --set run.name=d --set run.dir=" +
+      dir.path().string());
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_THAT(r.out, HasSubstr("bitwise equal"));
   auto numbers = nlohmann::json::parse(slurp(dir / "d" / "checkpoint.json"));

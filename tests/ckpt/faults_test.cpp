@@ -1,6 +1,7 @@
-// Faults: SIGKILL at random points of a run that checkpoints every step (sync and async: 20 trials),
-// and a disk that fills up during a save. The newest committed checkpoint must always verify and
-// resume; a failed save must leave the previous checkpoint intact and stop or continue as configured.
+// Faults: SIGKILL at random points of a run that checkpoints every step (sync and async: 20
+// trials), and a disk that fills up during a save. The newest committed checkpoint must always
+// verify and resume; a failed save must leave the previous checkpoint intact and stop or continue
+// as configured.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -37,10 +38,11 @@ TEST_P(CkptKill, TheNewestCommittedCheckpointAlwaysVerifiesAndResumes) {
   for (int trial = 0; trial < kTrials; ++trial) {
     SCOPED_TRACE("trial " + std::to_string(trial));
     TempDir dir;
-    const auto args = mlp_train_args(dir.path(), "k",
-                                     {"train.steps=1000000", "checkpoint.every_steps=1", "checkpoint.keep_last_k=2",
-                                      std::string("checkpoint.async=") + (async ? "true" : "false"),
-                                      "model.hidden_dim=2048", "data.num_workers=1"});
+    const auto args = mlp_train_args(
+        dir.path(), "k",
+        {"train.steps=1000000", "checkpoint.every_steps=1", "checkpoint.keep_last_k=2",
+         std::string("checkpoint.async=") + (async ? "true" : "false"), "model.hidden_dim=2048",
+         "data.num_workers=1"});
     const auto ckpts = dir / "k" / "checkpoints";
     KilnProcess process(args, dir / "train.log");
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
@@ -53,8 +55,10 @@ TEST_P(CkptKill, TheNewestCommittedCheckpointAlwaysVerifiesAndResumes) {
     process.kill_now();
 
     const auto entries = list_checkpoints(ckpts);
-    killed_mid_save += std::any_of(entries.begin(), entries.end(), [](const auto& e) { return !e.committed; });
-    auto newest = std::find_if(entries.rbegin(), entries.rend(), [](const auto& e) { return e.committed; });
+    killed_mid_save +=
+        std::any_of(entries.begin(), entries.end(), [](const auto& e) { return !e.committed; });
+    auto newest =
+        std::find_if(entries.rbegin(), entries.rend(), [](const auto& e) { return e.committed; });
     ASSERT_NE(newest, entries.rend());
     const VerifyReport report = verify_checkpoint(newest->path);
     ASSERT_TRUE(report.ok()) << report.problems.front();
@@ -62,13 +66,15 @@ TEST_P(CkptKill, TheNewestCommittedCheckpointAlwaysVerifiesAndResumes) {
     // A fresh trainer resumes from it (no fallback needed) and trains on.
     Config config = cli_config(args);
     Trainer trainer(config, make_model(config), make_datasets(config));
-    auto loaded = restore_training_state(trainer, *single_process_communicator(), ckpts, /*dir_fallback=*/true);
+    auto loaded = restore_training_state(trainer, *single_process_communicator(), ckpts,
+                                         /*dir_fallback=*/true);
     ASSERT_TRUE(loaded.has_value());
     EXPECT_EQ(loaded->path, newest->path);
     EXPECT_EQ(trainer.step(), newest->step);
     trainer.train_step();
   }
-  std::cout << "[ kill ] " << kTrials << " trials, " << killed_mid_save << " killed while a save was being written\n";
+  std::cout << "[ kill ] " << kTrials << " trials, " << killed_mid_save
+            << " killed while a save was being written\n";
   if (async) {
     EXPECT_GE(killed_mid_save, 1) << "no kill landed during an async save";
   }
@@ -82,6 +88,10 @@ struct DiskFullCase {
   bool want_tmpfs;
 };
 
+void PrintTo(const DiskFullCase& c, std::ostream* os) {
+  *os << (c.want_tmpfs ? "tmpfs" : "RLIMIT_FSIZE") << ", on_save_error = " << c.on_save_error;
+}
+
 class CkptDiskFull : public ::testing::TestWithParam<DiskFullCase> {};
 
 // Two checkpoints (~350 KB each) fit; the third does not. With a tmpfs that is a real ENOSPC; where
@@ -91,10 +101,12 @@ TEST_P(CkptDiskFull, AFailedSaveKeepsThePreviousCheckpointAndStopsOrContinues) {
   TempDir dir;
   SmallDisk disk(800 << 10);
   const bool tmpfs = param.want_tmpfs && disk.mounted();
-  if (param.want_tmpfs && !tmpfs) std::cout << "[ note ] tmpfs mount refused (" << disk.why() << "); using RLIMIT_FSIZE\n";
+  if (param.want_tmpfs && !tmpfs)
+    std::cout << "[ note ] tmpfs mount refused (" << disk.why() << "); using RLIMIT_FSIZE\n";
   const auto ckpts = tmpfs ? disk.path() / "ckpt" : dir / "ckpt";
-  const std::vector<std::string> common = {"checkpoint.dir=" + ckpts.string(), "checkpoint.every_steps=1",
-                                           "checkpoint.keep_last_k=2", "checkpoint.on_save_error=" + param.on_save_error};
+  const std::vector<std::string> common = {"checkpoint.dir=" + ckpts.string(),
+                                           "checkpoint.every_steps=1", "checkpoint.keep_last_k=2",
+                                           "checkpoint.on_save_error=" + param.on_save_error};
   auto with = [&](std::vector<std::string> extra) {
     extra.insert(extra.end(), common.begin(), common.end());
     return extra;
@@ -116,7 +128,8 @@ TEST_P(CkptDiskFull, AFailedSaveKeepsThePreviousCheckpointAndStopsOrContinues) {
     EXPECT_THAT(log, HasSubstr("checkpoint.on_save_error = \"continue\""));
   } else {
     EXPECT_EQ(code, 0) << log;
-    EXPECT_EQ(read_losses(dir / "r" / "metrics.jsonl").rbegin()->first, 5) << "training went on to the last step";
+    EXPECT_EQ(read_losses(dir / "r" / "metrics.jsonl").rbegin()->first, 5)
+        << "training went on to the last step";
   }
   const auto entries = list_checkpoints(ckpts);
   ASSERT_FALSE(entries.empty());
@@ -127,10 +140,12 @@ TEST_P(CkptDiskFull, AFailedSaveKeepsThePreviousCheckpointAndStopsOrContinues) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, CkptDiskFull,
-                         ::testing::Values(DiskFullCase{"stop", true}, DiskFullCase{"continue", true},
+                         ::testing::Values(DiskFullCase{"stop", true},
+                                           DiskFullCase{"continue", true},
                                            DiskFullCase{"stop", false}),
                          [](const auto& info) {
-                           return (info.param.want_tmpfs ? "Tmpfs_" : "FileSizeLimit_") + info.param.on_save_error;
+                           return (info.param.want_tmpfs ? "Tmpfs_" : "FileSizeLimit_") +
+                                  info.param.on_save_error;
                          });
 
 }  // namespace

@@ -38,7 +38,8 @@ void rewrite_index(const std::filesystem::path& step_dir, json index) {
 }
 
 void expect_index_rejected(const std::filesystem::path& step_dir, const std::string& message) {
-  EXPECT_THAT([&] { read_checkpoint_index(step_dir); }, ::testing::ThrowsMessage<UserError>(HasSubstr(message)));
+  EXPECT_THAT([&] { read_checkpoint_index(step_dir); },
+              ::testing::ThrowsMessage<UserError>(HasSubstr(message)));
   VerifyReport report = verify_checkpoint(step_dir);
   ASSERT_FALSE(report.ok());
   EXPECT_THAT(report.problems.front(), HasSubstr(message));
@@ -47,7 +48,8 @@ void expect_index_rejected(const std::filesystem::path& step_dir, const std::str
 }
 
 TEST(CkptIndex, RejectsFileNamesWithDotDotOrAbsolutePaths) {
-  for (const std::string name : {"../rank-0.safetensors", "/etc/passwd", "sub/rank-0.safetensors", "..", ""}) {
+  for (const std::string name :
+       {"../rank-0.safetensors", "/etc/passwd", "sub/rank-0.safetensors", "..", ""}) {
     TempDir dir;
     json index = make_checkpoint(dir.path());
     const std::string original = index["files"][0]["name"];
@@ -82,8 +84,11 @@ TEST(CkptIndex, RejectsChunksThatOverlapMissOrLeaveTheTensor) {
   with([](json& t) { t["chunks"].push_back(t["chunks"][0]); }, "overlaps another chunk");
   with([](json& t) { t["shape"] = {9, 4}; }, "do not cover the whole tensor");
   with([](json& t) { t["chunks"][0]["offsets"] = {1, 0}; }, "extends outside the tensor");
-  with([](json& t) { t["chunks"][0]["byte_range"][1] = t["chunks"][0]["byte_range"][1].get<uint64_t>() + 4; },
-       "does not match its sizes and dtype");
+  with(
+      [](json& t) {
+        t["chunks"][0]["byte_range"][1] = t["chunks"][0]["byte_range"][1].get<uint64_t>() + 4;
+      },
+      "does not match its sizes and dtype");
   with([](json& t) { t["dtype"] = "F99"; }, "unknown safetensors dtype");
   with([](json& t) { t["placement"] = "mirrored"; }, "neither \"replicated\" nor \"sharded\"");
 }
@@ -132,17 +137,26 @@ TEST(CkptFuzz, ParsersRejectOrAcceptButNeverCrash) {
     return n;
   }();
   std::mt19937_64 rng(20241129);
-  const json extremes = json::array({-1, 0, 1, 18446744073709551615ull, 9223372036854775807ll, 1e308, "x", nullptr,
-                                     json::array(), json::object(), true, "../x", "/abs"});
+  const json extremes =
+      json::array({-1, 0, 1, 18446744073709551615ull, 9223372036854775807ll, 1e308, "x", nullptr,
+                   json::array(), json::object(), true, "../x", "/abs"});
   auto mutate_bytes = [&](std::string s) {
     const int edits = 1 + static_cast<int>(rng() % 4);
     for (int e = 0; e < edits && !s.empty(); ++e) {
       const size_t at = rng() % s.size();
       switch (rng() % 4) {
-        case 0: s[at] = static_cast<char>(rng()); break;
-        case 1: s.resize(at); break;
-        case 2: s.insert(at, 1, "{}[],:\"0-e9"[rng() % 11]); break;
-        default: s.erase(at, 1 + rng() % 8); break;
+        case 0:
+          s[at] = static_cast<char>(rng());
+          break;
+        case 1:
+          s.resize(at);
+          break;
+        case 2:
+          s.insert(at, 1, "{}[],:\"0-e9"[rng() % 11]);
+          break;
+        default:
+          s.erase(at, 1 + rng() % 8);
+          break;
       }
     }
     return s;
@@ -187,7 +201,8 @@ TEST(CkptFuzz, ParsersRejectOrAcceptButNeverCrash) {
     } else {
       std::string header = mutate_bytes(file_bytes.substr(8, header_len));
       uint64_t n = header.size();
-      bytes = std::string(reinterpret_cast<const char*>(&n), 8) + header + file_bytes.substr(8 + header_len);
+      bytes = std::string(reinterpret_cast<const char*>(&n), 8) + header +
+              file_bytes.substr(8 + header_len);
     }
     try {
       parse_safetensors_header(bytes, bytes.size(), "fuzz");

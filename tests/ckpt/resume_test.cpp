@@ -41,13 +41,16 @@ int run_kiln_args(const std::vector<std::string>& args, const std::filesystem::p
 // resume lands in the middle of epoch 0 and the run crosses into epoch 1.
 TEST(CkptResume, FreshProcessContinuesBitwiseInTheMiddleOfAnEpoch) {
   TempDir dir;
-  const std::vector<std::string> common = {"train.steps=10", "data.num_workers=2", "data.prefetch=3",
-                                           "train.batch_size=32"};
+  const std::vector<std::string> common = {"train.steps=10", "data.num_workers=2",
+                                           "data.prefetch=3", "train.batch_size=32"};
   auto with = [&](std::vector<std::string> extra) {
     extra.insert(extra.end(), common.begin(), common.end());
     return extra;
   };
-  ASSERT_EQ(run_kiln_args(mlp_train_args(dir.path(), "straight", with({"checkpoint.every_steps=5"})), dir / "a.log"), 0)
+  ASSERT_EQ(
+      run_kiln_args(mlp_train_args(dir.path(), "straight", with({"checkpoint.every_steps=5"})),
+                    dir / "a.log"),
+      0)
       << slurp(dir / "a.log");
   const auto step5 = dir / "straight" / "checkpoints" / "step-5";
   CheckpointIndex index = read_checkpoint_index(step5);
@@ -61,7 +64,8 @@ TEST(CkptResume, FreshProcessContinuesBitwiseInTheMiddleOfAnEpoch) {
   auto resume_args = mlp_train_args(dir.path(), "resumed", with({"checkpoint.every_steps=10"}));
   resume_args.insert(resume_args.end(), {"--resume", step5.string()});
   ASSERT_EQ(run_kiln_args(resume_args, dir / "b.log"), 0) << slurp(dir / "b.log");
-  EXPECT_THAT(slurp(dir / "b.log"), HasSubstr("resumed from " + step5.string() + " at step 5 (epoch 0, batch 5)"));
+  EXPECT_THAT(slurp(dir / "b.log"),
+              HasSubstr("resumed from " + step5.string() + " at step 5 (epoch 0, batch 5)"));
 
   const auto straight = read_losses(dir / "straight" / "metrics.jsonl");
   const auto resumed = read_losses(dir / "resumed" / "metrics.jsonl");
@@ -72,8 +76,10 @@ TEST(CkptResume, FreshProcessContinuesBitwiseInTheMiddleOfAnEpoch) {
   }
   const auto a = dir / "straight" / "checkpoints" / "step-10";
   const auto b = dir / "resumed" / "checkpoints" / "step-10";
-  EXPECT_TRUE(bitwise_equal(ckpt::read_whole_tensors(a, "model/", true), ckpt::read_whole_tensors(b, "model/", true)));
-  EXPECT_TRUE(bitwise_equal(ckpt::read_whole_tensors(a, "optim/", true), ckpt::read_whole_tensors(b, "optim/", true)));
+  EXPECT_TRUE(bitwise_equal(ckpt::read_whole_tensors(a, "model/", true),
+                            ckpt::read_whole_tensors(b, "model/", true)));
+  EXPECT_TRUE(bitwise_equal(ckpt::read_whole_tensors(a, "optim/", true),
+                            ckpt::read_whole_tensors(b, "optim/", true)));
   EXPECT_EQ(read_checkpoint_index(b).ranks[0]["loader"]["epoch"], 1);
 }
 
@@ -97,20 +103,23 @@ std::unique_ptr<Trainer> make_trainer(const Config& config, Communicator& comm) 
   TrainerOptions options;
   options.rank = comm.rank();
   options.world_size = comm.world_size();
-  auto trainer = std::make_unique<Trainer>(config, make_model(config), make_datasets(config), options);
+  auto trainer =
+      std::make_unique<Trainer>(config, make_model(config), make_datasets(config), options);
   trainer->add_hook(std::make_shared<AverageGradients>(comm));
   return trainer;
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> parameters_of(Trainer& trainer) {
   std::vector<std::pair<std::string, torch::Tensor>> out;
-  for (const auto& [name, p] : trainer.optimizer().parameters()) out.emplace_back(name, p.detach().clone());
+  for (const auto& [name, p] : trainer.optimizer().parameters())
+    out.emplace_back(name, p.detach().clone());
   return out;
 }
 
 TEST(CkptResume, DdpStateReshardsTwoRanksToOneAndConvertsTheLoaderPosition) {
   TempDir dir;
-  const Config config = mlp_config(dir.path(), {"data.num_samples=256", "train.batch_size=32", "data.num_workers=0"});
+  const Config config =
+      mlp_config(dir.path(), {"data.num_samples=256", "train.batch_size=32", "data.num_workers=0"});
   std::vector<std::pair<std::string, torch::Tensor>> saved;
   run_ranks(2, [&](Communicator& comm) {
     auto trainer = make_trainer(config, comm);
@@ -126,7 +135,8 @@ TEST(CkptResume, DdpStateReshardsTwoRanksToOneAndConvertsTheLoaderPosition) {
 
   auto comm = single_process_communicator();
   auto trainer = make_trainer(config, *comm);
-  auto loaded = restore_training_state(*trainer, *comm, dir / "t" / "checkpoints", /*dir_fallback=*/true);
+  auto loaded =
+      restore_training_state(*trainer, *comm, dir / "t" / "checkpoints", /*dir_fallback=*/true);
   ASSERT_TRUE(loaded.has_value());
   EXPECT_EQ(trainer->step(), 3);
   EXPECT_EQ(trainer->optimizer().steps_taken(), 3);
@@ -138,7 +148,8 @@ TEST(CkptResume, DdpStateReshardsTwoRanksToOneAndConvertsTheLoaderPosition) {
 
 TEST(CkptResume, DdpStateReshardsOneRankToTwo) {
   TempDir dir;
-  const Config config = mlp_config(dir.path(), {"data.num_samples=256", "train.batch_size=32", "data.num_workers=0"});
+  const Config config =
+      mlp_config(dir.path(), {"data.num_samples=256", "train.batch_size=32", "data.num_workers=0"});
   std::vector<std::pair<std::string, torch::Tensor>> saved;
   {
     auto comm = single_process_communicator();
@@ -151,18 +162,24 @@ TEST(CkptResume, DdpStateReshardsOneRankToTwo) {
   }
   run_ranks(2, [&](Communicator& comm) {
     auto trainer = make_trainer(config, comm);
-    restore_training_state(*trainer, comm, dir / "t" / "checkpoints" / "step-4", /*dir_fallback=*/false);
-    if (!bitwise_equal(parameters_of(*trainer), saved)) throw std::runtime_error("parameters differ");
+    restore_training_state(*trainer, comm, dir / "t" / "checkpoints" / "step-4",
+                           /*dir_fallback=*/false);
+    if (!bitwise_equal(parameters_of(*trainer), saved))
+      throw std::runtime_error("parameters differ");
     if (trainer->optimizer().steps_taken() != 4) throw std::runtime_error("optimizer steps differ");
     // World 1 at batch 4 consumed 128 samples = 2 global batches of 2 x 32.
-    if (!(trainer->loader().position() == LoaderPosition{0, 2})) throw std::runtime_error("loader position");
+    if (!(trainer->loader().position() == LoaderPosition{0, 2}))
+      throw std::runtime_error("loader position");
     trainer->train_step();
   });
 }
 
 TEST(CkptResume, FallsBackWhenTheNewestIsDamagedAndVerifyFails) {
   TempDir dir;
-  ASSERT_EQ(run_kiln_args(mlp_train_args(dir.path(), "r", {"train.steps=6", "checkpoint.every_steps=2"}), dir / "a.log"), 0)
+  ASSERT_EQ(
+      run_kiln_args(mlp_train_args(dir.path(), "r", {"train.steps=6", "checkpoint.every_steps=2"}),
+                    dir / "a.log"),
+      0)
       << slurp(dir / "a.log");
   const auto ckpts = dir / "r" / "checkpoints";
   flip_byte(ckpts / "step-6" / "rank-0.safetensors", -100);
@@ -201,13 +218,14 @@ TEST(CkptResume, AutoWithoutCheckpointsStartsFreshAndBadPathsAreOneLineErrors) {
   ASSERT_EQ(run_kiln_args(args, dir / "a.log"), 0) << slurp(dir / "a.log");
   EXPECT_THAT(slurp(dir / "a.log"), HasSubstr("no checkpoint in"));
 
-  auto r = run_kiln("train " + (source_dir() / "configs/mlp.toml").string() + " --set run.dir=" + dir.path().string() +
-                    " --resume " + (dir / "nowhere").string());
+  auto r = run_kiln("train " + (source_dir() / "configs/mlp.toml").string() + " --set run.dir=" +
+                    dir.path().string() + " --resume " + (dir / "nowhere").string());
   EXPECT_EQ(r.exit_code, 2);
   // The error is the last line, one line (log lines of the session opening come before it).
   const std::string last_line = r.err.substr(r.err.rfind('\n', r.err.size() - 2) + 1);
-  EXPECT_THAT(last_line, ::testing::StartsWith("kiln: error: --resume " + (dir / "nowhere").string() +
-                                               ": no such checkpoint"));
+  EXPECT_THAT(last_line,
+              ::testing::StartsWith("kiln: error: --resume " + (dir / "nowhere").string() +
+                                    ": no such checkpoint"));
   EXPECT_THAT(r.err, ::testing::Not(HasSubstr("terminate")));
 }
 

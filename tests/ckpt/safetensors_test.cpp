@@ -1,5 +1,7 @@
 // safetensors reader/writer: round trips, partial reads, and every malformed header rejected with
 // a clear error.
+#include "kiln/safetensors.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -7,7 +9,6 @@
 #include <nlohmann/json.hpp>
 
 #include "kiln/error.h"
-#include "kiln/safetensors.h"
 #include "support/helpers.h"
 
 namespace kiln::testing {
@@ -39,12 +40,9 @@ void expect_rejected(const std::string& bytes, const std::string& message) {
 TEST(CkptSafetensors, RoundTripsDtypesShapesAndByteRanges) {
   TempDir dir;
   std::vector<std::pair<std::string, torch::Tensor>> tensors = {
-      {"f32", torch::randn({3, 5})},
-      {"bf16", torch::randn({7}).to(torch::kBFloat16)},
-      {"i64", torch::arange(10)},
-      {"scalar", torch::tensor(3.5)},
-      {"empty", torch::empty({0, 4})},
-      {"u8", torch::randint(0, 255, {13}, torch::kUInt8)},
+      {"f32", torch::randn({3, 5})},   {"bf16", torch::randn({7}).to(torch::kBFloat16)},
+      {"i64", torch::arange(10)},      {"scalar", torch::tensor(3.5)},
+      {"empty", torch::empty({0, 4})}, {"u8", torch::randint(0, 255, {13}, torch::kUInt8)},
   };
   auto written = write_safetensors(dir / "a.safetensors", tensors, {{"k", "v"}});
   EXPECT_EQ(written.size_bytes, std::filesystem::file_size(dir / "a.safetensors"));
@@ -61,7 +59,8 @@ TEST(CkptSafetensors, RoundTripsDtypesShapesAndByteRanges) {
   auto back = read_safetensors(dir / "a.safetensors");
   ASSERT_EQ(back.size(), tensors.size());
   for (const auto& [name, tensor] : back) {
-    auto it = std::find_if(tensors.begin(), tensors.end(), [&](const auto& t) { return t.first == name; });
+    auto it = std::find_if(tensors.begin(), tensors.end(),
+                           [&](const auto& t) { return t.first == name; });
     ASSERT_NE(it, tensors.end());
     EXPECT_TRUE(torch::equal(tensor, it->second)) << name;
   }
@@ -95,17 +94,21 @@ TEST(CkptSafetensors, RejectsOverlappingOffsets) {
 }
 
 TEST(CkptSafetensors, RejectsOutOfRangeOffsets) {
-  expect_rejected(raw_file(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 8), "outside the data");
+  expect_rejected(raw_file(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 8),
+                  "outside the data");
 }
 
 TEST(CkptSafetensors, RejectsUnknownDtype) {
-  expect_rejected(raw_file(R"({"a":{"dtype":"F31","shape":[2],"data_offsets":[0,8]}})", 8), "unknown dtype");
+  expect_rejected(raw_file(R"({"a":{"dtype":"F31","shape":[2],"data_offsets":[0,8]}})", 8),
+                  "unknown dtype");
 }
 
 TEST(CkptSafetensors, RejectsShapeDisagreeingWithOffsetsGapsAndTrailingBytes) {
-  expect_rejected(raw_file(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8), "need 12 bytes");
+  expect_rejected(raw_file(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8),
+                  "need 12 bytes");
   expect_rejected(raw_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8), "gap");
-  expect_rejected(raw_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 8), "not described");
+  expect_rejected(raw_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 8),
+                  "not described");
   expect_rejected(raw_file("{not json", 0), "not valid JSON");
   expect_rejected("abc", "shorter than its 8-byte header length");
 }
@@ -113,8 +116,11 @@ TEST(CkptSafetensors, RejectsShapeDisagreeingWithOffsetsGapsAndTrailingBytes) {
 TEST(CkptSafetensors, WriteFailureLeavesTheExistingFileIntact) {
   TempDir dir;
   write_safetensors(dir / "a.safetensors", {{"t", torch::ones({4})}});
-  EXPECT_THROW(write_safetensors(dir / "a.safetensors", {{"t", torch::ones({4})}, {"t", torch::ones({4})}}), UserError);
-  EXPECT_THROW(write_safetensors(dir / "missing" / "a.safetensors", {{"t", torch::ones({4})}}), UserError);
+  EXPECT_THROW(
+      write_safetensors(dir / "a.safetensors", {{"t", torch::ones({4})}, {"t", torch::ones({4})}}),
+      UserError);
+  EXPECT_THROW(write_safetensors(dir / "missing" / "a.safetensors", {{"t", torch::ones({4})}}),
+               UserError);
   EXPECT_TRUE(torch::equal(read_safetensors(dir / "a.safetensors")[0].second, torch::ones({4})));
 }
 

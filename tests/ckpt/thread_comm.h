@@ -21,7 +21,8 @@ namespace kiln::testing {
 
 class ThreadGroup {
  public:
-  explicit ThreadGroup(int world_size) : world_size_(world_size), slots_(static_cast<size_t>(world_size)) {}
+  explicit ThreadGroup(int world_size)
+      : world_size_(world_size), slots_(static_cast<size_t>(world_size)) {}
 
   int world_size() const { return world_size_; }
 
@@ -69,7 +70,8 @@ class ThreadGroup {
 
 class ThreadCommunicator final : public Communicator {
  public:
-  ThreadCommunicator(std::shared_ptr<ThreadGroup> group, int rank) : group_(std::move(group)), rank_(rank) {}
+  ThreadCommunicator(std::shared_ptr<ThreadGroup> group, int rank)
+      : group_(std::move(group)), rank_(rank) {}
   int rank() const override { return rank_; }
   int world_size() const override { return group_->world_size(); }
   void barrier() override { group_->exchange(rank_, ""); }
@@ -79,8 +81,12 @@ class ThreadCommunicator final : public Communicator {
     for (size_t r = 1; r < all.size(); ++r) sum += all[r];
     tensor.copy_(sum);
   }
-  void broadcast(torch::Tensor& tensor, int root) override { tensor.copy_(gather_tensor(tensor)[static_cast<size_t>(root)]); }
-  std::vector<std::string> all_gather_bytes(const std::string& mine) override { return group_->exchange(rank_, mine); }
+  void broadcast(torch::Tensor& tensor, int root) override {
+    tensor.copy_(gather_tensor(tensor)[static_cast<size_t>(root)]);
+  }
+  std::vector<std::string> all_gather_bytes(const std::string& mine) override {
+    return group_->exchange(rank_, mine);
+  }
 
  private:
   std::vector<torch::Tensor> gather_tensor(const torch::Tensor& tensor) {
