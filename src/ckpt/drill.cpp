@@ -253,7 +253,7 @@ RungResult drill(const Config& config) {
                 optimizer_equal ? "equal" : "differ");
   result.table = {
       {"checkpoint",
-       fmt::format("step {} of {}, {} ({} in epoch {})", half, total,
+       fmt::format("step {} of {}, {}, resumes at batch {} of epoch {}", half, total,
                    format_bytes(static_cast<double>(report.bytes_checked)),
                    numbers["resume_batch_in_epoch"].dump(), numbers["resume_epoch"].dump())},
       {"kill", killed ? "SIGKILL after the commit" : "the run ended before the kill landed"},

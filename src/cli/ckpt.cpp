@@ -54,23 +54,30 @@ int inspect_command(const std::string& path) {
   fmt::print("checkpoint {}\n", step_dir.string());
   fmt::print("step {} | world size {} at save | format version {} | created {}\n", index.step,
              index.world_size, index.format_version, index.created_utc);
+  // The training state is free-form JSON (checksummed, but written by whoever wrote the index):
+  // show what is there, whatever its type.
+  auto show = [](const nlohmann::json& object, const char* key) -> std::string {
+    if (!object.is_object() || !object.contains(key)) return "?";
+    const auto& v = object[key];
+    if (v.is_string()) return v.get<std::string>();
+    if (v.is_number_float()) return fmt::format("{:.6g}", v.get<double>());
+    return v.dump();
+  };
   const auto& state = index.training_state;
-  if (state.contains("epoch")) {
-    const auto& lr = state.value("lr_schedule", nlohmann::json::object());
-    fmt::print(
-        "training state: epoch {} | optimizer steps {} | next lr {} ({}) | config {} | manifest "
-        "{}\n",
-        state["epoch"].dump(), state.value("optimizer_steps", nlohmann::json()).dump(),
-        lr.value("next_lr", nlohmann::json()).dump(), lr.value("schedule", std::string("?")),
-        state.value("config_hash", std::string("?")),
-        state.contains("run_manifest") ? state["run_manifest"].value("path", std::string("?"))
-                                       : "?");
-  }
+  const nlohmann::json lr = state.contains("lr_schedule") ? state["lr_schedule"] : nlohmann::json();
+  const nlohmann::json manifest =
+      state.contains("run_manifest") ? state["run_manifest"] : nlohmann::json();
+  fmt::print(
+      "training state: epoch {} | optimizer steps {} | next lr {} ({}) | config {} | manifest {}\n",
+      show(state, "epoch"), show(state, "optimizer_steps"), show(lr, "next_lr"),
+      show(lr, "schedule"), show(state, "config_hash"), show(manifest, "path"));
   for (size_t r = 0; r < index.ranks.size(); ++r) {
-    if (index.ranks[r].contains("loader")) {
-      const auto& loader = index.ranks[r]["loader"];
-      fmt::print("rank {}: loader at epoch {} batch {}\n", r, loader.value("epoch", int64_t{0}),
-                 loader.value("batch", int64_t{0}));
+    const nlohmann::json loader = index.ranks[r].is_object() && index.ranks[r].contains("loader")
+                                      ? index.ranks[r]["loader"]
+                                      : nlohmann::json();
+    if (loader.is_object()) {
+      fmt::print("rank {}: loader at epoch {} batch {}\n", r, show(loader, "epoch"),
+                 show(loader, "batch"));
     }
   }
   fmt::print("\nfiles ({}):\n", format_bytes(static_cast<double>(index.total_file_bytes())));
