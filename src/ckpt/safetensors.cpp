@@ -26,14 +26,16 @@ struct DtypeName {
   const char* name;
 };
 constexpr DtypeName kDtypes[] = {
-    {torch::kFloat64, "F64"}, {torch::kFloat32, "F32"}, {torch::kFloat16, "F16"},
-    {torch::kBFloat16, "BF16"}, {torch::kInt64, "I64"},  {torch::kInt32, "I32"},
-    {torch::kInt16, "I16"},    {torch::kInt8, "I8"},     {torch::kUInt8, "U8"},
-    {torch::kBool, "BOOL"},    {torch::kUInt16, "U16"},  {torch::kUInt32, "U32"},
+    {torch::kFloat64, "F64"},   {torch::kFloat32, "F32"}, {torch::kFloat16, "F16"},
+    {torch::kBFloat16, "BF16"}, {torch::kInt64, "I64"},   {torch::kInt32, "I32"},
+    {torch::kInt16, "I16"},     {torch::kInt8, "I8"},     {torch::kUInt8, "U8"},
+    {torch::kBool, "BOOL"},     {torch::kUInt16, "U16"},  {torch::kUInt32, "U32"},
     {torch::kUInt64, "U64"},
 };
 
-std::string errno_text() { return std::strerror(errno); }
+std::string errno_text() {
+  return std::strerror(errno);
+}
 
 class Fd {
  public:
@@ -66,7 +68,15 @@ std::string safetensors_dtype(torch::ScalarType dtype) {
   for (const auto& d : kDtypes) {
     if (d.dtype == dtype) return d.name;
   }
-  throw UserError(std::string("dtype ") + c10::toString(dtype) + " cannot be stored in safetensors");
+  throw UserError(std::string("dtype ") + c10::toString(dtype) +
+                  " cannot be stored in safetensors");
+}
+
+torch::ScalarType safetensors_dtype_from_name(std::string_view name) {
+  for (const auto& d : kDtypes) {
+    if (name == d.name) return d.dtype;
+  }
+  throw UserError("unknown safetensors dtype \"" + std::string(name) + "\"");
 }
 
 SafetensorsHeader parse_safetensors_header(std::string_view prefix, uint64_t file_size,
@@ -78,7 +88,8 @@ SafetensorsHeader parse_safetensors_header(std::string_view prefix, uint64_t fil
   std::memcpy(&header_len, prefix.data(), 8);  // little-endian hosts only (x86-64, aarch64)
   if (header_len > kMaxHeaderBytes || header_len > file_size - 8) {
     throw UserError(source + ": header length " + std::to_string(header_len) +
-                    " exceeds the file (" + std::to_string(file_size) + " bytes); truncated or corrupt");
+                    " exceeds the file (" + std::to_string(file_size) +
+                    " bytes); truncated or corrupt");
   }
   if (prefix.size() < 8 + header_len) {
     throw UserError(source + ": header incomplete");
@@ -111,8 +122,9 @@ SafetensorsHeader parse_safetensors_header(std::string_view prefix, uint64_t fil
     entry.name = name;
     const auto& dtype = value["dtype"];
     if (!dtype.is_string()) throw UserError(where + ": dtype is not a string");
-    auto match = std::find_if(std::begin(kDtypes), std::end(kDtypes),
-                              [&](const DtypeName& d) { return dtype.get<std::string>() == d.name; });
+    auto match = std::find_if(std::begin(kDtypes), std::end(kDtypes), [&](const DtypeName& d) {
+      return dtype.get<std::string>() == d.name;
+    });
     if (match == std::end(kDtypes)) {
       throw UserError(where + ": unknown dtype " + dtype.dump());
     }
@@ -121,9 +133,11 @@ SafetensorsHeader parse_safetensors_header(std::string_view prefix, uint64_t fil
     if (!shape.is_array()) throw UserError(where + ": shape is not an array");
     uint64_t numel = 1;
     for (const auto& d : shape) {
-      if (!d.is_number_unsigned()) throw UserError(where + ": shape has a non-integer or negative dimension");
+      if (!d.is_number_unsigned())
+        throw UserError(where + ": shape has a non-integer or negative dimension");
       uint64_t dim = d.get<uint64_t>();
-      if (dim != 0 && numel > (uint64_t{1} << 62) / dim) throw UserError(where + ": shape too large");
+      if (dim != 0 && numel > (uint64_t{1} << 62) / dim)
+        throw UserError(where + ": shape too large");
       numel *= dim;
       entry.shape.push_back(static_cast<int64_t>(dim));
     }
@@ -136,8 +150,8 @@ SafetensorsHeader parse_safetensors_header(std::string_view prefix, uint64_t fil
     entry.end = offsets[1].get<uint64_t>();
     if (entry.begin > entry.end || entry.end > data_size) {
       throw UserError(where + ": data_offsets [" + std::to_string(entry.begin) + ", " +
-                      std::to_string(entry.end) + "] fall outside the data (" + std::to_string(data_size) +
-                      " bytes)");
+                      std::to_string(entry.end) + "] fall outside the data (" +
+                      std::to_string(data_size) + " bytes)");
     }
     const uint64_t expected = numel * c10::elementSize(entry.dtype);
     if (entry.end - entry.begin != expected) {
@@ -146,12 +160,15 @@ SafetensorsHeader parse_safetensors_header(std::string_view prefix, uint64_t fil
     }
     out.tensors.push_back(std::move(entry));
   }
-  std::sort(out.tensors.begin(), out.tensors.end(),
-            [](const auto& a, const auto& b) { return std::tie(a.begin, a.end) < std::tie(b.begin, b.end); });
+  std::sort(out.tensors.begin(), out.tensors.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);
+  });
   uint64_t cursor = 0;
   for (const auto& entry : out.tensors) {
-    if (entry.begin < cursor) throw UserError(source + ": tensor '" + entry.name + "' overlaps another");
-    if (entry.begin > cursor) throw UserError(source + ": gap in the data before tensor '" + entry.name + "'");
+    if (entry.begin < cursor)
+      throw UserError(source + ": tensor '" + entry.name + "' overlaps another");
+    if (entry.begin > cursor)
+      throw UserError(source + ": gap in the data before tensor '" + entry.name + "'");
     cursor = entry.end;
   }
   if (cursor != data_size) {
@@ -164,8 +181,9 @@ SafetensorsHeader parse_safetensors_header(std::string_view prefix, uint64_t fil
 SafetensorsHeader read_safetensors_header(const std::filesystem::path& path) {
   Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) throw UserError("cannot open " + path.string() + ": " + errno_text());
-  struct stat st{};
-  ::fstat(fd.get(), &st);
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0)
+    throw UserError("cannot stat " + path.string() + ": " + errno_text());
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   std::string prefix(8, '\0');
   if (size < 8) return parse_safetensors_header({}, size, path.string());
@@ -179,16 +197,18 @@ SafetensorsHeader read_safetensors_header(const std::filesystem::path& path) {
   return parse_safetensors_header(prefix, size, path.string());
 }
 
-SafetensorsWriteResult write_safetensors(const std::filesystem::path& path,
-                                         const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
-                                         const std::map<std::string, std::string>& metadata) {
+SafetensorsWriteResult write_safetensors(
+    const std::filesystem::path& path,
+    const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
+    const std::map<std::string, std::string>& metadata) {
   nlohmann::json header = nlohmann::json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::vector<torch::Tensor> cpu;
   std::set<std::string> names;
   uint64_t offset = 0;
   for (const auto& [name, tensor] : tensors) {
-    if (!names.insert(name).second) throw UserError("duplicate tensor name '" + name + "' for " + path.string());
+    if (!names.insert(name).second)
+      throw UserError("duplicate tensor name '" + name + "' for " + path.string());
     auto t = tensor.detach().to(torch::kCPU).contiguous();
     std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
     header[name] = {{"dtype", safetensors_dtype(t.scalar_type())},
@@ -225,8 +245,15 @@ SafetensorsWriteResult write_safetensors(const std::filesystem::path& path,
       bytes -= static_cast<size_t>(n);
     }
   };
+  SafetensorsWriteResult result;
+  result.data_start = prefix.size();
   put(prefix.data(), prefix.size());
-  for (const auto& t : cpu) put(t.data_ptr(), t.nbytes());
+  uint64_t cursor = result.data_start;
+  for (const auto& t : cpu) {
+    result.tensor_byte_ranges.emplace_back(cursor, cursor + t.nbytes());
+    cursor += t.nbytes();
+    if (t.nbytes() > 0) put(t.data_ptr(), t.nbytes());
+  }
   if (::fsync(fd.get()) != 0 || ::close(fd.release()) != 0) {
     std::string why = errno_text();
     ::unlink(tmp.c_str());
@@ -238,21 +265,75 @@ SafetensorsWriteResult write_safetensors(const std::filesystem::path& path,
     throw UserError("cannot rename " + tmp.string() + ": " + why);
   }
   fsync_directory(path.has_parent_path() ? path.parent_path() : std::filesystem::path("."));
-  return {prefix.size() + offset, XXH3_64bits_digest(hash.get())};
+  result.size_bytes = prefix.size() + offset;
+  result.xxh3 = XXH3_64bits_digest(hash.get());
+  return result;
 }
 
-std::vector<std::pair<std::string, torch::Tensor>> read_safetensors(const std::filesystem::path& path) {
-  SafetensorsHeader header = read_safetensors_header(path);
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) throw UserError("cannot open " + path.string() + ": " + errno_text());
+std::vector<std::pair<std::string, torch::Tensor>> read_safetensors(
+    const std::filesystem::path& path) {
+  SafetensorsReader reader(path);
   std::vector<std::pair<std::string, torch::Tensor>> out;
-  for (const auto& entry : header.tensors) {
+  for (const auto& entry : reader.header().tensors) {
     auto t = torch::empty(entry.shape, torch::TensorOptions().dtype(entry.dtype));
-    read_exact(fd.get(), t.data_ptr(), entry.end - entry.begin, header.data_start + entry.begin,
-               path.string());
+    reader.read(entry, 0, entry.end - entry.begin, t.data_ptr());
     out.emplace_back(entry.name, std::move(t));
   }
   return out;
+}
+
+SafetensorsReader::SafetensorsReader(const std::filesystem::path& path) : path_(path) {
+  // The header is read through its own descriptor; then the file is opened for the data and its
+  // size checked again, so a file replaced in between is caught.
+  header_ = read_safetensors_header(path);
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) throw UserError("cannot open " + path.string() + ": " + errno_text());
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) {
+    const std::string why = errno_text();
+    ::close(fd_);
+    throw UserError("cannot stat " + path.string() + ": " + why);
+  }
+  size_bytes_ = static_cast<uint64_t>(st.st_size);
+  const uint64_t described =
+      header_.data_start + (header_.tensors.empty() ? 0 : header_.tensors.back().end);
+  if (size_bytes_ != described) {
+    ::close(fd_);
+    throw UserError(path.string() + ": file is " + std::to_string(size_bytes_) +
+                    " bytes but its header describes " + std::to_string(described) +
+                    "; it changed while being opened");
+  }
+}
+
+SafetensorsReader::~SafetensorsReader() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+const SafetensorsEntry* SafetensorsReader::find(std::string_view name) const {
+  for (const auto& entry : header_.tensors) {
+    if (entry.name == name) return &entry;
+  }
+  return nullptr;
+}
+
+void SafetensorsReader::read(const SafetensorsEntry& entry, uint64_t offset, uint64_t bytes,
+                             void* out) const {
+  const uint64_t size = entry.end - entry.begin;
+  if (offset > size || bytes > size - offset) {
+    throw UserError(path_.string() + ": read of " + std::to_string(bytes) + " bytes at offset " +
+                    std::to_string(offset) + " falls outside tensor '" + entry.name + "' (" +
+                    std::to_string(size) + " bytes)");
+  }
+  read_exact(fd_, out, bytes, header_.data_start + entry.begin + offset, path_.string());
+}
+
+void SafetensorsReader::read_raw(uint64_t offset, uint64_t bytes, void* out) const {
+  if (offset > size_bytes_ || bytes > size_bytes_ - offset) {
+    throw UserError(path_.string() + ": read of " + std::to_string(bytes) + " bytes at offset " +
+                    std::to_string(offset) + " is past the end of the file (" +
+                    std::to_string(size_bytes_) + " bytes)");
+  }
+  read_exact(fd_, out, bytes, offset, path_.string());
 }
 
 }  // namespace kiln

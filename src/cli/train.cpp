@@ -2,6 +2,7 @@
 
 #include "cli/commands.h"
 #include "core/strings.h"
+#include "kiln/checkpoint.h"
 #include "kiln/session.h"
 
 namespace kiln::cli {
@@ -12,10 +13,14 @@ void add_train_command(CLI::App& app, Action& action) {
   auto* command = app.add_subcommand("train", "train a model from a TOML config");
   auto args = std::make_shared<ConfigArgs>();
   args->add_to(*command);
-  command->callback([&action, args] {
-    action = [args] {
+  auto resume = std::make_shared<std::string>();
+  command->add_option("--resume", *resume,
+                      "auto (the newest valid checkpoint in checkpoint.dir, if any) or a checkpoint path");
+  command->callback([&action, args, resume] {
+    action = [args, resume] {
       Config config = args->load();
       auto session = open_session(config, {process_argv()});
+      auto checkpointing = attach_checkpointing(*session, *resume);  // --resume, [checkpoint]
       TrainSummary s = session->trainer->fit(config.get_int("train.steps"), session->run.get());
       const bool tokens = s.tokens_per_second > 0;
       fmt::print("\ntrained {} steps in {} | loss {:.4f} -> {:.4f} | val_loss {:.4f}{} | {:.0f} {}\n",

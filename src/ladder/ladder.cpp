@@ -3,6 +3,7 @@
 #include "core/files.h"
 #include "dist/scale.h"
 
+#include "kiln/checkpoint.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/profile.h"
@@ -48,6 +49,9 @@ const std::vector<Rung>& ladder_rungs() {
        [](const Config& config, const SessionOptions& options) {
          return run_scale_rung(config, options);
        }},
+      // Last: the restore drill (save, kill, restore in a fresh process, resume, compare).
+      {"checkpoint", [](const Config& config) { return config.get_bool("checkpoint.drill"); },
+       run_checkpoint_drill},
   };
   return rungs;
 }

@@ -1,0 +1,302 @@
+// The checkpoint rung: a restore drill across real processes (save, SIGKILL, restore in a fresh
+// process, resume, compare bitwise with an uninterrupted run).
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <thread>
+
+#include "ckpt/internal.h"
+#include "core/files.h"
+#include "core/strings.h"
+#include "kiln/error.h"
+#include "kiln/log.h"
+#include "kiln/run.h"
+
+extern char** environ;
+
+namespace kiln {
+namespace {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point begin) {
+  return std::chrono::duration<double>(Clock::now() - begin).count();
+}
+
+// $KILN_EXECUTABLE; else this process when it is kiln; else a kiln next to or above this program
+// (a test binary in build/tests/ finds build/kiln).
+std::string kiln_executable() {
+  if (const char* path = std::getenv("KILN_EXECUTABLE"); path && *path) return path;
+  std::error_code ec;
+  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec && self.filename() == "kiln") return self.string();
+  if (!ec) {
+    for (const auto& candidate :
+         {self.parent_path() / "kiln", self.parent_path().parent_path() / "kiln"}) {
+      if (::access(candidate.c_str(), X_OK) == 0 &&
+          std::filesystem::is_regular_file(candidate, ec)) {
+        return candidate.string();
+      }
+    }
+  }
+  throw UserError(
+      "checkpoint drill: cannot find the kiln executable to start; set KILN_EXECUTABLE");
+}
+
+// Starts argv[0] with stdout and stderr appended to `log`. Returns the child's pid.
+pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& log) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  const int rc = ::posix_spawn(&pid, argv[0].c_str(), &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0)
+    throw UserError("checkpoint drill: cannot start " + argv[0] + ": " + std::strerror(rc));
+  return pid;
+}
+
+// The child's exit status, or 128 + signal.
+int wait_for(pid_t pid) {
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) return -1;
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// Training losses by step from a run's metrics.jsonl.
+std::map<int64_t, double> read_losses(const std::filesystem::path& metrics) {
+  std::map<int64_t, double> losses;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    json record = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (record.is_object() && record.contains("loss") && record.contains("step")) {
+      losses[record["step"].get<int64_t>()] = record["loss"].get<double>();
+    }
+  }
+  return losses;
+}
+
+// Whether two lists of named tensors are equal bit for bit.
+bool bitwise_equal(const std::vector<std::pair<std::string, torch::Tensor>>& a,
+                   const std::vector<std::pair<std::string, torch::Tensor>>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t k = 0; k < a.size(); ++k) {
+    const auto& x = a[k].second;
+    const auto& y = b[k].second;
+    if (a[k].first != b[k].first || x.scalar_type() != y.scalar_type() || x.sizes() != y.sizes())
+      return false;
+    if (std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) != 0) return false;
+  }
+  return true;
+}
+
+RungResult drill(const Config& config) {
+  RungResult result;
+  result.rung = "checkpoint";
+  const auto drill_begin = Clock::now();
+  const int64_t half = config.get_int("checkpoint.drill_steps");
+  const int64_t total = 2 * half;
+  const std::filesystem::path run_dir = run_directory(config);
+  const std::filesystem::path dir = std::filesystem::absolute(run_dir / "checkpoint-drill");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  write_file_atomic(dir / "config.toml", config.to_toml(/*with_docs=*/false));
+  const std::string exe = kiln_executable();
+
+  auto train_args = [&](const std::string& name, int64_t every_steps) {
+    return std::vector<std::string>{exe,
+                                    "train",
+                                    (dir / "config.toml").string(),
+                                    "--set",
+                                    "run.dir=" + dir.string(),
+                                    "--set",
+                                    "run.name=" + name,
+                                    "--set",
+                                    "run.progress=log",
+                                    "--set",
+                                    "train.steps=" + std::to_string(total),
+                                    "--set",
+                                    "train.eval_every=0",
+                                    "--set",
+                                    "checkpoint.dir=" + (dir / name / "checkpoints").string(),
+                                    "--set",
+                                    "checkpoint.every_steps=" + std::to_string(every_steps)};
+  };
+  json numbers = {{"drill_steps", half}, {"total_steps", total}, {"directory", dir.string()}};
+  auto fail = [&](const std::string& why) {
+    result.passed = false;
+    result.verdict = why;
+    numbers["seconds"] = seconds_since(drill_begin);
+    result.numbers = numbers;
+    return result;
+  };
+
+  // 1. The reference: 2K uninterrupted steps, saved at the end.
+  auto begin = Clock::now();
+  int code = wait_for(spawn(train_args("reference", total), dir / "reference.log"));
+  numbers["reference_seconds"] = seconds_since(begin);
+  if (code != 0)
+    return fail(fmt::format("the reference run exited with {} (see {})", code,
+                            (dir / "reference.log").string()));
+
+  // 2. A run that saves at step K and is killed once that checkpoint is committed.
+  const std::filesystem::path killed_ckpt = dir / "killed" / "checkpoints";
+  const std::filesystem::path step_k = killed_ckpt / ckpt::step_dir_name(half);
+  begin = Clock::now();
+  const pid_t pid = spawn(train_args("killed", half), dir / "killed.log");
+  bool killed = false;
+  int killed_status = -1;
+  while (true) {
+    std::error_code ec;
+    if (std::filesystem::exists(step_k / ckpt::kIndexFile, ec)) {
+      killed = ::kill(pid, SIGKILL) == 0;
+      killed_status = wait_for(pid);
+      killed = killed && killed_status == 128 + SIGKILL;
+      break;
+    }
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) {
+      killed_status = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  numbers["killed"] = killed;
+  numbers["killed_exit_status"] = killed_status;
+  numbers["save_seconds"] = seconds_since(begin);
+  std::error_code ec;
+  if (!std::filesystem::exists(step_k / ckpt::kIndexFile, ec)) {
+    return fail(fmt::format("the run to be killed exited with {} before committing {} (see {})",
+                            killed_status, step_k.string(), (dir / "killed.log").string()));
+  }
+
+  // 3. The committed checkpoint verifies.
+  const VerifyReport report = verify_checkpoint(step_k);
+  numbers["verify_ok"] = report.ok();
+  numbers["checkpoint_bytes"] = report.bytes_checked;
+  if (!report.ok())
+    return fail("the committed checkpoint does not verify: " + report.problems.front());
+  const CheckpointIndex index = read_checkpoint_index(step_k);
+  const json& loader = index.ranks.at(0).at("loader");
+  numbers["resume_epoch"] = loader.at("epoch");
+  numbers["resume_batch_in_epoch"] = loader.at("batch");
+
+  // 4. A fresh process restores it and trains to 2K.
+  std::vector<std::string> resume_args = train_args("resumed", total);
+  resume_args.push_back("--resume");
+  resume_args.push_back(step_k.string());
+  begin = Clock::now();
+  code = wait_for(spawn(resume_args, dir / "resumed.log"));
+  numbers["resume_seconds"] = seconds_since(begin);
+  if (code != 0)
+    return fail(fmt::format("the resumed run exited with {} (see {})", code,
+                            (dir / "resumed.log").string()));
+
+  // 5. Compare with the reference.
+  const auto reference_losses = read_losses(dir / "reference" / "metrics.jsonl");
+  const auto resumed_losses = read_losses(dir / "resumed" / "metrics.jsonl");
+  int64_t compared = 0, equal = 0;
+  double max_difference = 0;
+  for (int64_t step = half + 1; step <= total; ++step) {
+    auto a = reference_losses.find(step), b = resumed_losses.find(step);
+    if (a == reference_losses.end() || b == resumed_losses.end()) continue;
+    ++compared;
+    equal += a->second == b->second;
+    max_difference = std::max(max_difference, std::abs(a->second - b->second));
+  }
+  const std::filesystem::path reference_final =
+      dir / "reference" / "checkpoints" / ckpt::step_dir_name(total);
+  const std::filesystem::path resumed_final =
+      dir / "resumed" / "checkpoints" / ckpt::step_dir_name(total);
+  const bool parameters_equal =
+      bitwise_equal(ckpt::read_whole_tensors(reference_final, "model/", true),
+                    ckpt::read_whole_tensors(resumed_final, "model/", true));
+  const bool optimizer_equal =
+      bitwise_equal(ckpt::read_whole_tensors(reference_final, "optim/", true),
+                    ckpt::read_whole_tensors(resumed_final, "optim/", true));
+  numbers["losses_compared"] = compared;
+  numbers["losses_bitwise_equal"] = compared == half && equal == compared;
+  numbers["max_abs_loss_difference"] = max_difference;
+  numbers["parameters_bitwise_equal"] = parameters_equal;
+  numbers["optimizer_state_bitwise_equal"] = optimizer_equal;
+  numbers["seconds"] = seconds_since(drill_begin);
+  result.numbers = numbers;
+  result.passed = compared == half && equal == compared && parameters_equal && optimizer_equal;
+  result.verdict =
+      result.passed
+          ? fmt::format(
+                "restored step {} in a fresh process{}: {} losses, parameters and optimizer state "
+                "bitwise equal to an uninterrupted run",
+                half, killed ? " after SIGKILL" : "", compared)
+          : fmt::format(
+                "resume differs from the uninterrupted run: {}/{} losses equal (max |diff| "
+                "{:.3g}), "
+                "parameters {}, optimizer state {}",
+                equal, half, max_difference, parameters_equal ? "equal" : "differ",
+                optimizer_equal ? "equal" : "differ");
+  result.table = {
+      {"checkpoint",
+       fmt::format("step {} of {}, {}, resumes at batch {} of epoch {}", half, total,
+                   format_bytes(static_cast<double>(report.bytes_checked)),
+                   numbers["resume_batch_in_epoch"].dump(), numbers["resume_epoch"].dump())},
+      {"kill", killed ? "SIGKILL after the commit" : "the run ended before the kill landed"},
+      {"verify", "checksums and headers ok"},
+      {"losses after resume", fmt::format("{}/{} bitwise equal", equal, compared)},
+      {"final parameters", parameters_equal ? "bitwise equal" : "differ"},
+      {"final optimizer state", optimizer_equal ? "bitwise equal" : "differ"},
+      {"drill time", format_duration(numbers["seconds"].get<double>())},
+  };
+  return result;
+}
+
+}  // namespace
+
+RungResult run_checkpoint_drill(const Config& config, const SessionOptions& options) {
+  auto comm = options.comm ? options.comm : single_process_communicator();
+  RungResult result;
+  if (comm->rank() == 0) {
+    try {
+      result = drill(config);
+    } catch (const std::exception& e) {
+      result.rung = "checkpoint";
+      result.passed = false;
+      result.verdict = std::string("the drill could not run: ") + e.what();
+    }
+    const std::filesystem::path path = run_directory(config) / "checkpoint.json";
+    std::filesystem::create_directories(path.parent_path());
+    json out = result.numbers.is_null() ? json::object() : result.numbers;
+    out["passed"] = result.passed;
+    out["verdict"] = result.verdict;
+    write_file_atomic(path, out.dump(2) + "\n");
+  }
+  // The drill runs in single-process children started by rank 0; the other ranks learn its outcome.
+  if (comm->world_size() > 1) {
+    json shared = {
+        {"passed", result.passed}, {"verdict", result.verdict}, {"numbers", result.numbers}};
+    shared = json::parse(comm->all_gather_bytes(comm->rank() == 0 ? shared.dump() : "")[0]);
+    result.rung = "checkpoint";
+    result.passed = shared["passed"].get<bool>();
+    result.verdict = shared["verdict"].get<std::string>();
+    result.numbers = shared["numbers"];
+  }
+  return result;
+}
+
+}  // namespace kiln

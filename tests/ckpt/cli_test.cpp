@@ -1,0 +1,106 @@
+// `kiln ckpt list|inspect|verify|consolidate|drill` as a user runs them.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "ckpt/ckpt_helpers.h"
+#include "ckpt/thread_comm.h"
+#include "kiln/checkpoint.h"
+#include "kiln/safetensors.h"
+
+namespace kiln::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Steps 1 and 2 saved by two thread-backed ranks: replicated model and optimizer tensors, and a
+// sharded one; then a stale step-3.tmp as a killed save leaves it.
+void make_two_rank_checkpoints(const std::filesystem::path& dir) {
+  run_ranks(2, [&](Communicator& comm) {
+    Checkpointer checkpointer(CheckpointOptions{dir, 3, 0, true}, comm);
+    for (int64_t step : {1, 2}) {
+      SaveRequest request;
+      request.step = step;
+      request.tensors.emplace_back("model/fc.weight",
+                                   torch::full({4, 3}, static_cast<float>(step)));
+      request.tensors.emplace_back("model/fc.bias", torch::ones({4}));
+      request.tensors.emplace_back("optim/fc.weight.exp_avg", torch::zeros({4, 3}));
+      request.tensors.emplace_back("model/table",
+                                   torch::arange(3, torch::kFloat).add(3.0f * comm.rank()),
+                                   std::vector<int64_t>{6}, std::vector<int64_t>{3 * comm.rank()});
+      request.training_state = {{"step", step}, {"epoch", 0}};
+      checkpointer.save(request);
+    }
+    checkpointer.wait();
+  });
+  std::filesystem::create_directories(dir / "step-3.tmp");
+}
+
+TEST(CkptCli, ListInspectVerifyConsolidate) {
+  TempDir dir;
+  make_two_rank_checkpoints(dir.path());
+
+  auto list = run_kiln("ckpt list " + dir.path().string());
+  ASSERT_EQ(list.exit_code, 0) << list.err;
+  EXPECT_THAT(list.out, HasSubstr("committed"));
+  EXPECT_THAT(list.out, HasSubstr("(latest)"));
+  EXPECT_THAT(list.out, HasSubstr("incomplete"));
+
+  auto inspect = run_kiln("ckpt inspect " + dir.path().string());  // a directory: its newest
+  ASSERT_EQ(inspect.exit_code, 0) << inspect.err;
+  EXPECT_THAT(inspect.out, HasSubstr("step-2"));
+  EXPECT_THAT(inspect.out, HasSubstr("world size 2"));
+  EXPECT_THAT(inspect.out, HasSubstr("model/fc.weight"));
+  EXPECT_THAT(inspect.out, HasSubstr("[4, 3]"));
+  EXPECT_THAT(inspect.out, HasSubstr("sharded x2"));
+  EXPECT_THAT(inspect.out, HasSubstr("rank-1.safetensors"));
+
+  auto verify = run_kiln("ckpt verify " + (dir / "step-2").string());
+  EXPECT_EQ(verify.exit_code, 0) << verify.err;
+  EXPECT_THAT(verify.out, HasSubstr("ok:"));
+
+  auto out = dir / "model.safetensors";
+  auto consolidate = run_kiln("ckpt consolidate " + (dir / "step-2").string() + " " + out.string());
+  ASSERT_EQ(consolidate.exit_code, 0) << consolidate.err;
+  auto tensors = read_safetensors(out);
+  std::map<std::string, torch::Tensor> by_name(tensors.begin(), tensors.end());
+  EXPECT_EQ(by_name.size(), 3u);  // no optimizer state unless asked
+  EXPECT_TRUE(torch::equal(by_name.at("fc.weight"), torch::full({4, 3}, 2.0f)));
+  EXPECT_TRUE(torch::equal(by_name.at("table"), torch::arange(6, torch::kFloat)));
+  consolidate = run_kiln("ckpt consolidate " + (dir / "step-2").string() + " " + out.string() +
+                         " --optimizer");
+  ASSERT_EQ(consolidate.exit_code, 0) << consolidate.err;
+  EXPECT_EQ(read_safetensors(out).size(), 4u);
+
+  flip_byte(dir / "step-2" / "rank-1.safetensors", -1);
+  verify = run_kiln("ckpt verify " + (dir / "step-2").string());
+  EXPECT_EQ(verify.exit_code, 2);
+  EXPECT_THAT(verify.out, HasSubstr("rank-1.safetensors: xxh3"));
+  consolidate = run_kiln("ckpt consolidate " + (dir / "step-2").string() + " " + out.string());
+  EXPECT_EQ(consolidate.exit_code, 2);
+  EXPECT_THAT(consolidate.err, HasSubstr("failed verification"));
+
+  auto missing = run_kiln("ckpt inspect " + (dir / "nowhere").string());
+  EXPECT_EQ(missing.exit_code, 2);
+  EXPECT_THAT(missing.err, HasSubstr("does not exist"));
+}
+
+// The checkpoint rung on a tiny GPT: save, SIGKILL, restore in a fresh process, compare.
+TEST(CkptCli, DrillRestoresBitwiseOnATinyGpt) {
+  TempDir dir;
+  auto r = run_kiln(
+      "ckpt drill " + (source_dir() / "configs/gpt-tiny.toml").string() +
+      " --set model.n_layer=2 --set model.n_embd=64 --set model.n_head=4 --set data.seq_len=32"
+      " --set train.batch_size=8 --set checkpoint.drill_steps=4 --set run.threads=1"
+      " --set run.name=d --set run.dir=" +
+      dir.path().string());
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("bitwise equal"));
+  auto numbers = nlohmann::json::parse(slurp(dir / "d" / "checkpoint.json"));
+  EXPECT_TRUE(numbers["passed"].get<bool>());
+  EXPECT_TRUE(numbers["parameters_bitwise_equal"].get<bool>());
+  EXPECT_EQ(numbers["losses_compared"], 4);
+  EXPECT_TRUE(numbers["verify_ok"].get<bool>());
+}
+
+}  // namespace
+}  // namespace kiln::testing

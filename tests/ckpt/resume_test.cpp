@@ -1,0 +1,233 @@
+// Resuming training: bitwise equality with an uninterrupted run across processes (in the middle of
+// an epoch, with prefetching loader threads), DDP state resharded 2 -> 1 and 1 -> 2 with the loader
+// position converted, and the fallback to an older checkpoint when the newest is damaged.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "ckpt/ckpt_helpers.h"
+#include "ckpt/internal.h"
+#include "ckpt/thread_comm.h"
+#include "kiln/checkpoint.h"
+#include "kiln/error.h"
+#include "kiln/session.h"
+
+namespace kiln::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+bool bitwise_equal(const std::vector<std::pair<std::string, torch::Tensor>>& a,
+                   const std::vector<std::pair<std::string, torch::Tensor>>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t k = 0; k < a.size(); ++k) {
+    if (a[k].first != b[k].first || a[k].second.sizes() != b[k].second.sizes() ||
+        a[k].second.scalar_type() != b[k].second.scalar_type() ||
+        std::memcmp(a[k].second.data_ptr(), b[k].second.data_ptr(), a[k].second.nbytes()) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+int run_kiln_args(const std::vector<std::string>& args, const std::filesystem::path& log) {
+  KilnProcess process(args, log);
+  return process.wait();
+}
+
+// K steps, save, a fresh process resumes and trains K more: the losses and the final parameters
+// and optimizer state equal 2K uninterrupted steps bit for bit. 8 batches per epoch, K = 5: the
+// resume lands in the middle of epoch 0 and the run crosses into epoch 1.
+TEST(CkptResume, FreshProcessContinuesBitwiseInTheMiddleOfAnEpoch) {
+  TempDir dir;
+  const std::vector<std::string> common = {"train.steps=10", "data.num_workers=2",
+                                           "data.prefetch=3", "train.batch_size=32"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), common.begin(), common.end());
+    return extra;
+  };
+  ASSERT_EQ(
+      run_kiln_args(mlp_train_args(dir.path(), "straight", with({"checkpoint.every_steps=5"})),
+                    dir / "a.log"),
+      0)
+      << slurp(dir / "a.log");
+  const auto step5 = dir / "straight" / "checkpoints" / "step-5";
+  CheckpointIndex index = read_checkpoint_index(step5);
+  EXPECT_EQ(index.ranks[0]["loader"]["epoch"], 0);
+  EXPECT_EQ(index.ranks[0]["loader"]["batch"], 5);
+  EXPECT_EQ(index.ranks[0]["loader"]["batches_per_epoch"], 8);
+  EXPECT_EQ(index.training_state["optimizer_steps"], 5);
+  EXPECT_TRUE(index.training_state["grad_scaler"].is_null());
+  EXPECT_TRUE(index.find("rng/rank-0/cpu") != nullptr);
+
+  auto resume_args = mlp_train_args(dir.path(), "resumed", with({"checkpoint.every_steps=10"}));
+  resume_args.insert(resume_args.end(), {"--resume", step5.string()});
+  ASSERT_EQ(run_kiln_args(resume_args, dir / "b.log"), 0) << slurp(dir / "b.log");
+  EXPECT_THAT(slurp(dir / "b.log"),
+              HasSubstr("resumed from " + step5.string() + " at step 5 (epoch 0, batch 5)"));
+
+  const auto straight = read_losses(dir / "straight" / "metrics.jsonl");
+  const auto resumed = read_losses(dir / "resumed" / "metrics.jsonl");
+  ASSERT_EQ(resumed.size(), 5u);
+  for (const auto& [step, loss] : resumed) {
+    ASSERT_TRUE(straight.count(step));
+    EXPECT_EQ(loss, straight.at(step)) << "step " << step;  // bitwise: same double
+  }
+  const auto a = dir / "straight" / "checkpoints" / "step-10";
+  const auto b = dir / "resumed" / "checkpoints" / "step-10";
+  EXPECT_TRUE(bitwise_equal(ckpt::read_whole_tensors(a, "model/", true),
+                            ckpt::read_whole_tensors(b, "model/", true)));
+  EXPECT_TRUE(bitwise_equal(ckpt::read_whole_tensors(a, "optim/", true),
+                            ckpt::read_whole_tensors(b, "optim/", true)));
+  EXPECT_EQ(read_checkpoint_index(b).ranks[0]["loader"]["epoch"], 1);
+}
+
+// A gradient-averaging hook: enough DDP to keep thread-backed replicas identical.
+class AverageGradients : public TrainerHook {
+ public:
+  explicit AverageGradients(Communicator& comm) : comm_(comm) {}
+  void on_gradients_ready(Trainer& trainer) override {
+    for (const auto& [name, p] : trainer.optimizer().parameters()) {
+      torch::Tensor grad = p.grad();
+      comm_.all_reduce_sum(grad);
+      grad.div_(comm_.world_size());
+    }
+  }
+
+ private:
+  Communicator& comm_;
+};
+
+std::unique_ptr<Trainer> make_trainer(const Config& config, Communicator& comm) {
+  TrainerOptions options;
+  options.rank = comm.rank();
+  options.world_size = comm.world_size();
+  auto trainer =
+      std::make_unique<Trainer>(config, make_model(config), make_datasets(config), options);
+  trainer->add_hook(std::make_shared<AverageGradients>(comm));
+  return trainer;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> parameters_of(Trainer& trainer) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& [name, p] : trainer.optimizer().parameters())
+    out.emplace_back(name, p.detach().clone());
+  return out;
+}
+
+TEST(CkptResume, DdpStateReshardsTwoRanksToOneAndConvertsTheLoaderPosition) {
+  TempDir dir;
+  const Config config =
+      mlp_config(dir.path(), {"data.num_samples=256", "train.batch_size=32", "data.num_workers=0"});
+  std::vector<std::pair<std::string, torch::Tensor>> saved;
+  run_ranks(2, [&](Communicator& comm) {
+    auto trainer = make_trainer(config, comm);
+    for (int k = 0; k < 3; ++k) trainer->train_step();
+    Checkpointer checkpointer(checkpoint_options(config, dir / "t"), comm);
+    checkpointer.save(capture_training_state(*trainer, comm, {}));
+    checkpointer.wait();
+    if (comm.rank() == 0) saved = parameters_of(*trainer);
+  });
+  const auto index = read_checkpoint_index(dir / "t" / "checkpoints" / "step-3");
+  ASSERT_EQ(index.world_size, 2);
+  ASSERT_NE(index.find("rng/rank-1/cpu"), nullptr);
+
+  auto comm = single_process_communicator();
+  auto trainer = make_trainer(config, *comm);
+  auto loaded =
+      restore_training_state(*trainer, *comm, dir / "t" / "checkpoints", /*dir_fallback=*/true);
+  ASSERT_TRUE(loaded.has_value());
+  EXPECT_EQ(trainer->step(), 3);
+  EXPECT_EQ(trainer->optimizer().steps_taken(), 3);
+  EXPECT_TRUE(bitwise_equal(parameters_of(*trainer), saved));
+  // World 2 at batch 3 of 4 consumed 3 x 32 x 2 = 192 samples: world 1 resumes at batch 6 of 8.
+  EXPECT_EQ(trainer->loader().position(), (LoaderPosition{0, 6}));
+  trainer->train_step();  // and trains on
+}
+
+TEST(CkptResume, DdpStateReshardsOneRankToTwo) {
+  TempDir dir;
+  const Config config =
+      mlp_config(dir.path(), {"data.num_samples=256", "train.batch_size=32", "data.num_workers=0"});
+  std::vector<std::pair<std::string, torch::Tensor>> saved;
+  {
+    auto comm = single_process_communicator();
+    auto trainer = make_trainer(config, *comm);
+    for (int k = 0; k < 4; ++k) trainer->train_step();
+    Checkpointer checkpointer(checkpoint_options(config, dir / "t"), *comm);
+    checkpointer.save(capture_training_state(*trainer, *comm, {}));
+    checkpointer.wait();
+    saved = parameters_of(*trainer);
+  }
+  run_ranks(2, [&](Communicator& comm) {
+    auto trainer = make_trainer(config, comm);
+    restore_training_state(*trainer, comm, dir / "t" / "checkpoints" / "step-4",
+                           /*dir_fallback=*/false);
+    if (!bitwise_equal(parameters_of(*trainer), saved))
+      throw std::runtime_error("parameters differ");
+    if (trainer->optimizer().steps_taken() != 4) throw std::runtime_error("optimizer steps differ");
+    // World 1 at batch 4 consumed 128 samples = 2 global batches of 2 x 32.
+    if (!(trainer->loader().position() == LoaderPosition{0, 2}))
+      throw std::runtime_error("loader position");
+    trainer->train_step();
+  });
+}
+
+TEST(CkptResume, FallsBackWhenTheNewestIsDamagedAndVerifyFails) {
+  TempDir dir;
+  ASSERT_EQ(
+      run_kiln_args(mlp_train_args(dir.path(), "r", {"train.steps=6", "checkpoint.every_steps=2"}),
+                    dir / "a.log"),
+      0)
+      << slurp(dir / "a.log");
+  const auto ckpts = dir / "r" / "checkpoints";
+  flip_byte(ckpts / "step-6" / "rank-0.safetensors", -100);
+  auto verify = run_kiln("ckpt verify " + (ckpts / "step-6").string());
+  EXPECT_EQ(verify.exit_code, 2);
+  EXPECT_THAT(verify.out, HasSubstr("does not match the index"));
+  EXPECT_THAT(verify.err, HasSubstr("failed verification"));
+  EXPECT_EQ(run_kiln("ckpt verify " + (ckpts / "step-4").string()).exit_code, 0);
+
+  auto resume = [&](const std::string& log) {
+    auto args = mlp_train_args(dir.path(), "r", {"train.steps=7"});
+    args.insert(args.end(), {"--resume", "auto"});
+    EXPECT_EQ(run_kiln_args(args, dir / log), 0) << slurp(dir / log);
+    return slurp(dir / log);
+  };
+  std::string log = resume("b.log");
+  EXPECT_THAT(log, HasSubstr("falling back to the previous checkpoint"));
+  EXPECT_THAT(log, HasSubstr("resumed from " + (ckpts / "step-4").string() + " at step 4"));
+
+  truncate_file(ckpts / "step-4" / "rank-0.safetensors", 16);
+  EXPECT_EQ(run_kiln("ckpt verify " + (ckpts / "step-4").string()).exit_code, 2);
+  log = resume("c.log");
+  EXPECT_THAT(log, HasSubstr("resumed from " + (ckpts / "step-2").string() + " at step 2"));
+
+  // An explicit step directory is loaded or refused, never silently replaced.
+  auto args = mlp_train_args(dir.path(), "r", {"train.steps=7"});
+  args.insert(args.end(), {"--resume", (ckpts / "step-6").string()});
+  EXPECT_EQ(run_kiln_args(args, dir / "d.log"), 2);
+  EXPECT_THAT(slurp(dir / "d.log"), HasSubstr("xxh3 does not match"));
+}
+
+TEST(CkptResume, AutoWithoutCheckpointsStartsFreshAndBadPathsAreOneLineErrors) {
+  TempDir dir;
+  auto args = mlp_train_args(dir.path(), "r", {"train.steps=2"});
+  args.insert(args.end(), {"--resume", "auto"});
+  ASSERT_EQ(run_kiln_args(args, dir / "a.log"), 0) << slurp(dir / "a.log");
+  EXPECT_THAT(slurp(dir / "a.log"), HasSubstr("no checkpoint in"));
+
+  auto r = run_kiln("train " + (source_dir() / "configs/mlp.toml").string() + " --set run.dir=" +
+                    dir.path().string() + " --resume " + (dir / "nowhere").string());
+  EXPECT_EQ(r.exit_code, 2);
+  // The error is the last line, one line (log lines of the session opening come before it).
+  const std::string last_line = r.err.substr(r.err.rfind('\n', r.err.size() - 2) + 1);
+  EXPECT_THAT(last_line,
+              ::testing::StartsWith("kiln: error: --resume " + (dir / "nowhere").string() +
+                                    ": no such checkpoint"));
+  EXPECT_THAT(r.err, ::testing::Not(HasSubstr("terminate")));
+}
+
+}  // namespace
+}  // namespace kiln::testing
