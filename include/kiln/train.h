@@ -152,6 +152,8 @@ class Trainer {
   /// Sets the completed-step counter (checkpoint resume).
   void set_step(int64_t step) { step_ = step; }
   int64_t skipped_steps() const { return skipped_steps_; }
+  /// Sets the skipped-step counter (checkpoint resume).
+  void set_skipped_steps(int64_t skipped) { skipped_steps_ = skipped; }
 
   /// Marks a phase for every hook (profiler scopes, timers). Components call these around their
   /// own work, e.g. a checkpointer around its staging (Phase::kCheckpoint), DDP around waiting

@@ -155,6 +155,7 @@ LoadResult restore_from(Trainer& trainer, Communicator& comm,
   LoadResult result = load_checkpoint(step_dir, targets, comm);
   trainer.optimizer().load_state(trainer.optimizer().state(), optimizer_steps);
   trainer.set_step(step);
+  trainer.set_skipped_steps(state.value("skipped_steps", int64_t{0}));
   trainer.loader().seek(position);
   for (const auto& [generator, k] : generators) set_generator_state(generator, targets[k].tensor);
 
