@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <numeric>
 
+#include "core/clock.h"
 #include "core/strings.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
@@ -12,14 +13,6 @@ namespace kiln {
 namespace {
 
 using nlohmann::json;
-
-double percentile(std::vector<double> values, double q) {
-  std::sort(values.begin(), values.end());
-  const double pos = q * static_cast<double>(values.size() - 1);
-  const size_t lo = static_cast<size_t>(std::floor(pos));
-  const size_t hi = std::min(values.size() - 1, lo + 1);
-  return values[lo] + (pos - static_cast<double>(lo)) * (values[hi] - values[lo]);
-}
 
 double mean_of(const std::vector<double>& values, size_t first, size_t count) {
   double sum = 0;

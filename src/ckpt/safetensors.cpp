@@ -33,22 +33,6 @@ constexpr DtypeName kDtypes[] = {
     {torch::kUInt64, "U64"},
 };
 
-std::string errno_text() {
-  return std::strerror(errno);
-}
-
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const { return fd_; }
-  int release() { return std::exchange(fd_, -1); }
-
- private:
-  int fd_;
-};
 
 void read_exact(int fd, void* out, size_t bytes, uint64_t offset, const std::string& source) {
   auto* p = static_cast<char*>(out);
@@ -179,7 +163,7 @@ SafetensorsHeader parse_safetensors_header(std::string_view prefix, uint64_t fil
 }
 
 SafetensorsHeader read_safetensors_header(const std::filesystem::path& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  FileDescriptor fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) throw UserError("cannot open " + path.string() + ": " + errno_text());
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0)
@@ -224,49 +208,19 @@ SafetensorsWriteResult write_safetensors(
   std::memcpy(prefix.data(), &header_len, 8);
   prefix += text;
 
-  std::filesystem::path tmp = path;
-  tmp += ".tmp." + std::to_string(::getpid());
-  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (fd.get() < 0) throw UserError("cannot write " + tmp.string() + ": " + errno_text());
-  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> hash(XXH3_createState(), XXH3_freeState);
-  XXH3_64bits_reset(hash.get());
-  auto put = [&](const void* data, size_t bytes) {
-    XXH3_64bits_update(hash.get(), data, bytes);
-    const char* p = static_cast<const char*>(data);
-    while (bytes > 0) {
-      ssize_t n = ::write(fd.get(), p, std::min<size_t>(bytes, 1 << 30));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        std::string why = errno_text();
-        ::unlink(tmp.c_str());
-        throw UserError("cannot write " + path.string() + ": " + why);
-      }
-      p += n;
-      bytes -= static_cast<size_t>(n);
-    }
-  };
+  AtomicFile file(path);
   SafetensorsWriteResult result;
   result.data_start = prefix.size();
-  put(prefix.data(), prefix.size());
+  file.write(prefix);
   uint64_t cursor = result.data_start;
   for (const auto& t : cpu) {
     result.tensor_byte_ranges.emplace_back(cursor, cursor + t.nbytes());
     cursor += t.nbytes();
-    if (t.nbytes() > 0) put(t.data_ptr(), t.nbytes());
+    if (t.nbytes() > 0) file.write(t.data_ptr(), t.nbytes());
   }
-  if (::fsync(fd.get()) != 0 || ::close(fd.release()) != 0) {
-    std::string why = errno_text();
-    ::unlink(tmp.c_str());
-    throw UserError("cannot write " + path.string() + ": " + why);
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::string why = errno_text();
-    ::unlink(tmp.c_str());
-    throw UserError("cannot rename " + tmp.string() + ": " + why);
-  }
-  fsync_directory(path.has_parent_path() ? path.parent_path() : std::filesystem::path("."));
+  file.commit();
   result.size_bytes = prefix.size() + offset;
-  result.xxh3 = XXH3_64bits_digest(hash.get());
+  result.xxh3 = file.xxh3();
   return result;
 }
 

@@ -5,6 +5,7 @@
 #include <xxhash.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -14,51 +15,74 @@
 #include "kiln/error.h"
 
 namespace kiln {
-namespace {
 
 std::string errno_text() { return std::strerror(errno); }
 
-}  // namespace
+FileDescriptor::~FileDescriptor() { close(); }
+
+FileDescriptor& FileDescriptor::operator=(FileDescriptor&& other) noexcept {
+  if (this != &other) {
+    close();
+    fd_ = other.release();
+  }
+  return *this;
+}
+
+int FileDescriptor::close() {
+  if (fd_ < 0) return 0;
+  return ::close(release());
+}
 
 void fsync_directory(const std::filesystem::path& dir) {
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (fd < 0) throw UserError("cannot open directory " + dir.string() + ": " + errno_text());
-  int rc = ::fsync(fd);
-  int saved = errno;
-  ::close(fd);
-  if (rc != 0) throw UserError("cannot fsync directory " + dir.string() + ": " + std::strerror(saved));
+  FileDescriptor fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!fd.valid()) throw UserError("cannot open directory " + dir.string() + ": " + errno_text());
+  if (::fsync(fd.get()) != 0) throw UserError("cannot fsync directory " + dir.string() + ": " + errno_text());
+}
+
+AtomicFile::AtomicFile(std::filesystem::path path)
+    : path_(std::move(path)), hash_(XXH3_createState(), XXH3_freeState) {
+  tmp_ = path_;
+  tmp_ += ".tmp." + std::to_string(::getpid());
+  fd_ = FileDescriptor(::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (!fd_.valid()) throw UserError("cannot write " + tmp_.string() + ": " + errno_text());
+  XXH3_64bits_reset(hash_.get());
+}
+
+AtomicFile::~AtomicFile() {
+  if (!committed_) {
+    fd_.close();
+    ::unlink(tmp_.c_str());
+  }
+}
+
+void AtomicFile::write(const void* data, size_t bytes) {
+  XXH3_64bits_update(hash_.get(), data, bytes);
+  const char* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    ssize_t n = ::write(fd_.get(), p, std::min<size_t>(bytes, size_t{1} << 30));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw UserError("cannot write " + path_.string() + ": " + errno_text());
+    if (n == 0) throw UserError("cannot write " + path_.string() + ": no progress (device full?)");
+    p += n;
+    bytes -= static_cast<size_t>(n);
+    bytes_written_ += static_cast<uint64_t>(n);
+  }
+}
+
+void AtomicFile::commit() {
+  if (::fsync(fd_.get()) != 0) throw UserError("cannot write " + path_.string() + ": " + errno_text());
+  if (fd_.close() != 0) throw UserError("cannot write " + path_.string() + ": " + errno_text());
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
+    throw UserError("cannot rename " + tmp_.string() + " to " + path_.string() + ": " + errno_text());
+  }
+  committed_ = true;
+  fsync_directory(path_.has_parent_path() ? path_.parent_path() : std::filesystem::path("."));
 }
 
 void write_file_atomic(const std::filesystem::path& path, std::string_view bytes) {
-  std::filesystem::path tmp = path;
-  tmp += ".tmp." + std::to_string(::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw UserError("cannot write " + tmp.string() + ": " + errno_text());
-  const char* data = bytes.data();
-  size_t left = bytes.size();
-  while (left > 0) {
-    ssize_t n = ::write(fd, data, left);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      std::string why = errno_text();
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      throw UserError("cannot write " + path.string() + ": " + why);
-    }
-    data += n;
-    left -= static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    std::string why = errno_text();
-    ::unlink(tmp.c_str());
-    throw UserError("cannot write " + path.string() + ": " + why);
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::string why = errno_text();
-    ::unlink(tmp.c_str());
-    throw UserError("cannot rename " + tmp.string() + " to " + path.string() + ": " + why);
-  }
-  fsync_directory(path.has_parent_path() ? path.parent_path() : std::filesystem::path("."));
+  AtomicFile file(path);
+  file.write(bytes);
+  file.commit();
 }
 
 std::string read_file(const std::filesystem::path& path) {
@@ -70,23 +94,18 @@ std::string read_file(const std::filesystem::path& path) {
 }
 
 uint64_t hash_file(const std::filesystem::path& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw UserError("cannot read " + path.string() + ": " + errno_text());
+  FileDescriptor fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) throw UserError("cannot read " + path.string() + ": " + errno_text());
   std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), XXH3_freeState);
   XXH3_64bits_reset(state.get());
   std::vector<char> buffer(1 << 20);
   while (true) {
-    ssize_t n = ::read(fd, buffer.data(), buffer.size());
+    ssize_t n = ::read(fd.get(), buffer.data(), buffer.size());
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      std::string why = errno_text();
-      ::close(fd);
-      throw UserError("cannot read " + path.string() + ": " + why);
-    }
+    if (n < 0) throw UserError("cannot read " + path.string() + ": " + errno_text());
     if (n == 0) break;
     XXH3_64bits_update(state.get(), buffer.data(), static_cast<size_t>(n));
   }
-  ::close(fd);
   return XXH3_64bits_digest(state.get());
 }
 

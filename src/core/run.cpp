@@ -15,6 +15,8 @@
 #include <torch/version.h>
 
 #include "core/files.h"
+#include "core/process.h"
+#include "kiln/data.h"
 #include "kiln/build_info.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
@@ -23,12 +25,6 @@ namespace kiln {
 namespace {
 
 using nlohmann::json;
-
-std::string hostname() {
-  char buffer[256] = {};
-  if (::gethostname(buffer, sizeof(buffer) - 1) != 0) return "unknown";
-  return buffer;
-}
 
 std::string cpu_model() {
   std::ifstream in("/proc/cpuinfo");
@@ -110,7 +106,6 @@ json make_manifest(const Config& config, const std::string& command_line,
       devices.push_back({{"type", "cuda"}, {"index", k}});
     }
   }
-  int64_t data_seed = config.get_int("data.seed");
   const char* digest = env_or_null("KILN_CONTAINER_DIGEST");
   return {
       {"manifest_version", 1},
@@ -136,7 +131,7 @@ json make_manifest(const Config& config, const std::string& command_line,
       {"config", {{"file", config.source().empty() ? json(nullptr) : json(config.source().string())},
                   {"hash_xxh64", config.hash()}}},
       {"seeds", {{"run.seed", config.get_int("run.seed")},
-                 {"data.seed", data_seed == 0 ? config.get_int("run.seed") : data_seed}}},
+                 {"data.seed", data_seed(config)}}},
       {"deterministic", config.get_bool("run.deterministic")},
       {"data", data},
       {"model", model},

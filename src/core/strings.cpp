@@ -1,5 +1,7 @@
 #include "core/strings.h"
 
+#include <c10/util/Exception.h>
+
 #include <algorithm>
 #include <charconv>
 #include <cmath>
@@ -7,6 +9,20 @@
 #include <vector>
 
 namespace kiln {
+
+std::string one_line_error(const std::exception& error) {
+  const auto* torch_error = dynamic_cast<const c10::Error*>(&error);
+  std::string text = torch_error ? torch_error->what_without_backtrace() : error.what();
+  std::string out;
+  for (char c : std::string(trim(text))) {
+    if (c == '\n') {
+      if (!out.empty() && out.back() != ' ') out += "; ";
+    } else if (c != '\r') {
+      out += c;
+    }
+  }
+  return out;
+}
 
 size_t edit_distance(std::string_view a, std::string_view b) {
   std::vector<size_t> row(b.size() + 1);

@@ -2,11 +2,15 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <string>
 #include <string_view>
 
 namespace kiln {
 
+/// An exception's message as one line for users: LibTorch errors without their C++ backtrace,
+/// line breaks folded into "; ".
+std::string one_line_error(const std::exception& error);
 /// Levenshtein distance.
 size_t edit_distance(std::string_view a, std::string_view b);
 /// Strips ASCII whitespace at both ends.

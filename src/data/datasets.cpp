@@ -30,11 +30,6 @@ constexpr int32_t kLlmcMagic = 20240520;
 constexpr int64_t kLlmcHeaderBytes = 256 * 4;
 const char* kDefaultCorpus = "/usr/share/games/fortunes";
 
-uint64_t data_seed(const Config& config) {
-  int64_t seed = config.get_int("data.seed");
-  return static_cast<uint64_t>(seed == 0 ? config.get_int("run.seed") : seed);
-}
-
 // ---- synthetic: inputs ~ N(0, 1), labels from a fixed random teacher network -----------------
 
 class TensorDataset final : public Dataset {
@@ -324,6 +319,11 @@ Datasets make_tokens(const Config& config, int64_t vocab_limit) {
 }
 
 }  // namespace
+
+uint64_t data_seed(const Config& config) {
+  const int64_t seed = config.get_int("data.seed");
+  return static_cast<uint64_t>(seed == 0 ? config.get_int("run.seed") : seed);
+}
 
 Datasets make_datasets(const Config& config) {
   const std::string& name = config.get_string("data.name");

@@ -8,6 +8,7 @@
 #include <torch/cuda.h>
 #include <torch/utils.h>
 
+#include "core/clock.h"
 #include "core/strings.h"
 #include "kiln/config.h"
 #include "kiln/dist.h"
@@ -19,16 +20,7 @@
 namespace kiln {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point begin) {
-  return std::chrono::duration<double>(Clock::now() - begin).count();
-}
-
-uint64_t resolved_data_seed(const Config& config) {
-  int64_t seed = config.get_int("data.seed");
-  return static_cast<uint64_t>(seed == 0 ? config.get_int("run.seed") : seed);
-}
+using Clock = SteadyClock;
 
 // Progress: a bar with rate and ETA on a terminal, a log line every run.log_every steps otherwise.
 class Progress {
@@ -121,7 +113,7 @@ Trainer::Trainer(const Config& config, std::shared_ptr<Model> model, Datasets da
   loader_options.num_workers = static_cast<int>(config.get_int("data.num_workers"));
   loader_options.prefetch = static_cast<int>(config.get_int("data.prefetch"));
   loader_options.shuffle = config.get_bool("data.shuffle");
-  loader_options.seed = resolved_data_seed(config);
+  loader_options.seed = data_seed(config);
   loader_options.rank = options_.rank;
   loader_options.world_size = options_.world_size;
   loader_options.device = options_.device;

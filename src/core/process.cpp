@@ -1,0 +1,67 @@
+#include "core/process.h"
+
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include "kiln/error.h"
+
+extern char** environ;
+
+namespace kiln {
+
+std::filesystem::path kiln_executable() {
+  if (const char* path = std::getenv("KILN_EXECUTABLE"); path && *path) return path;
+  std::error_code ec;
+  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec && self.filename() == "kiln") return self;
+  if (!ec) {
+    for (const auto& candidate : {self.parent_path() / "kiln", self.parent_path().parent_path() / "kiln"}) {
+      if (::access(candidate.c_str(), X_OK) == 0 && std::filesystem::is_regular_file(candidate, ec)) {
+        return candidate;
+      }
+    }
+  }
+  throw UserError("cannot find the kiln executable to start; set KILN_EXECUTABLE=/path/to/kiln");
+}
+
+pid_t spawn_process(const std::vector<std::string>& argv, const std::filesystem::path& log) {
+  if (argv.empty()) throw UserError("spawn_process: empty command");
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  if (!log.empty()) {
+    posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  }
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  const int rc = ::posix_spawn(&pid, argv[0].c_str(), &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) throw UserError("cannot start " + argv[0] + ": " + std::strerror(rc));
+  return pid;
+}
+
+int wait_process(pid_t pid) {
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) {
+      throw UserError("waiting for process " + std::to_string(pid) + " failed: " + std::strerror(errno));
+    }
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+std::string hostname() {
+  char buffer[256] = {};
+  if (::gethostname(buffer, sizeof(buffer) - 1) != 0) return "unknown";
+  return buffer;
+}
+
+}  // namespace kiln
