@@ -20,6 +20,8 @@ namespace kiln {
 struct RunOptions {
   std::vector<std::string> argv;  // the command line, recorded in the manifest
   bool writer = true;             // false on ranks other than 0
+  std::string metrics_file = "metrics.jsonl";  // the ladder gives each rung its own
+  bool append_metrics = false;    // keep earlier records (a resumed run); else start the file anew
 };
 
 class Run {
@@ -40,7 +42,7 @@ class Run {
   /// Writes <dir>/<filename> atomically (temp file, fsync, rename). Writer only; else no-op.
   void write_json(std::string_view filename, const nlohmann::json& value) const;
   void write_text(std::string_view filename, std::string_view text) const;
-  /// Appends one JSON object as a line to metrics.jsonl and flushes. Writer only.
+  /// Appends one JSON object as a line to the metrics file and flushes. Writer only.
   void append_metrics(const nlohmann::json& record);
   /// Writes manifest.json: everything needed to reproduce the run (see docs/manifest.md).
   /// `data` and `model` are the dataset's and model's identity objects.

@@ -24,6 +24,8 @@ struct Session {
 struct SessionOptions {
   std::vector<std::string> argv;       // recorded in the manifest
   std::shared_ptr<Communicator> comm = nullptr;  // null: process_communicator() (launcher env)
+  std::string metrics_file = "metrics.jsonl";    // see RunOptions
+  bool append_metrics = false;                   // a resumed run keeps its earlier records
 };
 
 /// Applies the runtime settings (threads, determinism, seed), builds the datasets, the model and

@@ -155,8 +155,9 @@ Run::Run(const Config& config, RunOptions options)
   }
   write_text("config.toml", config_.to_toml(true));
   log::set_file(dir_ / "train.log");
-  metrics_.open(dir_ / "metrics.jsonl", std::ios::trunc);
-  if (!metrics_) throw UserError("cannot write " + (dir_ / "metrics.jsonl").string());
+  const auto metrics_path = dir_ / options_.metrics_file;
+  metrics_.open(metrics_path, options_.append_metrics ? std::ios::app : std::ios::trunc);
+  if (!metrics_) throw UserError("cannot write " + metrics_path.string() + "; check run.dir's permissions");
 }
 
 Run::~Run() {

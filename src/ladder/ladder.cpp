@@ -67,7 +67,9 @@ std::vector<RungResult> run_ladder(const Config& config, const SessionOptions& o
       continue;
     }
     log::info("ladder: rung " + rung.name);
-    results.push_back(rung.run(config, options));
+    SessionOptions rung_options = options;  // each rung keeps its own step records
+    rung_options.metrics_file = "metrics-" + rung.name + ".jsonl";
+    results.push_back(rung.run(config, rung_options));
     print_rung(results.back());
     if (!results.back().passed) {
       log::error("ladder stopped at rung " + rung.name + ": " + results.back().verdict);

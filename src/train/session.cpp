@@ -37,6 +37,8 @@ std::unique_ptr<Session> open_session(const Config& config, const SessionOptions
   RunOptions run_options;
   run_options.argv = options.argv;
   run_options.writer = rank == 0;
+  run_options.metrics_file = options.metrics_file;
+  run_options.append_metrics = options.append_metrics;
   session->run = std::make_unique<Run>(config, run_options);
   session->run->write_manifest(data.identity, model_id,
                                {{"device", session->device.str()},
