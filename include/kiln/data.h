@@ -108,8 +108,6 @@ class Loader {
 
   /// The next batch in order, on the device. Blocks while it is being built.
   Batch next();
-  /// Seconds the last next() waited for its batch to be ready.
-  double last_wait_seconds() const { return last_wait_seconds_; }
   LoaderPosition position() const;
   /// Continues from `position` (restarts the workers). Used by checkpoint resume.
   void seek(LoaderPosition position);
@@ -143,7 +141,6 @@ class Loader {
   mutable std::mutex mutex_;
   std::condition_variable work_cv_, ready_cv_;
   std::vector<std::thread> workers_;
-  double last_wait_seconds_ = 0;
 };
 
 }  // namespace kiln

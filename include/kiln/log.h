@@ -15,16 +15,15 @@ void set_rank(int rank, int world_size);
 void set_file(const std::filesystem::path& file);
 /// Stops writing to the log file (flushes it).
 void close_file();
-/// When false, info lines are not printed to stderr (they still go to the file).
-void set_quiet(bool quiet);
 
 void write(Level level, std::string_view message);
 inline void info(std::string_view message) { write(Level::kInfo, message); }
 inline void warn(std::string_view message) { write(Level::kWarn, message); }
 inline void error(std::string_view message) { write(Level::kError, message); }
 
-/// Draws a one-line status (a progress bar) on stderr, replacing the previous one. Only on a
-/// terminal; log lines written meanwhile clear it first. finish_status() ends the line.
+/// Draws a one-line status (a progress bar) on stderr, replacing the previous one with a carriage
+/// return and an erase-line escape; log lines written meanwhile clear it first. The caller decides
+/// whether stderr is a terminal (run.progress = "auto" draws only then). finish_status() ends it.
 void status(std::string_view line);
 void finish_status();
 /// True when stderr is a terminal.

@@ -50,7 +50,8 @@ Config ConfigArgs::load() const {
 int main(int argc, char** argv) {
   using namespace kiln;
   for (int k = 0; k < argc; ++k) cli::g_argv.emplace_back(argv[k]);
-  CLI::App app{"kiln: a C++ training workbench on LibTorch (baseline -> compile -> profile -> scale -> checkpoint)"};
+  CLI::App app{"kiln: a C++ training workbench on LibTorch. The ladder: baseline -> profile -> scale -> "
+               "checkpoint (compile and pilot are planned)"};
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string(build_info().version) + " (" + build_info().git_commit + ")");
   cli::Action action;

@@ -317,6 +317,11 @@ void Config::validate() const {
     throw UserError(source_name_ + ": model.name = \"gpt\" needs token data; set data.name = " +
                     "\"text\" or \"tokens\"");
   }
+  if (data != "synthetic" && get_float("data.val_fraction") == 0 &&
+      (data == "text" || get_string("data.val_path").empty())) {
+    throw UserError(source_name_ + ": data.val_fraction = 0 leaves no validation data; set it in " +
+                    "(0, 0.9]" + (data == "tokens" ? " or give data.val_path" : ""));
+  }
   if (data == "tokens" && get_string("data.path").empty()) {
     throw UserError(source_name_ + ": data.name = \"tokens\" needs data.path = \"<train .bin file>\"");
   }

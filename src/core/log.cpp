@@ -18,7 +18,6 @@ struct State {
   std::mutex mutex;
   std::string prefix = "[kiln]";
   std::ofstream file;
-  bool quiet = false;
   bool status_shown = false;
 };
 
@@ -69,22 +68,14 @@ void close_file() {
   if (s.file.is_open()) s.file.close();
 }
 
-void set_quiet(bool quiet) {
-  State& s = state();
-  std::lock_guard lock(s.mutex);
-  s.quiet = quiet;
-}
-
 void write(Level level, std::string_view message) {
   State& s = state();
   std::lock_guard lock(s.mutex);
   const char* tag = level == Level::kWarn ? " warning:" : level == Level::kError ? " error:" : "";
-  if (!s.quiet || level != Level::kInfo) {
-    clear_status_locked(s);
-    std::fprintf(stderr, "%s%s %.*s\n", s.prefix.c_str(), tag, static_cast<int>(message.size()),
-                 message.data());
-    std::fflush(stderr);
-  }
+  clear_status_locked(s);
+  std::fprintf(stderr, "%s%s %.*s\n", s.prefix.c_str(), tag, static_cast<int>(message.size()),
+               message.data());
+  std::fflush(stderr);
   if (s.file.is_open()) {
     s.file << utc_timestamp() << ' ' << s.prefix << tag << ' ' << message << '\n';
     s.file.flush();

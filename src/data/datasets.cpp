@@ -147,9 +147,11 @@ std::shared_ptr<const Dataset> make_windows(const TokenBuffer& buffer, int64_t f
                                             int64_t seq_len, int64_t vocab_limit,
                                             const std::string& what) {
   if (count < seq_len + 1) {
+    const std::string fix = what == "validation"
+                                ? "raise data.val_fraction (or give data.val_path), lower data.seq_len, or use more data"
+                                : "lower data.seq_len or data.val_fraction, or use more data";
     throw UserError(buffer.source + ": the " + what + " split holds " + std::to_string(count) +
-                    " tokens, fewer than data.seq_len + 1 = " + std::to_string(seq_len + 1) +
-                    "; lower data.seq_len or data.val_fraction, or use more data");
+                    " tokens, fewer than data.seq_len + 1 = " + std::to_string(seq_len + 1) + "; " + fix);
   }
   return std::make_shared<WindowDataset>(buffer, first, count, seq_len, vocab_limit);
 }
@@ -174,9 +176,10 @@ Datasets make_text(const Config& config, int64_t vocab_limit) {
   // A directory: its regular files, sorted by name; files with NUL bytes (binary) are skipped.
   std::vector<fs::path> files;
   if (fs::is_directory(path, ec)) {
-    for (const auto& entry : fs::directory_iterator(path)) {
-      if (entry.is_regular_file() && !entry.is_symlink()) files.push_back(entry.path());
+    for (fs::directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec)) {
+      if (it->is_regular_file(ec) && !it->is_symlink(ec)) files.push_back(it->path());
     }
+    if (ec) throw UserError("data.path = \"" + path + "\": cannot list the directory: " + ec.message());
     std::sort(files.begin(), files.end());
   } else {
     files.push_back(path);
@@ -230,7 +233,10 @@ TokenBuffer map_token_file(const std::string& path, const std::string& format_ke
                     "; check data.path / data.val_path");
   }
   struct stat st{};
-  ::fstat(fd, &st);
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw UserError("token file " + path + " is not a regular file; point data.path / data.val_path at a .bin file");
+  }
   const int64_t size = st.st_size;
   void* map = size > 0 ? ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_PRIVATE, fd, 0)
                        : nullptr;

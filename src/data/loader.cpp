@@ -82,7 +82,6 @@ void Loader::stop_workers() {
 }
 
 Batch Loader::next() {
-  auto begin = std::chrono::steady_clock::now();
   Batch batch;
   if (options_.num_workers == 0) {
     int64_t index;
@@ -105,7 +104,6 @@ Batch Loader::next() {
     lock.unlock();
     work_cv_.notify_all();
   }
-  last_wait_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
   if (!options_.device.is_cpu()) {
     batch.inputs = batch.inputs.to(options_.device, /*non_blocking=*/true);
     batch.targets = batch.targets.to(options_.device, /*non_blocking=*/true);

@@ -78,7 +78,9 @@ std::vector<RungResult> run_ladder(const Config& config, const SessionOptions& o
   }
   if (!options.comm || options.comm->rank() == 0) {
     std::filesystem::path path = run_directory(config) / "report.md";
-    std::filesystem::create_directories(path.parent_path());
+    std::error_code ec;
+    std::filesystem::create_directories(path.parent_path(), ec);
+    if (ec) throw UserError("cannot create " + path.parent_path().string() + ": " + ec.message());
     write_file_atomic(path, report_markdown(config, results, skipped));
     log::info("report written to " + path.string());
   }

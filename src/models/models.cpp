@@ -225,7 +225,8 @@ int64_t parameter_count(const torch::nn::Module& module) {
 }
 
 std::string weights_hash(const torch::nn::Module& module) {
-  XXH3_state_t* state = XXH3_createState();
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> owner(XXH3_createState(), XXH3_freeState);
+  XXH3_state_t* state = owner.get();
   XXH3_64bits_reset(state);
   auto feed = [&](const std::string& name, const torch::Tensor& tensor) {
     auto cpu = tensor.detach().to(torch::kCPU).contiguous();
@@ -236,9 +237,7 @@ std::string weights_hash(const torch::nn::Module& module) {
   };
   for (const auto& item : module.named_parameters()) feed(item.key(), item.value());
   for (const auto& item : module.named_buffers()) feed(item.key(), item.value());
-  uint64_t digest = XXH3_64bits_digest(state);
-  XXH3_freeState(state);
-  return hex64(digest);
+  return hex64(XXH3_64bits_digest(state));
 }
 
 nlohmann::json model_identity(const Model& model) {

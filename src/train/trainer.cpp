@@ -118,9 +118,17 @@ Trainer::Trainer(const Config& config, std::shared_ptr<Model> model, Datasets da
   loader_options.world_size = options_.world_size;
   loader_options.device = options_.device;
   loader_ = std::make_unique<Loader>(data_.train, loader_options);
-  val_sampler_ = std::make_unique<Sampler>(data_.val->size(), loader_options.batch_size,
-                                           options_.rank, options_.world_size,
-                                           /*shuffle=*/false, 0);
+  try {
+    val_sampler_ = std::make_unique<Sampler>(data_.val->size(), loader_options.batch_size,
+                                             options_.rank, options_.world_size,
+                                             /*shuffle=*/false, 0);
+  } catch (const UserError&) {
+    throw UserError("the validation split has " + std::to_string(data_.val->size()) +
+                    " samples, fewer than one global batch (train.batch_size " +
+                    std::to_string(loader_options.batch_size) + " x " + std::to_string(options_.world_size) +
+                    " processes); raise data.val_samples (synthetic) or data.val_fraction (text, tokens), "
+                    "or lower train.batch_size");
+  }
 }
 
 Trainer::~Trainer() = default;
