@@ -203,8 +203,9 @@ def main():
         kiln = export(args.kiln, args.config, args.steps, out, args.overrides)
         cfg, losses, norms, py_seconds = replay(out, args.steps)
         rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(kiln["loss"], losses)]
-        worst = max(rel)
-        ok = worst <= args.tolerance and len(losses) == len(kiln["loss"])
+        # A NaN on either side is a disagreement (max() would skip a NaN that is not first).
+        worst = math.inf if any(math.isnan(r) for r in rel) else max(rel)
+        ok = worst <= args.tolerance and len(losses) == len(kiln["loss"]) == args.steps
         for k in range(args.steps):
             print(f"step {k + 1:3d}  kiln {kiln['loss'][k]:.8f}  python {losses[k]:.8f}  rel {rel[k]:.2e}")
         print(f"max relative loss difference {worst:.3e} (tolerance {args.tolerance:g}): "

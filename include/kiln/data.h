@@ -45,7 +45,6 @@ class Dataset {
 struct Datasets {
   std::shared_ptr<const Dataset> train;
   std::shared_ptr<const Dataset> val;
-  int64_t vocab_size = 0;   // smallest vocabulary that covers the data (0 for classification)
   nlohmann::json identity;  // manifest "data": kind, path(s), size, content hash, split
 };
 
@@ -58,7 +57,8 @@ uint64_t data_seed(const Config& config);
 /// DistributedSampler semantics. Each epoch is a permutation of [0, N) drawn from (seed, epoch)
 /// (identity when shuffle is off). Global batch b of an epoch is the permutation's slice
 /// [b*B*W, (b+1)*B*W); rank r takes its elements r, r+W, r+2W, ... (B of them). The remainder
-/// N mod (B*W) is left out of that epoch (it is reshuffled into the next). Thread-safe.
+/// N mod (B*W) is left out of that epoch; with shuffle on it differs from epoch to epoch, with
+/// shuffle off the same tail is never visited. Thread-safe.
 class Sampler {
  public:
   Sampler(int64_t dataset_size, int64_t batch_size, int rank, int world_size, bool shuffle,
@@ -98,7 +98,8 @@ struct LoaderOptions {
 };
 
 /// Background batch builder. next() is called from one thread (the training thread).
-/// Errors raised by workers are rethrown from next().
+/// A worker's error is rethrown from next() at that batch's place in the stream, after every
+/// batch before it, so what a run sees never depends on the worker count.
 class Loader {
  public:
   Loader(std::shared_ptr<const Dataset> dataset, LoaderOptions options);
@@ -136,7 +137,8 @@ class Loader {
   int64_t next_deliver_ = 0;  // stream index of the next batch next() returns
   int64_t next_claim_ = 0;    // stream index the next idle worker builds
   std::map<int64_t, Batch> ready_;
-  std::exception_ptr error_;
+  std::exception_ptr error_;   // the failure of the lowest failed stream index, error_index_:
+  int64_t error_index_ = 0;     // next() raises it only there, after every batch before it
   bool stopping_ = false;
   mutable std::mutex mutex_;
   std::condition_variable work_cv_, ready_cv_;

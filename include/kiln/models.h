@@ -3,7 +3,7 @@
 //
 // Parameter names follow Hugging Face GPT-2 (transformer.wte.weight, transformer.h.0.attn.c_attn.
 // weight, ...). One documented difference: HF stores the four attention/MLP projection weights as
-// Conv1D [in, out]; kiln uses nn.Linear [out, in], so export is a rename plus a transpose of those
+// Conv1D [in, out]; kiln uses nn.Linear [out, in], so export needs no rename, only a transpose of those
 // (docs/models.md).
 #pragma once
 

@@ -2,8 +2,10 @@
 // metrics.jsonl, train.log and each rung's <rung>.json. Only the writer (rank 0) writes files;
 // other ranks get a Run whose writes are no-ops, so callers never branch on rank.
 //
-// An existing run directory is reused: the files above are replaced, anything else in it
-// (checkpoints in particular) is left alone.
+// An existing run directory is reused: config.toml, manifest.json, metrics.jsonl and the rung
+// files are replaced (metrics.jsonl is appended to when RunOptions::append_metrics is set, as on
+// --resume); train.log is always appended to; anything else (checkpoints in particular) is left
+// alone.
 #pragma once
 
 #include <filesystem>

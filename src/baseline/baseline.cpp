@@ -8,6 +8,7 @@
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/rungs.h"
+#include "train/step_record.h"
 
 namespace kiln {
 namespace {
@@ -45,6 +46,8 @@ RungResult run_baseline(Session& session) {
   std::vector<double> losses, step_seconds, wait_seconds;
   int64_t samples = 0, tokens = 0;
   std::string failure;
+  PeakMemory peak;
+  EvalStats final_eval;
   try {
     for (int64_t k = 0; k < warmup + measured; ++k) {
       StepStats s = trainer.train_step();
@@ -55,11 +58,19 @@ RungResult run_baseline(Session& session) {
         samples += s.samples;
         tokens += s.tokens;
       }
-      session.run->append_metrics({{"step", s.step}, {"loss", s.loss}, {"lr", s.lr},
-                                   {"grad_norm", s.grad_norm}, {"step_seconds", s.step_seconds},
-                                   {"data_wait_seconds", s.data_wait_seconds},
-                                   {"measured", k >= warmup}});
+      json record = step_record(s);
+      record["measured"] = k >= warmup;
+      session.run->append_metrics(record);
     }
+    // Peak memory of one full optimizer step (data, forward, backward, optimizer), not timed.
+    reset_peak_memory(session.device);
+    StepStats s = trainer.train_step();
+    peak = read_peak_memory(session.device);
+    json record = step_record(s);
+    record["measured"] = false;
+    record["peak_memory_step"] = true;
+    session.run->append_metrics(record);
+    final_eval = trainer.evaluate();
   } catch (const TrainingError& e) {
     failure = e.what();
   }
@@ -69,12 +80,6 @@ RungResult run_baseline(Session& session) {
     session.run->write_json("baseline.json", result.numbers);
     return result;
   }
-
-  // Peak memory of one full optimizer step (data, forward, backward, optimizer), not timed.
-  reset_peak_memory(session.device);
-  trainer.train_step();
-  const PeakMemory peak = read_peak_memory(session.device);
-  const EvalStats final_eval = trainer.evaluate();
 
   const double total_seconds = std::accumulate(step_seconds.begin(), step_seconds.end(), 0.0);
   const double total_wait = std::accumulate(wait_seconds.begin(), wait_seconds.end(), 0.0);
@@ -123,11 +128,26 @@ RungResult run_baseline(Session& session) {
       {"losses", losses},
       {"val_loss_initial", initial_eval.loss},
       {"val_loss_final", final_eval.loss},
+      {"skipped_steps", trainer.skipped_steps()},
   };
   if (final_eval.accuracy >= 0) numbers["val_accuracy_final"] = final_eval.accuracy;
 
   // The gate.
   std::vector<std::string> problems;
+  const auto first_nonfinite = std::find_if(losses.begin(), losses.end(), [](double v) { return !std::isfinite(v); });
+  if (first_nonfinite != losses.end() || trainer.skipped_steps() > 0) {
+    problems.push_back(fmt::format(
+        "non-finite loss or gradient ({} step(s) skipped{}); lower optim.lr or enable train.clip_grad_norm",
+        trainer.skipped_steps(),
+        first_nonfinite != losses.end()
+            ? fmt::format(", first at step {}", trainer.step() - static_cast<int64_t>(losses.size()) +
+                                                     (first_nonfinite - losses.begin()))
+            : ""));
+  }
+  if (!std::isfinite(initial_eval.loss) || !std::isfinite(final_eval.loss)) {
+    problems.push_back(fmt::format("non-finite val loss ({:.4f} -> {:.4f}); check the data and optim.lr",
+                                   initial_eval.loss, final_eval.loss));
+  }
   if (!(loss_end <= loss_start * (1.0 - min_drop))) {
     problems.push_back(fmt::format("the loss did not fall by {:.0f}% ({:.4f} -> {:.4f}); check optim.lr "
                                    "and the data, or lower baseline.min_loss_drop",

@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "cli/commands.h"
+#include "core/strings.h"
 #include "kiln/build_info.h"
 #include "kiln/error.h"
 
@@ -36,13 +37,7 @@ void ConfigArgs::add_to(CLI::App& command, bool config_required) {
 }
 
 Config ConfigArgs::load() const {
-  if (path.empty()) {
-    Config config = Config::defaults();
-    for (const auto& o : overrides) config.set_from_string(o);
-    config.validate();
-    return config;
-  }
-  return Config::load(path, overrides);
+  return path.empty() ? Config::parse("", "<defaults>", overrides) : Config::load(path, overrides);
 }
 
 }  // namespace kiln::cli
@@ -71,16 +66,16 @@ int main(int argc, char** argv) {
   try {
     return action ? action() : kExitOk;
   } catch (const UserError& e) {
-    std::fprintf(stderr, "kiln: error: %s\n", e.what());
+    std::fprintf(stderr, "kiln: error: %s\n", one_line_error(e).c_str());
     return kExitUserError;
   } catch (const TrainingError& e) {
-    std::fprintf(stderr, "kiln: stopped: %s\n", e.what());
+    std::fprintf(stderr, "kiln: stopped: %s\n", one_line_error(e).c_str());
     return kExitGateFailed;
   } catch (const c10::Error& e) {
-    std::fprintf(stderr, "kiln: internal error (LibTorch): %s\n", e.what_without_backtrace());
+    std::fprintf(stderr, "kiln: internal error (LibTorch): %s\n", one_line_error(e).c_str());
     return kExitInternal;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "kiln: internal error: %s\n", e.what());
+    std::fprintf(stderr, "kiln: internal error: %s\n", one_line_error(e).c_str());
     return kExitInternal;
   }
 }

@@ -9,6 +9,7 @@
 #include <sstream>
 #include <toml++/toml.h>
 
+#include "core/schema_sections.h"
 #include "core/strings.h"
 #include "kiln/error.h"
 
@@ -53,7 +54,7 @@ std::string check_value(const KeyDef& def, const Value& value) {
   if (def.type == ValueType::kInt) number = static_cast<double>(std::get<int64_t>(value));
   if (def.type == ValueType::kFloat) number = std::get<double>(value);
   if (def.type == ValueType::kBool) return "";
-  if (std::isnan(number) || (def.min && number < *def.min) || (def.max && number > *def.max)) {
+  if (!std::isfinite(number) || (def.min && number < *def.min) || (def.max && number > *def.max)) {
     return def.full_name() + " = " + value_to_toml(value) + " is out of range; expected " +
            expectation(def);
   }
@@ -99,11 +100,9 @@ std::optional<Value> from_text(const KeyDef& def, std::string_view text) {
       return Value(v);
     }
     case ValueType::kFloat: {
-      std::string copy(text);
-      if (copy == "inf") return Value(std::numeric_limits<double>::infinity());
-      char* end = nullptr;
-      double v = std::strtod(copy.c_str(), &end);
-      if (copy.empty() || end != copy.c_str() + copy.size()) return std::nullopt;
+      double v = 0;  // decimal or scientific notation only (no hex); inf/nan fail the range check
+      auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v, std::chars_format::general);
+      if (ec != std::errc() || end != text.data() + text.size()) return std::nullopt;
       return Value(v);
     }
     case ValueType::kString: {
@@ -324,6 +323,14 @@ void Config::validate() const {
   }
   if (data == "tokens" && get_string("data.path").empty()) {
     throw UserError(source_name_ + ": data.name = \"tokens\" needs data.path = \"<train .bin file>\"");
+  }
+  if (get_bool("optim.nesterov") && get_string("optim.name") == "sgd" && get_float("optim.momentum") <= 0) {
+    throw UserError(source_name_ + ": optim.nesterov = true needs optim.momentum > 0; set it (e.g. 0.9)");
+  }
+  try {
+    check_model_keys(*this);
+  } catch (const UserError& e) {
+    throw UserError(source_name_ + ": " + e.what());
   }
 }
 

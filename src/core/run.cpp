@@ -16,6 +16,9 @@
 
 #include "core/files.h"
 #include "core/process.h"
+#ifdef KILN_WITH_CUDA
+#include "core/cuda_info.h"
+#endif
 #include "kiln/data.h"
 #include "kiln/build_info.h"
 #include "kiln/error.h"
@@ -102,8 +105,12 @@ json make_manifest(const Config& config, const std::string& command_line,
   json devices = json::array();
   devices.push_back({{"type", "cpu"}, {"name", cpu_model()}});
   if (cuda) {
-    for (int64_t k = 0; k < static_cast<int64_t>(torch::cuda::device_count()); ++k) {
+    for (int k = 0; k < static_cast<int>(torch::cuda::device_count()); ++k) {
+#ifdef KILN_WITH_CUDA
+      devices.push_back(cuda_device_record(k));
+#else
       devices.push_back({{"type", "cuda"}, {"index", k}});
+#endif
     }
   }
   const char* digest = env_or_null("KILN_CONTAINER_DIGEST");
@@ -117,7 +124,11 @@ json make_manifest(const Config& config, const std::string& command_line,
                     {"cuda_available", cuda},
                     {"cuda_runtime", find_config_line(torch_config, "CUDA Runtime")},
                     {"cudnn", find_config_line(torch_config, "CuDNN")},
+#ifdef KILN_WITH_CUDA
+                    {"nccl", nccl_version().empty() ? json(nullptr) : json(nccl_version())},
+#else
                     {"nccl", nullptr},
+#endif
                     {"blas", find_config_line(torch_config, "BLAS_INFO=")}}},
       {"devices", devices},
       {"host", {{"hostname", hostname()},
@@ -165,7 +176,8 @@ Run::~Run() {
 }
 
 void Run::write_json(std::string_view filename, const json& value) const {
-  write_text(filename, value.dump(2) + "\n");
+  // Paths and arguments need not be UTF-8 on Linux: invalid bytes become U+FFFD, never an error.
+  write_text(filename, value.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
 }
 
 void Run::write_text(std::string_view filename, std::string_view text) const {
@@ -175,7 +187,7 @@ void Run::write_text(std::string_view filename, std::string_view text) const {
 
 void Run::append_metrics(const json& record) {
   if (!options_.writer) return;
-  metrics_ << record.dump() << '\n';
+  metrics_ << record.dump(-1, ' ', false, json::error_handler_t::replace) << '\n';
   metrics_.flush();
 }
 

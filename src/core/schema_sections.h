@@ -26,4 +26,9 @@ std::vector<KeyDef> dist_keys();        // src/dist/schema.cpp      [dist]
 std::vector<KeyDef> checkpoint_keys();  // src/ckpt/schema.cpp      [checkpoint]
 std::vector<KeyDef> pilot_keys();       // src/plan/schema.cpp      [pilot]
 
+// Cross-key checks that need a component's knowledge (a preset's shape), called by
+// Config::validate() so that `kiln config validate` and every command reject the same configs
+// before anything is written. Each throws UserError naming the keys and the fix.
+void check_model_keys(const Config& config);  // src/models/models.cpp
+
 }  // namespace kiln

@@ -209,7 +209,6 @@ Datasets make_text(const Config& config, int64_t vocab_limit) {
   Datasets out;
   out.train = make_windows(buffer, 0, train_count, seq_len, 0, "train");
   out.val = make_windows(buffer, train_count, val_count, seq_len, 0, "validation");
-  out.vocab_size = 256;
   out.identity = {{"kind", "text"},
                   {"path", fs::absolute(path).string()},
                   {"files", used},

@@ -42,7 +42,8 @@ void Loader::worker_loop() {
     {
       std::unique_lock lock(mutex_);
       work_cv_.wait(lock, [&] {
-        return stopping_ || (!error_ && next_claim_ < next_deliver_ + options_.prefetch);
+        return stopping_ || (next_claim_ < next_deliver_ + options_.prefetch &&
+                             (!error_ || next_claim_ < error_index_));
       });
       if (stopping_) return;
       index = next_claim_++;
@@ -53,7 +54,10 @@ void Loader::worker_loop() {
       ready_.emplace(index, std::move(batch));
     } catch (...) {
       std::lock_guard lock(mutex_);
-      if (!error_) error_ = std::current_exception();
+      if (!error_ || index < error_index_) {
+        error_ = std::current_exception();
+        error_index_ = index;
+      }
     }
     ready_cv_.notify_all();
   }
@@ -95,7 +99,9 @@ Batch Loader::next() {
     next_claim_ = next_deliver_;
   } else {
     std::unique_lock lock(mutex_);
-    ready_cv_.wait(lock, [&] { return error_ || ready_.count(next_deliver_); });
+    // A failure is raised at its own place in the stream, so what a run sees before it does not
+    // depend on the worker count.
+    ready_cv_.wait(lock, [&] { return ready_.count(next_deliver_) || (error_ && error_index_ == next_deliver_); });
     auto it = ready_.find(next_deliver_);
     if (it == ready_.end()) std::rethrow_exception(error_);
     batch = std::move(it->second);

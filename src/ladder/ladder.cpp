@@ -1,6 +1,7 @@
 #include <fmt/format.h>
 
 #include "core/files.h"
+#include "core/strings.h"
 #include "dist/scale.h"
 
 #include "kiln/checkpoint.h"
@@ -60,6 +61,7 @@ std::vector<RungResult> run_ladder(const Config& config, const SessionOptions& o
   std::vector<RungResult> results;
   std::vector<std::string> skipped;
   bool stopped = false;
+  std::exception_ptr error;
   for (const auto& rung : ladder_rungs()) {
     if (!rung.enabled(config)) continue;
     if (stopped) {
@@ -69,7 +71,16 @@ std::vector<RungResult> run_ladder(const Config& config, const SessionOptions& o
     log::info("ladder: rung " + rung.name);
     SessionOptions rung_options = options;  // each rung keeps its own step records
     rung_options.metrics_file = "metrics-" + rung.name + ".jsonl";
-    results.push_back(rung.run(config, rung_options));
+    try {
+      results.push_back(rung.run(config, rung_options));
+    } catch (const std::exception& e) {  // the report still shows what ran; the error is rethrown
+      error = std::current_exception();
+      RungResult failed;
+      failed.rung = rung.name;
+      failed.verdict = "error: " + one_line_error(e);
+      failed.numbers = {{"passed", false}, {"error", failed.verdict}};
+      results.push_back(std::move(failed));
+    }
     print_rung(results.back());
     if (!results.back().passed) {
       log::error("ladder stopped at rung " + rung.name + ": " + results.back().verdict);
@@ -84,6 +95,7 @@ std::vector<RungResult> run_ladder(const Config& config, const SessionOptions& o
     write_file_atomic(path, report_markdown(config, results, skipped));
     log::info("report written to " + path.string());
   }
+  if (error) std::rethrow_exception(error);
   return results;
 }
 

@@ -8,6 +8,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
+#include "core/schema_sections.h"
 #include "core/strings.h"
 #include "kiln/config.h"
 #include "kiln/error.h"
@@ -207,6 +208,15 @@ GptConfig resolve_gpt_config(const Config& config) {
                     "; lower data.seq_len or raise model.block_size");
   }
   return out;
+}
+
+void check_model_keys(const Config& config) {
+  if (config.get_string("model.name") != "gpt") return;
+  const GptConfig gpt = resolve_gpt_config(config);  // throws on shapes that cannot be built
+  if (config.get_string("data.name") == "text" && gpt.vocab_size < 256) {
+    throw UserError("model.vocab_size = " + std::to_string(gpt.vocab_size) +
+                    " is smaller than the 256 byte values of data.name = \"text\"; set it to 256 or more");
+  }
 }
 
 std::shared_ptr<Model> make_model(const Config& config) {

@@ -46,7 +46,7 @@ nlohmann::json export_for_peer(const Config& config, int64_t steps, const std::f
     result["lr"].push_back(s.lr);
     result["step_seconds"].push_back(s.step_seconds);
   }
-  write_file_atomic(out_dir / "kiln.json", result.dump(2));
+  write_file_atomic(out_dir / "kiln.json", result.dump(2, ' ', false, nlohmann::json::error_handler_t::replace));
   log::info(fmt::format("exported {} steps to {}", steps, out_dir.string()));
   return result;
 }

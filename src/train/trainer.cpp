@@ -16,6 +16,7 @@
 #include "kiln/log.h"
 #include "kiln/run.h"
 #include "kiln/train.h"
+#include "train/step_record.h"
 
 namespace kiln {
 namespace {
@@ -308,16 +309,7 @@ TrainSummary Trainer::fit(int64_t total_steps, Run* run) {
       samples += s.samples;
       tokens += s.tokens;
       if (run) {
-        nlohmann::json record = {{"step", s.step},
-                                 {"loss", s.loss},
-                                 {"lr", s.lr},
-                                 {"grad_norm", s.grad_norm},
-                                 {"step_seconds", s.step_seconds},
-                                 {"data_wait_seconds", s.data_wait_seconds},
-                                 {"samples_per_second", static_cast<double>(s.samples) / s.step_seconds}};
-        if (s.tokens > 0) record["tokens_per_second"] = static_cast<double>(s.tokens) / s.step_seconds;
-        if (s.skipped) record["skipped"] = true;
-        run->append_metrics(record);
+        run->append_metrics(step_record(s));
       }
       progress.update(s, seconds_since(begin), first_step);
       if (eval_every > 0 && step_ % eval_every == 0 && step_ < total_steps) {

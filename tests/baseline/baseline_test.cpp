@@ -1,6 +1,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <fstream>
+
+#include "kiln/error.h"
 #include "kiln/rungs.h"
 #include "support/helpers.h"
 
@@ -38,6 +41,45 @@ TEST(Baseline, GateTripsWhenTheLossCannotFall) {
   RungResult r = run_baseline(*session);
   EXPECT_FALSE(r.passed);
   EXPECT_THAT(r.verdict, HasSubstr("did not fall"));
+}
+
+TEST(Baseline, SkippedNonFiniteStepsFailTheGate) {
+  TempDir dir;
+  // SGD at an absurd learning rate: the weights blow up after the first step, every later loss is
+  // non-finite and, under the skip policy, skipped rather than aborting the run.
+  Config config = mlp_config(dir.path(), {"optim.name=sgd", "optim.lr=1e30", "train.clip_grad_norm=0",
+                                          "train.nonfinite=skip", "train.max_skipped_steps=1000",
+                                          "baseline.warmup_steps=1", "baseline.steps=8"});
+  auto session = open_session(config, {{"kiln"}});
+  RungResult r = run_baseline(*session);
+  EXPECT_FALSE(r.passed);
+  EXPECT_THAT(r.verdict, HasSubstr("non-finite loss or gradient"));
+  auto j = nlohmann::json::parse(slurp(dir / "t" / "baseline.json"));
+  EXPECT_GT(j["skipped_steps"].get<int64_t>(), 0);
+  // Every step, the untimed peak-memory step included, has the same record as `kiln train`'s.
+  std::ifstream metrics(dir / "t" / "metrics.jsonl");
+  std::string line;
+  int64_t expected_step = 1;
+  while (std::getline(metrics, line)) {
+    auto record = nlohmann::json::parse(line);
+    EXPECT_EQ(record["step"].get<int64_t>(), expected_step++);
+    for (const char* key : {"loss", "lr", "grad_norm", "step_seconds", "data_wait_seconds",
+                            "samples_per_second", "measured"}) {
+      EXPECT_TRUE(record.contains(key)) << key << " in " << line;
+    }
+  }
+  EXPECT_EQ(expected_step, 1 + 1 + 8 + 1);
+}
+
+TEST(Ladder, ARungThatThrowsStillLeavesAReport) {
+  TempDir dir;
+  write_text(dir / "not-a-directory", "x");
+  Config config = gpt_config(dir.path(), {"baseline.warmup_steps=1", "baseline.steps=8",
+                                          "profile.dir=" + (dir / "not-a-directory").string()});
+  EXPECT_THROW(run_ladder(config, {{"kiln"}}), UserError);
+  std::string report = slurp(dir / "t" / "report.md");
+  EXPECT_THAT(report, HasSubstr("| baseline | passed |"));
+  EXPECT_THAT(report, HasSubstr("| profile | **failed** | error: "));
 }
 
 TEST(Baseline, CliExitsNonZeroOnAFailedGate) {

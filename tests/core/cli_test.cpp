@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <nlohmann/json.hpp>
 
 #include "support/helpers.h"
 
@@ -64,6 +66,30 @@ TEST(Cli, NonFiniteLossStopsTheRunNamingTheStep) {
   EXPECT_EQ(r.exit_code, 3) << r.err;
   EXPECT_THAT(r.err, HasSubstr("kiln: stopped: non-finite"));
   EXPECT_THAT(r.err, HasSubstr(" at step "));
+}
+
+TEST(Cli, ValidateRejectsWhatTrainingWouldAndTrainingWritesNothingFirst) {
+  const std::string gpt = (source_dir() / "configs/gpt-tiny.toml").string();
+  expect_one_line_error(run_kiln("config validate " + gpt + " --set model.n_head=3"), 2,
+                        "gpt-tiny.toml: model.n_embd = 128 is not divisible by model.n_head = 3");
+  TempDir dir;
+  auto r = run_kiln("train " + (source_dir() / "configs/mlp.toml").string() + " --set run.dir=" +
+                    dir.path().string() + " --set optim.name=sgd --set optim.nesterov=true");
+  expect_one_line_error(r, 2, "optim.nesterov = true needs optim.momentum > 0");
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path())) << "a rejected config left a run directory";
+}
+
+TEST(Cli, NonUtf8NamesAndArgumentsAreRecordedNotFatal) {
+  TempDir dir;
+  // A Latin-1 run name (legal on Linux); the manifest records it with U+FFFD replacing the byte.
+  auto r = run_kiln("train " + (source_dir() / "configs/mlp.toml").string() + " --set run.dir=" +
+                    dir.path().string() + " --set \"run.name=r$(printf '\\351')\" --set train.steps=3 " +
+                    "--set run.progress=off --set train.eval_every=0");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto run_dir = dir / "r\xe9";
+  ASSERT_TRUE(std::filesystem::exists(run_dir / "manifest.json"));
+  auto manifest = nlohmann::json::parse(slurp(run_dir / "manifest.json"));
+  EXPECT_THAT(manifest["command_line"].get<std::string>(), HasSubstr("run.name=r\xef\xbf\xbd"));
 }
 
 }  // namespace

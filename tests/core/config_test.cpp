@@ -120,6 +120,26 @@ TEST(Config, RejectsInconsistentCombinations) {
   EXPECT_THAT(error_of("[model]\nname = \"gpt\"\n[data]\nname = \"tokens\"\n"), HasSubstr("data.path"));
 }
 
+// Checks that need a preset's shape run in validate() too, so `kiln config validate` rejects
+// what training would reject, and before any run directory exists.
+TEST(Config, RejectsShapesTheModelCannotBuild) {
+  const std::string gpt = "[model]\nname = \"gpt\"\npreset = \"tiny\"\n[data]\nname = \"text\"\n";
+  EXPECT_EQ(error_of(gpt), "");
+  EXPECT_THAT(error_of(gpt, {"model.n_head=3"}), HasSubstr("cfg.toml: model.n_embd = 128 is not divisible"));
+  EXPECT_THAT(error_of(gpt, {"data.seq_len=512"}), HasSubstr("exceeds the model's block_size"));
+  EXPECT_THAT(error_of(gpt, {"model.vocab_size=100"}), HasSubstr("smaller than the 256 byte values"));
+  EXPECT_THAT(error_of("[optim]\nname = \"sgd\"\nnesterov = true\n"), HasSubstr("optim.nesterov = true needs optim.momentum > 0"));
+  EXPECT_EQ(error_of("[optim]\nname = \"sgd\"\nnesterov = true\nmomentum = 0.9\n"), "");
+}
+
+TEST(Config, NonFiniteAndHexNumbersAreRejected) {
+  EXPECT_THAT(error_of("", {"optim.lr=inf"}), HasSubstr("out of range"));
+  EXPECT_THAT(error_of("", {"optim.weight_decay=nan"}), HasSubstr("out of range"));
+  EXPECT_THAT(error_of("[optim]\nlr = inf\n"), HasSubstr("out of range"));
+  EXPECT_THAT(error_of("", {"optim.lr=0x10"}), HasSubstr("'0x10' is not a float"));
+  EXPECT_EQ(error_of("", {"optim.lr=1e-3"}), "");
+}
+
 }  // namespace
 }  // namespace kiln
 

@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include <nlohmann/json.hpp>
 
@@ -56,8 +57,19 @@ TEST(Manifest, PinsWhatReproducesTheRun) {
   EXPECT_FALSE(m["build"]["flags"].get<std::string>().empty());
   EXPECT_TRUE(m["libtorch"].contains("cuda_runtime"));
   EXPECT_TRUE(m["libtorch"].contains("cudnn"));
-  EXPECT_TRUE(m["libtorch"].contains("nccl"));
-  EXPECT_GE(m["devices"].size(), 1u);
+#ifdef KILN_WITH_CUDA
+  EXPECT_TRUE(m["libtorch"]["nccl"].is_string() || m["libtorch"]["nccl"].is_null());
+#else
+  EXPECT_TRUE(m["libtorch"]["nccl"].is_null());  // a CPU LibTorch has no NCCL
+#endif
+  ASSERT_EQ(m["devices"].size(), 1u + (m["libtorch"]["cuda_available"].get<bool>() ? torch::cuda::device_count() : 0));
+  EXPECT_EQ(m["devices"][0]["type"], "cpu");
+  for (size_t k = 1; k < m["devices"].size(); ++k) {
+    EXPECT_EQ(m["devices"][k]["type"], "cuda");
+#ifdef KILN_WITH_CUDA
+    EXPECT_FALSE(m["devices"][k]["name"].get<std::string>().empty());
+#endif
+  }
   EXPECT_FALSE(m["host"]["hostname"].get<std::string>().empty());
   EXPECT_FALSE(m["host"]["cpu_model"].get<std::string>().empty());
   EXPECT_GE(m["host"]["intra_op_threads"].get<int>(), 1);

@@ -2,7 +2,9 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <chrono>
 #include <set>
+#include <thread>
 
 #include "kiln/data.h"
 #include "kiln/error.h"
@@ -36,6 +38,40 @@ TEST(Loader, BatchOrderDoesNotDependOnWorkerCount) {
         EXPECT_TRUE(torch::equal(reference[k].inputs, batches[k].inputs)) << workers << " workers, batch " << k;
         EXPECT_TRUE(torch::equal(reference[k].targets, batches[k].targets));
       }
+    }
+  }
+}
+
+// Batches 5 and 7 (shuffle off, batch size 4) fail; batch 5 is slow, so with workers batch 7
+// usually fails first.
+class FailingDataset : public Dataset {
+ public:
+  int64_t size() const override { return 400; }
+  int64_t tokens_per_sample() const override { return 0; }
+  Batch get(const std::vector<int64_t>& indices) const override {
+    const int64_t batch = indices.front() / 4;
+    if (batch == 5) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    if (batch == 5 || batch == 7) throw UserError("bad sample in batch " + std::to_string(batch));
+    return {torch::full({4, 1}, static_cast<float>(batch)), torch::zeros({4}, torch::kLong)};
+  }
+};
+
+TEST(Loader, AWorkerErrorSurfacesAtItsOwnBatchWhateverTheWorkerCount) {
+  for (int workers : {0, 1, 2, 4}) {
+    LoaderOptions options;
+    options.batch_size = 4;
+    options.num_workers = workers;
+    options.prefetch = 4;
+    options.shuffle = false;
+    Loader loader(std::make_shared<FailingDataset>(), options);
+    for (int k = 0; k < 5; ++k) {
+      EXPECT_EQ(loader.next().inputs[0][0].item<float>(), static_cast<float>(k)) << workers << " workers";
+    }
+    try {
+      loader.next();
+      ADD_FAILURE() << workers << " workers: batch 5 did not fail";
+    } catch (const UserError& e) {
+      EXPECT_THAT(e.what(), HasSubstr("batch 5")) << workers << " workers";
     }
   }
 }
