@@ -1,9 +1,15 @@
 // Distributed training: the process group a kiln process belongs to, and data parallelism.
 //
 // A Communicator is one process's handle on a group of world_size() processes. Every collective
-// must be called by every rank, in the same order; calls come from the training thread only.
-// A world of one (single_process_communicator) makes every collective the identity, so code
-// written against this interface runs unchanged in one process.
+// must be called by every rank, in the same order. Calls into one communicator are never
+// concurrent, but not all come from the training thread: DataParallel starts its bucket
+// all-reduces (all_reduce_sum_async) from autograd's post-accumulate-grad hook, which runs on the
+// thread executing backward: the training thread on CPU, autograd's device thread on CUDA (while
+// the training thread is blocked in backward()). Implementations must therefore not depend on the
+// calling thread (no thread-local state); everything else (blocking collectives, wait(), the
+// constructors) is called from the training thread. A world of one
+// (single_process_communicator) makes every collective the identity, so code written against this
+// interface runs unchanged in one process.
 //
 // A distributed process is started by a launcher, one process per device: torchrun
 // (`torchrun --no-python --nproc-per-node=N kiln train cfg.toml`) or Slurm (`srun kiln train`).
@@ -70,8 +76,9 @@ class Communicator {
   // ---- added for the scale rung; every one has a default, so existing implementations build ----
   /// Starts a sum all-reduce of `tensor` (contiguous, on the process group's device) in place and
   /// returns at once. `tensor` must stay alive and untouched until wait() returns. Collectives
-  /// still complete in the order they were started on every rank. Default: runs all_reduce_sum
-  /// now and returns a finished collective.
+  /// still complete in the order they were started on every rank. May be called from autograd's
+  /// backward thread (see the top of this file); wait() is called from the training thread.
+  /// Default: runs all_reduce_sum now and returns a finished collective.
   virtual std::unique_ptr<PendingCollective> all_reduce_sum_async(torch::Tensor& tensor);
   /// This process's rank on its node (torchrun LOCAL_RANK, Slurm SLURM_LOCALID); on CUDA, the
   /// index of its device.
@@ -150,8 +157,10 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<int64_t>& byte
 /// in bucket order, so communication overlaps the rest of backward. Only the last micro-step of a
 /// step communicates (no_sync semantics for gradient accumulation); on_gradients_ready waits for
 /// the buckets (marked Phase::kComm) and writes the averages back as the parameters' gradients, so
-/// clipping sees the global gradient. A parameter without a gradient on a rank contributes zeros.
-/// Not thread-safe: it runs on the training thread, inside the Trainer.
+/// clipping sees the global gradient. A parameter whose gradient came only from earlier micro-steps
+/// contributes that gradient; one without a gradient on a rank contributes zeros. Not thread-safe:
+/// it runs inside the Trainer, on the training thread, except the gradient hooks, which run on the
+/// thread executing backward (autograd's device thread on CUDA) while the training thread waits.
 class DataParallel : public TrainerHook {
  public:
   ~DataParallel() override;
@@ -165,8 +174,6 @@ class DataParallel : public TrainerHook {
   std::vector<int64_t> bucket_bytes() const;
   /// Bucket all-reduces started since attach (no_sync steps start none).
   int64_t bucket_all_reduces() const;
-  /// The weights hash every rank confirmed at attach.
-  const std::string& initial_weights_hash() const;
 
   void on_micro_step_begin(Trainer& trainer, int micro_step, bool last) override;
   void on_gradients_ready(Trainer& trainer) override;

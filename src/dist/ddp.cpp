@@ -239,10 +239,6 @@ int64_t DataParallel::bucket_all_reduces() const {
   return state_->all_reduces;
 }
 
-const std::string& DataParallel::initial_weights_hash() const {
-  return state_->weights_hash;
-}
-
 void DataParallel::on_micro_step_begin(Trainer&, int, bool last) {
   state_->synchronizing = last;
   if (last) state_->reset_step();
@@ -254,11 +250,19 @@ void DataParallel::on_gradients_ready(Trainer& trainer) {
   s.synchronizing = false;
   trainer.phase_begin(Phase::kComm);
   try {
-    // A parameter that got no gradient on this rank contributes zeros.
+    // Parameters whose hook did not fire on this micro-step: one that received gradient only on
+    // earlier micro-steps (accumulation) contributes that gradient; one with no gradient on this
+    // rank at all contributes zeros.
     for (size_t k = 0; k < s.parameters.size(); ++k) {
       if (s.gradient_ready[k]) continue;
       const auto& slot = s.slots[k];
-      s.buckets[slot.bucket].buffer.narrow(0, slot.offset, slot.numel).zero_();
+      torch::Tensor part = s.buckets[slot.bucket].buffer.narrow(0, slot.offset, slot.numel);
+      const torch::Tensor& grad = s.parameters[k].grad();
+      if (grad.defined()) {
+        part.view(grad.sizes()).copy_(grad);
+      } else {
+        part.zero_();
+      }
       s.gradient_ready[k] = 1;
       ++s.buckets[slot.bucket].ready;
     }

@@ -4,52 +4,33 @@
 #include "dist/scale.h"
 
 #include <fmt/format.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <array>
-#include <cerrno>
-#include <chrono>
-#include <ctime>
 #include <cmath>
-#include <cstring>
+#include <ctime>
 #include <map>
 #include <numeric>
 
+#include "core/clock.h"
 #include "core/files.h"
+#include "core/process.h"
 #include "core/strings.h"
 #include "kiln/dist.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
 
-extern char** environ;
-
 namespace kiln {
 namespace {
 
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point begin) {
-  return std::chrono::duration<double>(Clock::now() - begin).count();
-}
+using Clock = SteadyClock;
 
 // CPU time of the whole process (every thread: training, loader, the backend's), in seconds.
 double process_cpu_seconds() {
   timespec t{};
   ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
   return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
-}
-
-double percentile(std::vector<double> values, double q) {
-  if (values.empty()) return 0;
-  std::sort(values.begin(), values.end());
-  const double pos = q * static_cast<double>(values.size() - 1);
-  const size_t lo = static_cast<size_t>(std::floor(pos));
-  const size_t hi = std::min(values.size() - 1, lo + 1);
-  return values[lo] + (pos - static_cast<double>(lo)) * (values[hi] - values[lo]);
 }
 
 // Wall time per phase while `measuring`, from the Trainer's phase markers.
@@ -75,20 +56,26 @@ struct Baseline {
   std::string note;
 };
 
-// One process alone: a fresh copy of the job with no communicator.
+// One process alone: a fresh copy of the job with no communicator. `budget_seconds` counts from
+// the call (building the copy, warm-up and measured steps): warm-up stops early once it is spent
+// (after one step), the measured steps too (after two).
 Baseline measure_single_process(const Config& config, const torch::Device& device, int64_t warmup,
                                 int64_t max_steps, double budget_seconds) {
+  const auto begin = Clock::now();
   Trainer single(config, make_model(config), make_datasets(config),
                  TrainerOptions{device, 0, 1, nullptr});
-  for (int64_t k = 0; k < warmup; ++k) single.train_step();
+  int64_t warmed = 0;
+  for (; warmed < warmup; ++warmed) {
+    if (warmed >= 1 && seconds_since(begin) > budget_seconds) break;
+    single.train_step();
+  }
   std::vector<double> step_seconds;
   int64_t samples = 0;
-  const auto begin = Clock::now();
   for (int64_t k = 0; k < max_steps; ++k) {
+    if (k >= 2 && seconds_since(begin) > budget_seconds) break;
     StepStats s = single.train_step();
     step_seconds.push_back(s.step_seconds);
     samples += s.samples;
-    if (k >= 1 && seconds_since(begin) > budget_seconds) break;
   }
   Baseline out;
   out.measured = true;
@@ -96,8 +83,11 @@ Baseline measure_single_process(const Config& config, const torch::Device& devic
   out.samples_per_second =
       static_cast<double>(samples) / std::accumulate(step_seconds.begin(), step_seconds.end(), 0.0);
   out.median_step_seconds = percentile(step_seconds, 0.5);
-  if (out.steps < max_steps) {
-    out.note = fmt::format("stopped after {} steps: half of dist.timeout_seconds", out.steps);
+  if (out.steps < max_steps || warmed < warmup) {
+    out.note = fmt::format(
+        "stopped after {} warm-up and {} measured steps: half of dist.timeout_seconds spent "
+        "(building the copy included)",
+        warmed, out.steps);
   }
   return out;
 }
@@ -112,12 +102,19 @@ json stats_delta(const CommunicationStats& before, const CommunicationStats& aft
 RungResult result_from_json(const json& numbers) {
   RungResult result;
   result.rung = "scale";
-  result.passed = numbers.value("passed", false);
-  result.verdict = numbers.value("verdict", std::string("scale.json has no verdict"));
+  auto passed = numbers.find("passed");
+  result.passed = passed != numbers.end() && passed->is_boolean() && passed->get<bool>();
+  auto verdict = numbers.find("verdict");
+  result.verdict = verdict != numbers.end() && verdict->is_string()
+                       ? verdict->get<std::string>()
+                       : std::string("scale.json has no verdict");
   result.numbers = numbers;
-  if (numbers.contains("table")) {
-    for (const auto& row : numbers["table"])
-      result.table.emplace_back(row[0].get<std::string>(), row[1].get<std::string>());
+  auto table = numbers.find("table");
+  if (table != numbers.end() && table->is_array()) {
+    for (const auto& row : *table) {
+      if (row.is_array() && row.size() == 2 && row[0].is_string() && row[1].is_string())
+        result.table.emplace_back(row[0].get<std::string>(), row[1].get<std::string>());
+    }
   }
   return result;
 }
@@ -125,16 +122,10 @@ RungResult result_from_json(const json& numbers) {
 // ---- launching torchrun from a single process (the ladder)
 // ----------------------------------------
 
-std::filesystem::path self_executable() {
-  std::error_code ec;
-  auto path = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (ec) throw UserError("cannot find the kiln executable (/proc/self/exe): " + ec.message());
-  return path;
-}
-
 bool is_executable(const std::filesystem::path& path) {
+  std::error_code ec;
   return !path.empty() && ::access(path.c_str(), X_OK) == 0 &&
-         std::filesystem::is_regular_file(path);
+         std::filesystem::is_regular_file(path, ec);
 }
 
 std::filesystem::path find_torchrun(const Config& config) {
@@ -157,7 +148,7 @@ std::filesystem::path find_torchrun(const Config& config) {
       rest = colon == std::string_view::npos ? std::string_view() : rest.substr(colon + 1);
     }
   }
-  const auto exe_dir = self_executable().parent_path();
+  const auto exe_dir = kiln_executable().parent_path();
   for (const auto& candidate :
        {exe_dir.parent_path() / ".venv/bin/torchrun", exe_dir / ".venv/bin/torchrun"}) {
     if (is_executable(candidate)) return candidate;
@@ -167,53 +158,70 @@ std::filesystem::path find_torchrun(const Config& config) {
       "on PATH or in .venv/bin next to the build; set dist.torchrun = \"/path/to/torchrun\"");
 }
 
-int spawn_and_wait(const std::vector<std::string>& argv) {
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  pid_t pid = 0;
-  if (int rc = ::posix_spawn(&pid, args[0], nullptr, nullptr, args.data(), environ); rc != 0) {
-    throw UserError(fmt::format("cannot start {}: {}", argv[0], std::strerror(rc)));
+// The ranks' scale.json, or a UserError naming the file and the fix.
+json read_scale_json(const std::filesystem::path& path) {
+  const json numbers = json::parse(read_file(path), nullptr, /*allow_exceptions=*/false);
+  if (numbers.is_discarded() || !numbers.is_object()) {
+    throw UserError(fmt::format(
+        "{}: not a JSON object (a partial or foreign file); delete it and rerun the scale rung",
+        path.string()));
   }
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0) {
-    if (errno != EINTR)
-      throw UserError(fmt::format("waiting for {} failed: {}", argv[0], std::strerror(errno)));
-  }
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  return 128 + WTERMSIG(status);
+  return numbers;
 }
 
+// Runs the rung under `torchrun --standalone` and reads back what rank 0 wrote. The ranks are
+// their own run (manifest, config.toml, metrics.jsonl, train.log) in <run dir>/scale/, so the
+// caller's run directory (the ladder's) keeps its files; <run dir>/scale.json is a copy of theirs.
 RungResult launch_with_torchrun(const Config& config, int processes) {
   const std::filesystem::path run_dir = run_directory(config);
-  std::filesystem::create_directories(run_dir);
-  // The children load the resolved config, told to write into this run directory.
+  const std::filesystem::path ranks_dir = run_dir / "scale";
+  std::error_code ec;
+  std::filesystem::create_directories(ranks_dir, ec);
+  if (ec) {
+    throw UserError(fmt::format("cannot create {} for the scale rung's ranks: {}; check run.dir",
+                                ranks_dir.string(), ec.message()));
+  }
+  // The children load the resolved config, told to write into <run dir>/scale/.
   Config child = config;
-  child.set("run.name", run_dir.filename().string());
-  child.set("run.dir", run_dir.parent_path().string());
-  const auto launch_config = run_dir / "scale-launch.toml";
+  child.set("run.dir", run_dir.string());
+  child.set("run.name", std::string("scale"));
+  const auto launch_config = ranks_dir / "scale-launch.toml";
   write_file_atomic(launch_config, child.to_toml(false));
+  const auto ranks_json = ranks_dir / "scale.json";
   const auto scale_json = run_dir / "scale.json";
-  std::filesystem::remove(scale_json);
+  for (const auto& stale : {ranks_json, scale_json}) {
+    std::filesystem::remove(stale, ec);
+    if (ec) {
+      throw UserError(fmt::format("cannot remove the previous {}: {}; delete it and rerun",
+                                  stale.string(), ec.message()));
+    }
+  }
 
   const std::vector<std::string> argv = {find_torchrun(config).string(),
                                          "--standalone",
                                          fmt::format("--nproc-per-node={}", processes),
                                          "--no-python",
-                                         self_executable().string(),
+                                         kiln_executable().string(),
                                          "scale",
                                          launch_config.string(),
                                          "--quiet"};
   std::string line;
   for (const auto& a : argv) line += (line.empty() ? "" : " ") + a;
   log::info("scale: launching " + line);
-  const int status = spawn_and_wait(argv);
-  if (std::filesystem::exists(scale_json)) {
-    RungResult result = result_from_json(json::parse(read_file(scale_json)));
+  const int status = wait_process(spawn_process(argv));
+  const bool wrote = std::filesystem::exists(ranks_json, ec);
+  if (wrote) {
+    json numbers = read_scale_json(ranks_json);
+    numbers["ranks_run_dir"] = ranks_dir.string();
+    RungResult result = result_from_json(numbers);
     if (status != 0 && status != kExitGateFailed) {
       result.passed = false;
       result.verdict = fmt::format("torchrun exited with status {}: {}", status, result.verdict);
+      numbers["passed"] = false;
+      numbers["verdict"] = result.verdict;
+      result.numbers = numbers;
     }
+    write_file_atomic(scale_json, numbers.dump(2) + "\n");
     return result;
   }
   RungResult result;
@@ -221,8 +229,12 @@ RungResult launch_with_torchrun(const Config& config, int processes) {
   result.verdict = fmt::format(
       "torchrun exited with status {} and wrote no scale.json; see the ranks' "
       "errors above and {}",
-      status, (run_dir / "train.log").string());
-  result.numbers = {{"passed", false}, {"verdict", result.verdict}, {"torchrun_status", status}};
+      status, (ranks_dir / "train.log").string());
+  result.numbers = {{"passed", false},
+                    {"verdict", result.verdict},
+                    {"torchrun_status", status},
+                    {"ranks_run_dir", ranks_dir.string()}};
+  write_file_atomic(scale_json, result.numbers.dump(2) + "\n");
   return result;
 }
 

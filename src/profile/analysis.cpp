@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <set>
 #include <unordered_map>
 
@@ -42,10 +43,37 @@ bool starts_with(const std::string& text, std::string_view prefix) {
   return text.size() >= prefix.size() && text.compare(0, prefix.size(), prefix) == 0;
 }
 
+// Field readers for foreign input (any torch.profiler trace): a missing field, or one of another
+// type, reads as the fallback. json::value() would throw on a type mismatch, operator[] on a
+// missing key is undefined behaviour for a const json.
 double number_or(const json& object, const char* key, double fallback) {
+  if (!object.is_object()) return fallback;
   auto it = object.find(key);
   if (it == object.end() || !it->is_number()) return fallback;
   return it->get<double>();
+}
+
+std::string string_or_empty(const json& object, const char* key) {
+  if (!object.is_object()) return {};
+  auto it = object.find(key);
+  if (it == object.end() || !it->is_string()) return {};
+  return it->get<std::string>();
+}
+
+// The event's "args" object; an empty object when absent or not an object.
+const json& args_of(const json& event) {
+  static const json empty = json::object();
+  if (!event.is_object()) return empty;
+  auto it = event.find("args");
+  return it != event.end() && it->is_object() ? *it : empty;
+}
+
+// An integer field (correlation and External ids), or nullopt.
+std::optional<int64_t> integer_of(const json& object, const char* key) {
+  if (!object.is_object()) return std::nullopt;
+  auto it = object.find(key);
+  if (it == object.end() || !it->is_number_integer()) return std::nullopt;
+  return it->get<int64_t>();
 }
 
 // A thread's identity: Kineto writes pid and tid as numbers (sometimes strings for GPU rows).
@@ -137,26 +165,23 @@ class Analyzer {
     std::unordered_map<int64_t, double> launch_ts;  // correlation -> runtime call start
     for (const auto& event : trace["traceEvents"]) {
       if (!event.is_object()) continue;
-      const std::string cat = event.value("cat", "");
-      const std::string ph = event.value("ph", "");
+      const std::string cat = string_or_empty(event, "cat");
+      const std::string ph = string_or_empty(event, "ph");
       if (ph == "X" && (cat == "cpu_op" || cat == "user_annotation")) {
         HostEvent host;
         host.source = &event;
-        host.name = event.value("name", "");
+        host.name = string_or_empty(event, "name");
         host.is_op = cat == "cpu_op";
         host.ts = number_or(event, "ts", 0);
         host.dur = std::max(0.0, number_or(event, "dur", 0));
         threads[thread_key(event)].push_back(std::move(host));
-      } else if (ph == "i" && event.value("name", "") == "[memory]") {
+      } else if (ph == "i" && string_or_empty(event, "name") == "[memory]") {
         memory_events.push_back(&event);
       } else if (ph == "X" && (cat == "kernel" || cat == "gpu_memcpy" || cat == "gpu_memset")) {
         device_events.push_back(&event);
       } else if (ph == "X" && (cat == "cuda_runtime" || cat == "cuda_driver")) {
-        auto args = event.find("args");
-        if (args != event.end() && args->contains("correlation") &&
-            (*args)["correlation"].is_number()) {
-          launch_ts[(*args)["correlation"].get<int64_t>()] = number_or(event, "ts", 0);
-        }
+        if (auto correlation = integer_of(args_of(event), "correlation"))
+          launch_ts[*correlation] = number_or(event, "ts", 0);
       }
     }
 
@@ -177,19 +202,15 @@ class Analyzer {
         ++op.calls;
         op.self_cpu_us += self;
         if (e.outermost_of_name) op.total_cpu_us += e.dur;
-        auto args = e.source->find("args");
-        if (args != e.source->end()) {
-          op.flops += number_or(*args, "flops", 0);
-          auto dims = args->find("Input Dims");
-          if (dims != args->end()) {
-            auto& shape = op.shapes[dims->dump()];
-            shape.first += self;
-            shape.second += 1;
-          }
-          auto id = args->find("External id");
-          if (id != args->end() && id->is_number_integer())
-            op_by_external_id[id->get<int64_t>()] = e.name;
+        const json& args = args_of(*e.source);
+        op.flops += number_or(args, "flops", 0);
+        auto dims = args.find("Input Dims");
+        if (dims != args.end()) {
+          auto& shape = op.shapes[dims->dump()];
+          shape.first += self;
+          shape.second += 1;
         }
+        if (auto id = integer_of(args, "External id")) op_by_external_id[*id] = e.name;
       }
     }
     if (step_thread.empty()) return;
@@ -238,8 +259,8 @@ class Analyzer {
     // Peak memory by phase: each allocation event belongs to the innermost phase of the
     // training thread open at its time ("other" inside a step outside any phase).
     for (const json* event : memory_events) {
-      const auto& args = (*event)["args"];
-      if (!args.is_object() || !args.contains("Total Allocated")) continue;
+      const json& args = args_of(*event);
+      if (!args.contains("Total Allocated")) continue;
       const double ts = number_or(*event, "ts", 0);
       const double total = number_or(args, "Total Allocated", 0);
       const double bytes = number_or(args, "Bytes", 0);
@@ -389,8 +410,8 @@ class Analyzer {
     };
     std::map<std::string, std::vector<Kernel>> streams;
     for (const json* event : events) {
-      const std::string name = event->value("name", "");
-      const std::string cat = event->value("cat", "");
+      const std::string name = string_or_empty(*event, "name");
+      const std::string cat = string_or_empty(*event, "cat");
       const double ts = number_or(*event, "ts", 0);
       const double dur = std::max(0.0, number_or(*event, "dur", 0));
       const Interval interval{ts, ts + dur};
@@ -401,17 +422,17 @@ class Analyzer {
       const bool is_comm = !is_memory && name.find("nccl") != std::string::npos;
       (is_memory ? memory : is_comm ? communication : compute).push_back(interval);
       double launch = -1;
-      const json empty = json::object();
-      const json& args = event->contains("args") ? (*event)["args"] : empty;
-      if (args.contains("correlation") && args["correlation"].is_number()) {
-        auto found = launch_ts.find(args["correlation"].get<int64_t>());
+      const json& args = args_of(*event);
+      if (auto correlation = integer_of(args, "correlation")) {
+        auto found = launch_ts.find(*correlation);
         if (found != launch_ts.end()) launch = found->second;
       }
+      auto stream_field = args.find("stream");
       const std::string stream =
-          args.contains("stream") ? args["stream"].dump() : thread_key(*event);
+          stream_field != args.end() ? stream_field->dump() : thread_key(*event);
       streams[stream].push_back({ts, ts + dur, launch});
-      if (args.contains("External id") && args["External id"].is_number_integer()) {
-        auto op = op_by_external_id.find(args["External id"].get<int64_t>());
+      if (auto id = integer_of(args, "External id")) {
+        auto op = op_by_external_id.find(*id);
         if (op != op_by_external_id.end()) operators_[op->second].self_device_us += dur;
       }
     }

@@ -18,6 +18,7 @@
 #include <unordered_map>
 
 #include "core/files.h"
+#include "core/process.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/profile.h"
@@ -32,9 +33,7 @@ using torch::profiler::impl::ProfilerConfig;
 using torch::profiler::impl::ProfilerState;
 
 std::string default_worker_name() {
-  char host[256] = {0};
-  if (::gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "localhost");
-  return fmt::format("{}_{}", host, ::getpid());
+  return fmt::format("{}_{}", hostname(), ::getpid());
 }
 
 int64_t unix_time_ns() {

@@ -140,8 +140,8 @@ Verdict decide_bottleneck(const TraceAnalysis& analysis, const VerdictThresholds
         fmt::format("raise the per-rank batch (train.batch_size{}) so compute hides communication",
                     now(context.batch_size)));
     a.push_back(
-        "use FSDP / reduce-scatter sharding and check the interconnect (NCCL over "
-        "NVLink/InfiniBand, not TCP)");
+        "check the interconnect (NCCL over NVLink/InfiniBand, not TCP); reduce-scatter "
+        "sharding (FSDP) would also cut the traffic (not in kiln yet)");
   } else if (memory_fraction >= thresholds.memory_bound_fraction) {
     v.bottleneck = "memory-bound";
     v.reason = fmt::format(
@@ -149,13 +149,15 @@ Verdict decide_bottleneck(const TraceAnalysis& analysis, const VerdictThresholds
         format_bytes(peak_bytes), percent(memory_fraction), format_bytes(capacity),
         percent(thresholds.memory_bound_fraction));
     a.push_back(
-        "activation checkpointing: recompute activations in backward instead of keeping them");
-    a.push_back("shard parameters, gradients and optimizer state with FSDP (scale rung)");
-    a.push_back(
         fmt::format("halve train.batch_size{} and double train.grad_accum_steps{}: the same "
                     "effective batch with half the activations",
                     now(context.batch_size), now(context.grad_accum_steps)));
-    a.push_back("train in bf16 mixed precision to halve activation memory");
+    a.push_back(
+        "activation checkpointing: recompute activations in backward instead of keeping them "
+        "(not in kiln yet)");
+    a.push_back(
+        "shard parameters, gradients and optimizer state across ranks (FSDP; not in kiln yet)");
+    a.push_back("train in bf16 mixed precision to halve activation memory (not in kiln yet)");
   } else if ((!gpu && analysis.mean_op_us < thresholds.host_bound_op_us) ||
              (gpu && gpu_idle_share >= thresholds.gpu_idle_share && idle_mostly_host)) {
     v.bottleneck = "host-bound";
@@ -177,9 +179,8 @@ Verdict decide_bottleneck(const TraceAnalysis& analysis, const VerdictThresholds
                             now(context.batch_size)));
     a.push_back(
         context.cuda
-            ? "capture the step with the compile rung (CUDA graphs) to remove per-kernel launch "
-              "cost"
-            : "compile the step (compile rung) to fuse small operators and skip per-call dispatch");
+            ? "capture the step as a CUDA graph to remove per-kernel launch cost (not in kiln yet)"
+            : "fuse small operators: a compiled step skips per-call dispatch (not in kiln yet)");
     a.push_back(
         "prefer fused kernels: optim.fused = true, fused attention, fewer elementwise passes");
   } else {
@@ -202,10 +203,13 @@ Verdict decide_bottleneck(const TraceAnalysis& analysis, const VerdictThresholds
         "the math dominates: compare achieved FLOP/s with the device peak (baseline rung, MFU)");
     a.push_back(
         context.cuda
-            ? "use bf16 autocast / TF32 matmuls and compile to fuse the elementwise operators"
-            : "compile to fuse the elementwise operators around the matmuls");
+            ? "bf16 autocast / TF32 matmuls, and fusing the elementwise operators (not in kiln "
+              "yet)"
+            : "fuse the elementwise operators around the matmuls (a compiled step; not in kiln "
+              "yet)");
     a.push_back(fmt::format(
-        "spread the work: more devices with the scale rung (DDP/FSDP){}",
+        "spread the work: more ranks with data parallelism (the scale rung, "
+        "dist.scale_processes){}",
         context.world_size > 0 ? fmt::format(", world size now {}", context.world_size) : ""));
   }
   v.numbers["bottleneck"] = v.bottleneck;

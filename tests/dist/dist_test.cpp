@@ -1,16 +1,18 @@
 // Unit tests of the distributed runtime: the launcher environment, bucket assignment, and DDP's
-// logic with two ranks as two threads of this process (a shared-memory communicator). The
+// logic with two ranks as two threads of this process (tests/ckpt/thread_comm.h: a failing rank
+// poisons the group, so the other fails at once instead of hanging). The
 // multi-process tests (torchrun, Gloo, faults) are in tests/dist/CMakeLists.txt.
 #include "kiln/dist.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <barrier>
 #include <map>
 #include <thread>
 
+#include "ckpt/thread_comm.h"  // ThreadGroup / ThreadCommunicator: ranks as threads, fail-fast
 #include "kiln/error.h"
+#include "kiln/models.h"
 #include "kiln/session.h"
 #include "support/helpers.h"
 
@@ -166,63 +168,6 @@ TEST(Buckets, DefaultsAre25MiBAnd1MiB) {
 
 // ---- DDP with two ranks as two threads ----------------------------------------------------------
 
-// A communicator between the threads of this process: shared slots and a barrier. Sums in rank
-// order, so results are deterministic.
-class ThreadGroup {
- public:
-  explicit ThreadGroup(int world) : world_(world), sync_(world), tensors_(world), strings_(world) {}
-  int world() const { return world_; }
-  void wait() { sync_.arrive_and_wait(); }
-  std::vector<torch::Tensor>& tensors() { return tensors_; }
-  std::vector<std::string>& strings() { return strings_; }
-  torch::Tensor result;
-  int64_t all_reduces = 0;
-
- private:
-  int world_;
-  std::barrier<> sync_;
-  std::vector<torch::Tensor> tensors_;
-  std::vector<std::string> strings_;
-};
-
-class ThreadCommunicator final : public Communicator {
- public:
-  ThreadCommunicator(std::shared_ptr<ThreadGroup> group, int rank)
-      : group_(std::move(group)), rank_(rank) {}
-  int rank() const override { return rank_; }
-  int world_size() const override { return group_->world(); }
-  void barrier() override { group_->wait(); }
-  void all_reduce_sum(torch::Tensor& tensor) override {
-    group_->tensors()[rank_] = tensor;
-    group_->wait();
-    if (rank_ == 0) {
-      group_->result = group_->tensors()[0].clone();
-      for (int r = 1; r < group_->world(); ++r) group_->result += group_->tensors()[r];
-      ++group_->all_reduces;
-    }
-    group_->wait();
-    tensor.copy_(group_->result);
-    group_->wait();
-  }
-  void broadcast(torch::Tensor& tensor, int root) override {
-    group_->tensors()[rank_] = tensor;
-    group_->wait();
-    if (rank_ != root) tensor.copy_(group_->tensors()[root]);
-    group_->wait();
-  }
-  std::vector<std::string> all_gather_bytes(const std::string& mine) override {
-    group_->strings()[rank_] = mine;
-    group_->wait();
-    auto out = group_->strings();
-    group_->wait();
-    return out;
-  }
-
- private:
-  std::shared_ptr<ThreadGroup> group_;
-  int rank_;
-};
-
 struct RunResult {
   std::vector<double> losses;
   std::vector<torch::Tensor> parameters;
@@ -262,6 +207,7 @@ std::vector<RunResult> train_two_threads(const Config& config, int64_t steps,
       results[rank].buckets = ddp->bucket_bytes().size();
     } catch (const std::exception& e) {
       errors[rank] = e.what();
+      group->poison();  // the other rank's next collective throws instead of waiting forever
     }
   };
   std::thread other(run_rank, 1);
@@ -334,6 +280,118 @@ TEST(DataParallel, AccumulationAllReducesOnlyOnTheLastMicroStep) {
   EXPECT_EQ(ranks[0].bucket_all_reduces, 8 * static_cast<int64_t>(ranks[0].buckets));
 }
 
+// The MLP plus a bias `gate` added to its logits only while `gate_open`: a parameter that gets
+// gradient on some micro-steps of a step and not on others.
+class GatedModel final : public Model {
+ public:
+  GatedModel(std::shared_ptr<Model> inner, int64_t num_classes)
+      : inner_(register_module("inner", std::move(inner))),
+        gate(register_parameter("gate", torch::zeros({num_classes}))) {}
+  torch::Tensor forward(const torch::Tensor& inputs) override {
+    torch::Tensor logits = inner_->forward(inputs);
+    return gate_open ? logits + gate : logits;
+  }
+  std::string architecture() const override { return inner_->architecture(); }
+  nlohmann::json describe() const override { return inner_->describe(); }
+  double train_flops_per_sample(int64_t seq_len) const override {
+    return inner_->train_flops_per_sample(seq_len);
+  }
+
+ private:
+  std::shared_ptr<Model> inner_;
+
+ public:
+  torch::Tensor gate;
+  bool gate_open = true;
+};
+
+// Opens the gate on micro-step 0 only, and records the gate's gradient when gradients are ready.
+class GateProbe final : public TrainerHook {
+ public:
+  GateProbe(GatedModel* model, bool drives_gate) : model_(model), drives_gate_(drives_gate) {}
+  void on_micro_step_begin(Trainer&, int micro_step, bool) override {
+    if (drives_gate_) model_->gate_open = micro_step == 0;
+  }
+  void on_gradients_ready(Trainer&) override {
+    const torch::Tensor& grad = model_->gate.grad();
+    grads.push_back(grad.defined() ? grad.detach().clone() : torch::Tensor());
+  }
+  std::vector<torch::Tensor> grads;
+
+ private:
+  GatedModel* model_;
+  bool drives_gate_;
+};
+
+TEST(DataParallel, AGradientFromAnEarlierMicroStepOnlyIsAveragedNotDropped) {
+  // The gate is used on micro-step 0 of 2: on the last micro-step its hook never fires, yet its
+  // accumulated gradient must enter the all-reduce (not be replaced by zeros).
+  TempDir dir;
+  const Config config =
+      mlp_config(dir.path(), {"train.grad_accum_steps=2", "train.batch_size=4",
+                              "data.num_workers=0", "optim.name=sgd", "optim.lr=0.1"});
+  apply_runtime_settings(config);
+  constexpr int64_t kSteps = 3;
+  auto group = std::make_shared<ThreadGroup>(2);
+  std::vector<std::shared_ptr<GateProbe>> before(2), after(2);
+  std::vector<torch::Tensor> final_gate(2);
+  std::vector<std::string> errors(2);
+  auto run_rank = [&](int rank) {
+    try {
+      auto comm = std::make_shared<ThreadCommunicator>(group, rank);
+      auto model =
+          std::make_shared<GatedModel>(make_model(config), config.get_int("model.num_classes"));
+      Trainer trainer(config, model, make_datasets(config),
+                      TrainerOptions{torch::kCPU, rank, 2, comm});
+      // Hooks run in order: the local gradient, DDP's averaging, then the averaged gradient.
+      before[rank] = std::make_shared<GateProbe>(model.get(), /*drives_gate=*/true);
+      trainer.add_hook(before[rank]);
+      DataParallel::attach(trainer, comm, {});
+      after[rank] = std::make_shared<GateProbe>(model.get(), /*drives_gate=*/false);
+      trainer.add_hook(after[rank]);
+      for (int64_t k = 0; k < kSteps; ++k) trainer.train_step();
+      final_gate[rank] = model->gate.detach().clone();
+    } catch (const std::exception& e) {
+      errors[rank] = e.what();
+      group->poison();
+    }
+  };
+  std::thread other(run_rank, 1);
+  run_rank(0);
+  other.join();
+  ASSERT_EQ(errors[0], "");
+  ASSERT_EQ(errors[1], "");
+  for (int64_t k = 0; k < kSteps; ++k) {
+    const torch::Tensor& local0 = before[0]->grads[k];
+    const torch::Tensor& local1 = before[1]->grads[k];
+    ASSERT_TRUE(local0.defined() && local1.defined()) << "step " << k + 1;
+    EXPECT_GT(local0.abs().max().item<double>(), 0) << "step " << k + 1;
+    const torch::Tensor expected = (local0 + local1) / 2;
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(after[r]->grads[k].defined());
+      EXPECT_TRUE(torch::allclose(after[r]->grads[k], expected, 1e-6, 1e-9))
+          << "rank " << r << " step " << k + 1 << ": " << after[r]->grads[k] << " vs " << expected;
+    }
+  }
+  EXPECT_GT(final_gate[0].abs().max().item<double>(), 0);  // the gate trained
+  EXPECT_TRUE(torch::equal(final_gate[0], final_gate[1]));
+}
+
+TEST(DataParallel, AFailingRankStopsTheOtherInsteadOfHanging) {
+  TempDir dir;
+  const Config config = mlp_config(dir.path(), {"data.num_workers=0"});
+  EXPECT_THROW(run_ranks(2,
+                         [&](Communicator& comm) {
+                           if (comm.rank() == 1) throw TrainingError("rank 1 failed on purpose");
+                           // Rank 0 enters the initial broadcast, which rank 1 never joins.
+                           std::shared_ptr<Communicator> borrowed(&comm, [](Communicator*) {});
+                           Trainer trainer(config, make_model(config), make_datasets(config),
+                                           TrainerOptions{torch::kCPU, 0, 2, borrowed});
+                           DataParallel::attach(trainer, borrowed, {});
+                         }),
+               TrainingError);
+}
+
 TEST(DataParallel, WorldOfOneAddsNothing) {
   TempDir dir;
   Config config = mlp_config(dir.path());
@@ -341,6 +399,53 @@ TEST(DataParallel, WorldOfOneAddsNothing) {
   auto ddp = DataParallel::attach(trainer, single_process_communicator(), {});
   trainer.train_step();
   EXPECT_EQ(ddp->bucket_all_reduces(), 0);
+}
+
+// ---- the scale rung's launch from one process (kiln scale / the ladder)
+// --------------------------
+
+// The last non-empty line of stderr, and whether it is the only "kiln: error" line.
+std::string last_error_line(const std::string& err) {
+  const auto begin = err.rfind("kiln: error:");
+  if (begin == std::string::npos) return "(no kiln: error line) " + err;
+  return err.substr(begin, err.find('\n', begin) - begin);
+}
+
+TEST(ScaleLaunch, AnUnwritableRunDirectoryIsAUserErrorNotAnInternalOne) {
+  TempDir dir;
+  write_text(dir / "file", "not a directory");
+  const auto cli =
+      run_kiln("scale " + (source_dir() / "configs/mlp.toml").string() +
+               " --set dist.scale_processes=2 --set run.dir=" + (dir / "file").string() +
+               " --set run.progress=off");
+  EXPECT_EQ(cli.exit_code, 2) << cli.err;
+  EXPECT_THAT(last_error_line(cli.err), HasSubstr("cannot create")) << cli.err;
+  EXPECT_THAT(last_error_line(cli.err), HasSubstr("run.dir")) << cli.err;
+  EXPECT_THAT(cli.err, ::testing::Not(HasSubstr("internal error")));
+}
+
+TEST(ScaleLaunch, APartialScaleJsonFromTheRanksIsAUserError) {
+  // A stand-in for torchrun that leaves a cut scale.json where the ranks write theirs
+  // (<run dir>/scale/, next to scale-launch.toml) and fails.
+  TempDir dir;
+  const auto fake = dir / "fake-torchrun";
+  write_text(fake,
+             "#!/bin/sh\n"
+             "for a; do case \"$a\" in *scale-launch.toml) d=$(dirname \"$a\");; esac; done\n"
+             "printf '{\"passed\": tr' > \"$d/scale.json\"\n"
+             "exit 1\n");
+  std::filesystem::permissions(fake, std::filesystem::perms::owner_all);
+  const auto cli = run_kiln("scale " + (source_dir() / "configs/mlp.toml").string() +
+                            " --set dist.scale_processes=2 --set dist.torchrun=" + fake.string() +
+                            " --set run.dir=" + dir.path().string() +
+                            " --set run.name=job --set run.progress=off");
+  EXPECT_EQ(cli.exit_code, 2) << cli.err;
+  EXPECT_THAT(last_error_line(cli.err), HasSubstr((dir / "job" / "scale" / "scale.json").string()))
+      << cli.err;
+  EXPECT_THAT(last_error_line(cli.err), HasSubstr("rerun")) << cli.err;
+  EXPECT_THAT(cli.err, ::testing::Not(HasSubstr("internal error")));
+  // The ranks were told to be their own run under the caller's.
+  EXPECT_TRUE(std::filesystem::exists(dir / "job" / "scale" / "scale-launch.toml"));
 }
 
 TEST(Communicator, DefaultAsyncAllReduceRunsTheBlockingOne) {

@@ -300,6 +300,23 @@ TEST(Profiler, CorruptOrForeignTraceFilesAreUserErrors) {
   EXPECT_EQ(profile_detail::gzip_decompress(profile_detail::gzip_compress("abc"), "x"), "abc");
 }
 
+TEST(Profiler, GzipFeedsZlibInChunks) {
+  // zlib counts in 32 bits; traces over 4 GiB go through in chunks. Small chunks here exercise
+  // the same loop: every chunking round-trips, and a cut stream is still a UserError.
+  std::string text;
+  for (int k = 0; k < 40000; ++k) text += fmt::format("{{\"ts\": {}, \"name\": \"aten::mm\"}},", k);
+  const std::string whole = profile_detail::gzip_compress(text);
+  for (size_t chunk : {size_t{1}, size_t{7}, size_t{4096}}) {
+    const std::string chunked = profile_detail::gzip_compress(text, chunk);
+    EXPECT_EQ(profile_detail::gzip_decompress(chunked, "x"), text) << "chunk " << chunk;
+    EXPECT_EQ(profile_detail::gzip_decompress(whole, "x", chunk), text) << "chunk " << chunk;
+    EXPECT_THROW(profile_detail::gzip_decompress(whole.substr(0, whole.size() / 2), "x", chunk),
+                 UserError);
+  }
+  EXPECT_GT(text.size(), size_t{1} << 20);  // more than one output buffer
+  EXPECT_EQ(profile_detail::gzip_decompress(profile_detail::gzip_compress(""), "x", 3), "");
+}
+
 // ---- analysis on hand-made traces ---------------------------------------------------------------
 
 json x_event(const std::string& cat, const std::string& name, double ts, double dur, int tid = 1,
@@ -438,6 +455,51 @@ TEST(TraceAnalysis, GpuTemporalAndIdleBreakdownFollowHolisticTraceAnalysis) {
   EXPECT_NEAR(a.operators[0].self_device_us, 10 + 9.99 + 10 + 20 + 5, 1e-9);
 }
 
+TEST(TraceAnalysis, ForeignEventsWithMissingOrMistypedFieldsAreSkippedNotFatal) {
+  // torch.profiler traces from other versions and tools: [memory] events without args or with
+  // args of another type, kernels and launches without args, names and categories that are not
+  // strings. None of it may crash (or be undefined behaviour); the well-formed events still count.
+  json events = json::array({
+      x_event("user_annotation", "ProfilerStep#0", 0, 100),
+      x_event("user_annotation", "forward", 10, 40),
+      x_event("cpu_op", "aten::mm", 12, 30),
+      json{{"ph", "i"}, {"name", "[memory]"}, {"pid", 7}, {"tid", 1}, {"ts", 20}},  // no args
+      json{{"ph", "i"}, {"name", "[memory]"}, {"ts", 21}, {"args", "not an object"}},
+      json{{"ph", "i"}, {"name", "[memory]"}, {"ts", 22}, {"args", {{"Total Allocated", "x"}}}},
+      memory_event(23, 2048, 2048),
+      json{{"ph", "X"}, {"cat", 5}, {"name", "aten::weird"}, {"ts", 30}, {"dur", 1}},
+      json{{"ph", "X"}, {"cat", "cpu_op"}, {"name", json::array({1})}, {"ts", 31}, {"dur", "1"}},
+      json{{"ph", "X"},
+           {"cat", "cpu_op"},
+           {"name", "aten::add"},
+           {"ts", 45},
+           {"dur", 2},
+           {"args", json::array({1, 2})}},
+      json{{"ph", "X"}, {"cat", "cuda_runtime"}, {"name", "cudaLaunchKernel"}, {"ts", 50}},
+      json{{"ph", "X"}, {"cat", "cuda_runtime"}, {"ts", 51}, {"args", {{"correlation", "7"}}}},
+      json{{"ph", "X"}, {"cat", "kernel"}, {"name", "gemm"}, {"ts", 60}, {"dur", 5}},
+      json{{"ph", "X"}, {"cat", "kernel"}, {"ts", 70}, {"dur", 5}, {"args", nullptr}},
+      json{{"ph", 1}, {"cat", "kernel"}},
+      json("not an event"),
+  });
+  TraceAnalysis a;
+  ASSERT_NO_THROW(a = analyze_traces({json{{"traceEvents", events}, {"deviceProperties", 3}}}));
+  EXPECT_EQ(a.steps, 1);
+  EXPECT_TRUE(a.has_gpu);
+  EXPECT_EQ(a.gpu.kernels, 2);
+  std::map<std::string, PhaseMemory> memory;
+  for (const auto& m : a.memory) memory[m.phase] = m;
+  ASSERT_EQ(memory.count("forward"), 1u);
+  EXPECT_DOUBLE_EQ(memory["forward"].peak_allocated_bytes, 2048);  // only the well-formed event
+  std::set<std::string> names;
+  for (const auto& op : a.operators) names.insert(op.name);
+  EXPECT_TRUE(names.count("aten::mm"));
+  EXPECT_TRUE(names.count("aten::add"));     // args of the wrong type: no shapes, still counted
+  EXPECT_FALSE(names.count("aten::weird"));  // not a cpu_op
+  // The verdict runs on what could be read.
+  EXPECT_NO_THROW(decide_bottleneck(a, VerdictThresholds{}, VerdictContext{}));
+}
+
 // ---- verdicts -----------------------------------------------------------------------------------
 
 TraceAnalysis analysis_with(double data_wait_share, double comm_share, double mean_op_us) {
@@ -481,7 +543,8 @@ TEST(Verdict, EachBottleneckWithTheNumbersThatDecidedIt) {
   v = decide_bottleneck(full, t, c);
   EXPECT_EQ(v.bottleneck, "memory-bound");
   EXPECT_DOUBLE_EQ(v.numbers["memory_fraction"].get<double>(), 0.95);
-  EXPECT_THAT(v.actions[0], HasSubstr("activation checkpointing"));
+  EXPECT_THAT(v.actions[0], HasSubstr("train.grad_accum_steps (now 1)"));
+  EXPECT_THAT(v.actions, ::testing::Contains(HasSubstr("activation checkpointing")));
 
   v = decide_bottleneck(analysis_with(0.05, 0.0, 5), t, c);
   EXPECT_EQ(v.bottleneck, "host-bound");
@@ -509,6 +572,35 @@ TEST(Verdict, EachBottleneckWithTheNumbersThatDecidedIt) {
   v = decide_bottleneck(gpu, t, c);
   EXPECT_EQ(v.bottleneck, "communication-bound");  // 30 of 40 us exposed = 30% of kernel time
   EXPECT_NEAR(v.numbers["exposed_comm_kernel_share"].get<double>(), 0.30, 1e-12);
+}
+
+TEST(Verdict, ActionsNamingWhatKilnLacksSaySo) {
+  // kiln has no compile rung, FSDP, activation checkpointing, CUDA graphs or mixed precision yet:
+  // an action suggesting one must say it is not in kiln, never send the user to a missing rung.
+  VerdictThresholds t;
+  TraceAnalysis full = analysis_with(0.05, 0.0, 500);
+  full.memory = {{"backward", "cpu", 95e9, 10e9}};
+  std::vector<Verdict> verdicts = {
+      decide_bottleneck(analysis_with(0.40, 0.0, 5), t, {}),
+      decide_bottleneck(analysis_with(0.05, 0.30, 500), t, {}),
+      decide_bottleneck(full, t, VerdictContext{.device_memory_bytes = 100e9}),
+      decide_bottleneck(analysis_with(0.05, 0.0, 5), t, {}),
+      decide_bottleneck(analysis_with(0.05, 0.0, 5), t, VerdictContext{.cuda = true}),
+      decide_bottleneck(analysis_with(0.05, 0.0, 500), t, {}),
+      decide_bottleneck(analysis_with(0.05, 0.0, 500), t, VerdictContext{.cuda = true})};
+  std::set<std::string> bottlenecks;
+  for (const auto& v : verdicts) {
+    bottlenecks.insert(v.bottleneck);
+    for (const auto& action : v.actions) {
+      EXPECT_THAT(action, ::testing::Not(HasSubstr("compile rung"))) << v.bottleneck;
+      EXPECT_THAT(action, ::testing::Not(HasSubstr("(scale rung)"))) << v.bottleneck;
+      for (const char* missing : {"FSDP", "checkpointing", "compiled", "CUDA graph", "bf16"}) {
+        if (action.find(missing) != std::string::npos)
+          EXPECT_THAT(action, HasSubstr("not in kiln yet")) << v.bottleneck;
+      }
+    }
+  }
+  EXPECT_EQ(bottlenecks.size(), 5u);  // every verdict's actions were checked
 }
 
 // A dataset whose batches take `delay` to build: a loader that cannot keep up.
@@ -560,23 +652,31 @@ TEST(Verdict, ASlowDatasetIsDataBound) {
   data.train = std::make_shared<SlowDataset>(data.train, std::chrono::milliseconds(20));
   const Verdict v = profiled_verdict(config, std::move(data), kShortScheduleSteps);
   EXPECT_EQ(v.bottleneck, "data-bound") << v.reason;
-  EXPECT_GT(v.numbers["data_wait_share"].get<double>(), 0.5);
+  // 20 ms of sleep per batch against a few milliseconds of math per step: the share stays far
+  // above the threshold even when a loaded machine slows the math tenfold.
+  EXPECT_GE(v.numbers["data_wait_share"].get<double>(),
+            v.numbers["thresholds"]["data_bound_share"].get<double>());
 }
 
 TEST(Verdict, ATinyModelWithTinyBatchesIsHostBound) {
   TempDir dir;
   auto overrides = kShortSchedule;
   // Batches built in the training thread: a worker's wake-up latency on a busy machine would
-  // add data wait that has nothing to do with the model.
-  for (const char* o : {"model.input_dim=8", "model.hidden_dim=8", "model.num_classes=2",
-                        "train.batch_size=2", "data.num_workers=0"}) {
+  // add data wait that has nothing to do with the model. The operators of an 8-wide MLP on
+  // batches of 2 take a few us each on an idle machine; a loaded CI machine can stretch that
+  // several times, so this test sets the host-bound threshold to 200 us (a 10x margin over the
+  // default 20 us, which is what the threshold is about) and the data-bound share to 0.5 (batch
+  // building is not what this test is about).
+  for (const char* o :
+       {"model.input_dim=8", "model.hidden_dim=8", "model.num_classes=2", "train.batch_size=2",
+        "data.num_workers=0", "profile.host_bound_op_us=200", "profile.data_bound_share=0.5"}) {
     overrides.push_back(o);
   }
   const Verdict v =
       profiled_verdict(mlp_config(dir.path(), overrides),
                        make_datasets(mlp_config(dir.path(), overrides)), kShortScheduleSteps);
   EXPECT_EQ(v.bottleneck, "host-bound") << v.reason;
-  EXPECT_LT(v.numbers["mean_op_us"].get<double>(), 20.0);
+  EXPECT_LT(v.numbers["mean_op_us"].get<double>(), 200.0);
 }
 
 TEST(Verdict, AWideMlpWithBigBatchesIsComputeBound) {
@@ -587,6 +687,8 @@ TEST(Verdict, AWideMlpWithBigBatchesIsComputeBound) {
     overrides.push_back(o);
   }
   Config config = mlp_config(dir.path(), overrides);
+  // Operators average hundreds of us (a 256x512x2048 matmul is ~0.5 GFLOP): a loaded machine
+  // only slows them further, away from the 20 us host-bound threshold.
   const Verdict v = profiled_verdict(config, make_datasets(config), kShortScheduleSteps);
   EXPECT_EQ(v.bottleneck, "compute-bound") << v.reason;
   EXPECT_GT(v.numbers["mean_op_us"].get<double>(), 20.0);
