@@ -127,11 +127,13 @@ class SaveHandle {
 /// thread calls it). At most one save is in flight: a new save first waits for the previous one.
 class Checkpointer {
  public:
-  /// `comm` must outlive the Checkpointer. Rank 0 creates options.dir and removes step-*.tmp
-  /// directories left there by a killed run. Collective. Throws UserError (e.g. unwritable dir).
+  /// `comm` must outlive the Checkpointer. Rank 0 creates options.dir, restores a step-<N> that a
+  /// killed run left as step-<N>.replaced only, and removes step-*.tmp directories (and other
+  /// leftovers) of a killed run. Collective. Throws UserError (e.g. unwritable dir).
   Checkpointer(CheckpointOptions options, Communicator& comm);
-  /// Joins the background writer. A save that was not committed yet is abandoned: rank 0 removes
-  /// its .tmp directory (call wait() first to commit it).
+  /// Joins the background writer. A commit rank 0 had begun is finished; any other save not
+  /// committed yet is abandoned: rank 0 removes its .tmp directory (call wait() first to commit
+  /// it). Rank 0 logs which of the two happened.
   ~Checkpointer();
   Checkpointer(const Checkpointer&) = delete;
   Checkpointer& operator=(const Checkpointer&) = delete;
@@ -172,9 +174,10 @@ class Checkpointer {
   std::vector<torch::Tensor> staging_;  // reusable CPU copies for async saves
 };
 
-/// Removes committed checkpoints beyond the retention policy: keeps the newest keep_last_k, every
-/// step that is a multiple of keep_every, and always the newest one; never touches .tmp
-/// directories. Returns the removed directories. Single-process (rank 0 calls it).
+/// Removes committed checkpoints beyond the retention policy: keeps the highest keep_last_k steps,
+/// every step that is a multiple of keep_every, and always the highest one; never touches .tmp
+/// directories. (A commit also never prunes the step it just committed.) Returns the removed
+/// directories. Single-process (rank 0 calls it).
 std::vector<std::filesystem::path> prune_checkpoints(const std::filesystem::path& dir,
                                                      int64_t keep_last_k, int64_t keep_every);
 
@@ -340,10 +343,23 @@ class CheckpointHook : public TrainerHook {
   int64_t last_saved_step_ = -1;
 };
 
+/// For `kiln train`, before open_session (so that bad input writes nothing, metrics.jsonl
+/// included): checks that `resume` is "", "auto" or an existing path, and, when the run saves
+/// checkpoints (checkpoint.every_steps > 0), refuses what attach_checkpointing would refuse and can
+/// be seen already: a fresh start into a checkpoint.dir holding committed checkpoints, a resume
+/// from a step directory older than checkpoint.dir's newest. Returns true when the run continues an
+/// earlier one (open the session with append_metrics). Throws UserError naming the directory and
+/// the fix. Not collective: every rank reads the same files.
+bool check_train_start(const Config& config, const std::string& resume);
+
 /// For `kiln train`: resumes the session's trainer when `resume` is "auto" (the newest loadable
 /// checkpoint in checkpoint.dir, or a fresh start when there is none) or a path (a step directory,
 /// or a checkpoint directory: its newest loadable one), and adds a CheckpointHook when
-/// checkpoint.every_steps > 0. Returns the hook (nullptr when none). Collective.
+/// checkpoint.every_steps > 0. When it saves, checkpoint.dir must hold one history: a fresh start
+/// into a directory with committed checkpoints, or a resume at a step older than one of them (an
+/// older --resume path, or --resume auto falling back past damaged newer ones), throws UserError
+/// naming those checkpoints and the fix, before anything is written. Returns the hook (nullptr
+/// when none). Collective.
 std::shared_ptr<CheckpointHook> attach_checkpointing(Session& session, const std::string& resume);
 
 /// The checkpoint rung, a restore drill: a reference process trains 2K steps (K =

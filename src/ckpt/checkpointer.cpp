@@ -1,10 +1,12 @@
 // Saving: the save plan (who writes what), staging, the background writer, the commit protocol
 // and retention.
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <torch/cuda.h>
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -13,6 +15,7 @@
 #include <set>
 
 #include "ckpt/internal.h"
+#include "core/clock.h"
 #include "core/files.h"
 #include "core/strings.h"
 #include "kiln/error.h"
@@ -24,11 +27,10 @@ namespace kiln {
 namespace {
 
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
+using Clock = SteadyClock;
 
-double seconds_since(Clock::time_point begin) {
-  return std::chrono::duration<double>(Clock::now() - begin).count();
-}
+// Blocking waits for a save poll the other ranks this often (see Checkpointer::advance).
+constexpr std::chrono::milliseconds kBlockingSlice{50};
 
 std::vector<int64_t> shape_of(const torch::Tensor& t) {
   return {t.sizes().begin(), t.sizes().end()};
@@ -198,6 +200,90 @@ void remove_quietly(const std::filesystem::path& path) {
   std::filesystem::remove_all(path, ec);
 }
 
+std::filesystem::path replaced_path(const std::filesystem::path& final_dir) {
+  std::filesystem::path replaced = final_dir;
+  replaced += ".replaced";
+  return replaced;
+}
+
+// Makes the finished `tmp_dir` (index written) the committed `final_dir`, durably. When final_dir
+// exists (a step saved again, e.g. by a run resumed from an older checkpoint), the two are swapped
+// in one atomic renameat2(RENAME_EXCHANGE): at every instant step-<N> is a whole checkpoint, the
+// old or the new. Where the file system cannot exchange, the old one is first renamed to
+// step-<N>.replaced; a crash before the second rename leaves step-<N>.replaced without step-<N>,
+// which the next Checkpointer restores (recover_interrupted_commits).
+void publish(const std::filesystem::path& tmp_dir, const std::filesystem::path& final_dir) {
+  const std::filesystem::path dir = final_dir.parent_path();
+  std::error_code ec;
+  if (std::filesystem::exists(final_dir, ec)) {
+    if (::renameat2(AT_FDCWD, tmp_dir.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+      fsync_directory(dir);
+      remove_quietly(tmp_dir);  // now the old checkpoint
+      return;
+    }
+    if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP) {
+      throw UserError("cannot exchange " + tmp_dir.string() + " with " + final_dir.string() + ": " +
+                      errno_text());
+    }
+    const std::filesystem::path replaced = replaced_path(final_dir);
+    remove_quietly(replaced);
+    std::filesystem::rename(final_dir, replaced, ec);
+    if (ec) throw UserError("cannot move aside " + final_dir.string() + ": " + ec.message());
+    std::filesystem::rename(tmp_dir, final_dir, ec);
+    if (ec) {
+      std::error_code ignored;
+      std::filesystem::rename(replaced, final_dir, ignored);
+      throw UserError("cannot rename " + tmp_dir.string() + " to " + final_dir.string() + ": " +
+                      ec.message());
+    }
+    fsync_directory(dir);
+    remove_quietly(replaced);
+    return;
+  }
+  std::filesystem::rename(tmp_dir, final_dir, ec);
+  if (ec) {
+    throw UserError("cannot rename " + tmp_dir.string() + " to " + final_dir.string() + ": " +
+                    ec.message());
+  }
+  fsync_directory(dir);
+}
+
+// Rank 0 at startup: puts back what a killed run's commit left half done, then removes its
+// unfinished saves. step-<N>.replaced without step-<N> is a committed checkpoint whose replacement
+// never landed: it becomes step-<N> again. With step-<N> present, the replacement landed and the
+// .replaced copy (and every step-<N>.tmp, latest.tmp.*) is an unfinished save.
+void recover_interrupted_commits(const std::filesystem::path& dir) {
+  std::vector<std::filesystem::path> stale;
+  for (const auto& item : std::filesystem::directory_iterator(dir)) {
+    const std::string name = item.path().filename().string();
+    if (name.rfind("step-", 0) == 0 && name.ends_with(".replaced")) {
+      std::filesystem::path final_dir = item.path();
+      final_dir.replace_extension();  // step-<N>
+      std::error_code ec;
+      if (!std::filesystem::exists(final_dir, ec)) {
+        std::filesystem::rename(item.path(), final_dir, ec);
+        if (ec) {
+          throw UserError("cannot restore " + item.path().string() + " to " + final_dir.string() +
+                          ": " + ec.message() + "; rename it by hand");
+        }
+        fsync_directory(dir);
+        log::warn("checkpoint: restored " + final_dir.string() + " from " + item.path().string() +
+                  " (a run was killed while saving that step again)");
+        continue;
+      }
+    }
+    const bool stale_latest = name.rfind(std::string(ckpt::kLatestFile) + ".tmp.", 0) == 0;
+    if (stale_latest ||
+        (name.rfind("step-", 0) == 0 && (name.ends_with(".tmp") || name.ends_with(".replaced")))) {
+      stale.push_back(item.path());
+    }
+  }
+  for (const auto& path : stale) {
+    log::info("checkpoint: removing " + path.string() + " (an unfinished save of an earlier run)");
+    remove_quietly(path);
+  }
+}
+
 }  // namespace
 
 // ---- SaveHandle --------------------------------------------------------------------------------
@@ -259,7 +345,7 @@ struct Checkpointer::Job {
       try {
         tensors = stage(*staging, sources);
       } catch (const std::exception& e) {
-        error = std::string("staging failed: ") + e.what();
+        error = "staging failed: " + one_line_error(e);
       }
       sources.clear();
       {
@@ -298,7 +384,7 @@ struct Checkpointer::Job {
     } catch (const std::exception& e) {
       std::lock_guard lock(mutex);
       status = Status::kFailed;
-      message = e.what();
+      message = one_line_error(e);
       write_seconds = seconds_since(start);
     }
     tensors.clear();  // drop the references to the staged (or live) tensors
@@ -314,7 +400,7 @@ struct Checkpointer::Job {
     try {
       total = commit();
     } catch (const std::exception& e) {
-      error = e.what();
+      error = one_line_error(e);
     }
     {
       std::lock_guard lock(mutex);
@@ -350,34 +436,17 @@ struct Checkpointer::Job {
       }
     }
     write_file_atomic(tmp_dir / ckpt::kIndexFile, ckpt::index_text_with_checksum(index));
-    std::filesystem::path replaced;
-    std::error_code ec;
-    if (std::filesystem::exists(final_dir, ec)) {
-      // Saving a step that exists (a run resumed from an older checkpoint): set the old one aside.
-      replaced = final_dir;
-      replaced += ".replaced";
-      remove_quietly(replaced);
-      std::filesystem::rename(final_dir, replaced, ec);
-      if (ec) throw UserError("cannot move aside " + final_dir.string() + ": " + ec.message());
-    }
-    std::filesystem::rename(tmp_dir, final_dir, ec);
-    if (ec) {
-      if (!replaced.empty()) std::filesystem::rename(replaced, final_dir, ec);
-      throw UserError("cannot rename " + tmp_dir.string() + " to " + final_dir.string() + ": " +
-                      ec.message());
-    }
-    fsync_directory(options.dir);
-    if (!replaced.empty()) remove_quietly(replaced);
+    publish(tmp_dir, final_dir);
     write_file_atomic(options.dir / ckpt::kLatestFile, ckpt::step_dir_name(step) + "\n");
     try {
       for (const auto& removed :
-           prune_checkpoints(options.dir, options.keep_last_k, options.keep_every)) {
+           ckpt::prune(options.dir, options.keep_last_k, options.keep_every, step)) {
         log::info("checkpoint: removed " + removed.string() +
                   " (retention: keep_last_k = " + std::to_string(options.keep_last_k) +
                   ", keep_every = " + std::to_string(options.keep_every) + ")");
       }
     } catch (const std::exception& e) {
-      log::warn(std::string("checkpoint: retention failed (checkpoints kept): ") + e.what());
+      log::warn("checkpoint: retention failed (checkpoints kept): " + one_line_error(e));
     }
     return total;
   }
@@ -399,18 +468,9 @@ Checkpointer::Checkpointer(CheckpointOptions options, Communicator& comm)
       if (ec)
         throw UserError("cannot create checkpoint directory " + options_.dir.string() + ": " +
                         ec.message());
-      for (const auto& item : std::filesystem::directory_iterator(options_.dir)) {
-        const std::string name = item.path().filename().string();
-        const bool stale_latest = name.rfind(std::string(ckpt::kLatestFile) + ".tmp.", 0) == 0;
-        if (stale_latest || (name.rfind("step-", 0) == 0 &&
-                             (name.ends_with(".tmp") || name.ends_with(".replaced")))) {
-          log::info("checkpoint: removing " + item.path().string() +
-                    " (an unfinished save of an earlier run)");
-          remove_quietly(item.path());
-        }
-      }
+      recover_interrupted_commits(options_.dir);
     } catch (const std::exception& e) {
-      error = e.what();
+      error = one_line_error(e);
     }
   }
   ckpt::agree(comm_, error);
@@ -424,9 +484,21 @@ Checkpointer::~Checkpointer() {
   }
   job_->cv.notify_all();
   if (job_->thread.joinable()) job_->thread.join();
-  if (comm_.rank() == 0) remove_quietly(job_->tmp_dir);
-  log::warn("checkpoint: the save of step " + std::to_string(job_->step) +
-            " was not committed (abandoned)");
+  // Rank 0's thread finishes a commit it had started; only rank 0 knows the outcome.
+  const std::string step = std::to_string(job_->step);
+  if (comm_.rank() != 0) {
+    if (job_->status != Job::Status::kWritten) {
+      log::warn("checkpoint: this rank's part of the save of step " + step +
+                " was not written (abandoned)");
+    }
+    return;
+  }
+  if (job_->status == Job::Status::kCommitted) {
+    log::info("checkpoint: step-" + step + " committed while the checkpointer shut down");
+    return;
+  }
+  remove_quietly(job_->tmp_dir);
+  log::warn("checkpoint: the save of step " + step + " was not committed (abandoned)");
 }
 
 std::shared_ptr<const SaveHandle> Checkpointer::save(SaveRequest request) {
@@ -440,7 +512,7 @@ std::shared_ptr<const SaveHandle> Checkpointer::save(SaveRequest request) {
   try {
     mine = describe_request(request, rank);
   } catch (const std::exception& e) {
-    mine = {{"step", request.step}, {"error", e.what()}};
+    mine = {{"step", request.step}, {"error", one_line_error(e)}};
   }
   std::vector<json> descs;
   for (const auto& text : comm_.all_gather_bytes(mine.dump())) descs.push_back(json::parse(text));
@@ -591,7 +663,10 @@ void Checkpointer::advance(bool blocking) {
     {
       std::unique_lock lock(job_->mutex);
       if (blocking) {
-        job_->cv.wait(lock, [&] {
+        // Wait locally for at most a slice, then exchange statuses (again and again): every rank
+        // reaches each all-gather within a slice of the others, so a rank whose write takes
+        // longer than dist.timeout_seconds never leaves the others blocked in a collective.
+        job_->cv.wait_for(lock, kBlockingSlice, [&] {
           return job_->status != Status::kWriting && job_->status != Status::kCommitting;
         });
       }
@@ -684,24 +759,34 @@ void Checkpointer::resolve(const std::string& error, uint64_t total_bytes) {
   job_.reset();
 }
 
-std::vector<std::filesystem::path> prune_checkpoints(const std::filesystem::path& dir,
-                                                     int64_t keep_last_k, int64_t keep_every) {
+namespace ckpt {
+
+std::vector<std::filesystem::path> prune(const std::filesystem::path& dir, int64_t keep_last_k,
+                                         int64_t keep_every, int64_t just_committed) {
   std::vector<CheckpointEntry> committed;
   for (auto& entry : list_checkpoints(dir)) {
     if (entry.committed) committed.push_back(std::move(entry));
   }
   std::vector<std::filesystem::path> removed;
   const int64_t n = static_cast<int64_t>(committed.size());
-  for (int64_t k = 0; k + std::max<int64_t>(keep_last_k, 1) < n;
-       ++k) {  // the newest is always kept
+  // The newest keep_last_k (at least the newest one) are kept.
+  for (int64_t k = 0; k + std::max<int64_t>(keep_last_k, 1) < n; ++k) {
     const auto& entry = committed[static_cast<size_t>(k)];
     if (keep_every > 0 && entry.step % keep_every == 0) continue;
+    if (entry.step == just_committed) continue;
     std::error_code ec;
     std::filesystem::remove_all(entry.path, ec);
     if (ec) throw UserError("cannot remove " + entry.path.string() + ": " + ec.message());
     removed.push_back(entry.path);
   }
   return removed;
+}
+
+}  // namespace ckpt
+
+std::vector<std::filesystem::path> prune_checkpoints(const std::filesystem::path& dir,
+                                                     int64_t keep_last_k, int64_t keep_every) {
+  return ckpt::prune(dir, keep_last_k, keep_every, /*just_committed=*/-1);
 }
 
 }  // namespace kiln

@@ -1,97 +1,28 @@
 // The checkpoint rung: a restore drill across real processes (save, SIGKILL, restore in a fresh
 // process, resume, compare bitwise with an uninterrupted run).
-#include <fcntl.h>
 #include <fmt/format.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
-#include <chrono>
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <thread>
 
 #include "ckpt/internal.h"
+#include "core/clock.h"
 #include "core/files.h"
+#include "core/process.h"
 #include "core/strings.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/run.h"
 
-extern char** environ;
-
 namespace kiln {
 namespace {
 
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point begin) {
-  return std::chrono::duration<double>(Clock::now() - begin).count();
-}
-
-// $KILN_EXECUTABLE; else this process when it is kiln; else a kiln next to or above this program
-// (a test binary in build/tests/ finds build/kiln).
-std::string kiln_executable() {
-  if (const char* path = std::getenv("KILN_EXECUTABLE"); path && *path) return path;
-  std::error_code ec;
-  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (!ec && self.filename() == "kiln") return self.string();
-  if (!ec) {
-    for (const auto& candidate :
-         {self.parent_path() / "kiln", self.parent_path().parent_path() / "kiln"}) {
-      if (::access(candidate.c_str(), X_OK) == 0 &&
-          std::filesystem::is_regular_file(candidate, ec)) {
-        return candidate.string();
-      }
-    }
-  }
-  throw UserError(
-      "checkpoint drill: cannot find the kiln executable to start; set KILN_EXECUTABLE");
-}
-
-// Starts argv[0] with stdout and stderr appended to `log`. Returns the child's pid.
-pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& log) {
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-  posix_spawn_file_actions_adddup2(&actions, 1, 2);
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  pid_t pid = -1;
-  const int rc = ::posix_spawn(&pid, argv[0].c_str(), &actions, nullptr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0)
-    throw UserError("checkpoint drill: cannot start " + argv[0] + ": " + std::strerror(rc));
-  return pid;
-}
-
-// The child's exit status, or 128 + signal.
-int wait_for(pid_t pid) {
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0) {
-    if (errno != EINTR) return -1;
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
-// Training losses by step from a run's metrics.jsonl.
-std::map<int64_t, double> read_losses(const std::filesystem::path& metrics) {
-  std::map<int64_t, double> losses;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) {
-    json record = json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (record.is_object() && record.contains("loss") && record.contains("step")) {
-      losses[record["step"].get<int64_t>()] = record["loss"].get<double>();
-    }
-  }
-  return losses;
-}
+using Clock = SteadyClock;
 
 // Whether two lists of named tensors are equal bit for bit.
 bool bitwise_equal(const std::vector<std::pair<std::string, torch::Tensor>>& a,
@@ -118,7 +49,7 @@ RungResult drill(const Config& config) {
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   write_file_atomic(dir / "config.toml", config.to_toml(/*with_docs=*/false));
-  const std::string exe = kiln_executable();
+  const std::string exe = kiln_executable().string();
 
   auto train_args = [&](const std::string& name, int64_t every_steps) {
     return std::vector<std::string>{exe,
@@ -150,7 +81,7 @@ RungResult drill(const Config& config) {
 
   // 1. The reference: 2K uninterrupted steps, saved at the end.
   auto begin = Clock::now();
-  int code = wait_for(spawn(train_args("reference", total), dir / "reference.log"));
+  int code = wait_process(spawn_process(train_args("reference", total), dir / "reference.log"));
   numbers["reference_seconds"] = seconds_since(begin);
   if (code != 0)
     return fail(fmt::format("the reference run exited with {} (see {})", code,
@@ -160,14 +91,14 @@ RungResult drill(const Config& config) {
   const std::filesystem::path killed_ckpt = dir / "killed" / "checkpoints";
   const std::filesystem::path step_k = killed_ckpt / ckpt::step_dir_name(half);
   begin = Clock::now();
-  const pid_t pid = spawn(train_args("killed", half), dir / "killed.log");
+  const pid_t pid = spawn_process(train_args("killed", half), dir / "killed.log");
   bool killed = false;
   int killed_status = -1;
   while (true) {
     std::error_code ec;
     if (std::filesystem::exists(step_k / ckpt::kIndexFile, ec)) {
       killed = ::kill(pid, SIGKILL) == 0;
-      killed_status = wait_for(pid);
+      killed_status = wait_process(pid);
       killed = killed && killed_status == 128 + SIGKILL;
       break;
     }
@@ -203,15 +134,15 @@ RungResult drill(const Config& config) {
   resume_args.push_back("--resume");
   resume_args.push_back(step_k.string());
   begin = Clock::now();
-  code = wait_for(spawn(resume_args, dir / "resumed.log"));
+  code = wait_process(spawn_process(resume_args, dir / "resumed.log"));
   numbers["resume_seconds"] = seconds_since(begin);
   if (code != 0)
     return fail(fmt::format("the resumed run exited with {} (see {})", code,
                             (dir / "resumed.log").string()));
 
   // 5. Compare with the reference.
-  const auto reference_losses = read_losses(dir / "reference" / "metrics.jsonl");
-  const auto resumed_losses = read_losses(dir / "resumed" / "metrics.jsonl");
+  const auto reference_losses = ckpt::read_losses(dir / "reference" / "metrics.jsonl");
+  const auto resumed_losses = ckpt::read_losses(dir / "resumed" / "metrics.jsonl");
   int64_t compared = 0, equal = 0;
   double max_difference = 0;
   for (int64_t step = half + 1; step <= total; ++step) {
@@ -271,26 +202,47 @@ RungResult drill(const Config& config) {
 RungResult run_checkpoint_drill(const Config& config, const SessionOptions& options) {
   auto comm = options.comm ? options.comm : single_process_communicator();
   RungResult result;
+  result.rung = "checkpoint";
   if (comm->rank() == 0) {
+    // Every failure on rank 0 becomes the rung's verdict, so the other ranks (waiting in the
+    // all-gather below) always learn the outcome instead of timing out.
     try {
       result = drill(config);
     } catch (const std::exception& e) {
       result.rung = "checkpoint";
       result.passed = false;
-      result.verdict = std::string("the drill could not run: ") + e.what();
+      result.verdict = "the drill could not run: " + one_line_error(e);
     }
-    const std::filesystem::path path = run_directory(config) / "checkpoint.json";
-    std::filesystem::create_directories(path.parent_path());
-    json out = result.numbers.is_null() ? json::object() : result.numbers;
-    out["passed"] = result.passed;
-    out["verdict"] = result.verdict;
-    write_file_atomic(path, out.dump(2) + "\n");
+    try {
+      const std::filesystem::path path = run_directory(config) / "checkpoint.json";
+      std::filesystem::create_directories(path.parent_path());
+      json out = result.numbers.is_null() ? json::object() : result.numbers;
+      out["passed"] = result.passed;
+      out["verdict"] = result.verdict;
+      write_file_atomic(path, out.dump(2) + "\n");
+    } catch (const std::exception& e) {
+      result.passed = false;
+      result.verdict += "; and checkpoint.json could not be written: " + one_line_error(e);
+    }
   }
   // The drill runs in single-process children started by rank 0; the other ranks learn its outcome.
   if (comm->world_size() > 1) {
-    json shared = {
-        {"passed", result.passed}, {"verdict", result.verdict}, {"numbers", result.numbers}};
-    shared = json::parse(comm->all_gather_bytes(comm->rank() == 0 ? shared.dump() : "")[0]);
+    std::string shared_text;
+    if (comm->rank() == 0) {
+      try {
+        shared_text =
+            json{
+                {"passed", result.passed}, {"verdict", result.verdict}, {"numbers", result.numbers}}
+                .dump();
+      } catch (const std::exception& e) {
+        shared_text = json{
+            {"passed", false},
+            {"verdict", "the drill's outcome could not be shared: " + one_line_error(e)},
+            {"numbers",
+             nullptr}}.dump();
+      }
+    }
+    const json shared = json::parse(comm->all_gather_bytes(shared_text)[0]);
     result.rung = "checkpoint";
     result.passed = shared["passed"].get<bool>();
     result.verdict = shared["verdict"].get<std::string>();

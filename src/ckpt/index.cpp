@@ -2,7 +2,9 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
+#include <fstream>
 #include <map>
 #include <set>
 
@@ -38,6 +40,26 @@ std::string index_text_with_checksum(nlohmann::json index) {
   const std::string body = index.dump();
   index["index_xxh3"] = hex64(XXH3_64bits(body.data(), body.size()));
   return index.dump(1) + "\n";
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t k = 0; k < shape.size(); ++k) out += (k ? ", " : "") + std::to_string(shape[k]);
+  return out + "]";
+}
+
+std::map<int64_t, double> read_losses(const std::filesystem::path& metrics) {
+  std::map<int64_t, double> losses;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    const nlohmann::json record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (record.is_object() && record.contains("loss") && record["loss"].is_number() &&
+        record.contains("step") && record["step"].is_number_integer()) {
+      losses[record["step"].get<int64_t>()] = record["loss"].get<double>();
+    }
+  }
+  return losses;
 }
 
 uint64_t element_count(const std::vector<int64_t>& shape) {
@@ -307,8 +329,8 @@ VerifyReport verify_checkpoint(const std::filesystem::path& step_dir) {
   CheckpointIndex index;
   try {
     index = read_checkpoint_index(step_dir);
-  } catch (const UserError& e) {
-    report.problems.push_back(e.what());
+  } catch (const std::exception& e) {
+    report.problems.push_back(one_line_error(e));
     return report;
   }
   std::map<std::string, std::vector<std::pair<const TensorInfo*, const ChunkInfo*>>> chunks_by_file;
@@ -353,8 +375,8 @@ VerifyReport verify_checkpoint(const std::filesystem::path& step_dir) {
                                     "' has another dtype, shape or byte range than the index says");
         }
       }
-    } catch (const UserError& e) {
-      report.problems.push_back(e.what());
+    } catch (const std::exception& e) {
+      report.problems.push_back(one_line_error(e));
     }
   }
   return report;
@@ -374,7 +396,8 @@ std::vector<CheckpointEntry> list_checkpoints(const std::filesystem::path& dir) 
       committed = false;
     }
     if (digits.empty() || digits.size() > 18 ||
-        !std::all_of(digits.begin(), digits.end(), ::isdigit))
+        !std::all_of(digits.begin(), digits.end(),
+                     [](unsigned char c) { return std::isdigit(c) != 0; }))
       continue;
     out.push_back({std::stoll(digits), item.path(), committed});
   }

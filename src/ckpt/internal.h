@@ -3,7 +3,10 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,8 +29,29 @@ std::string rank_file_name(int rank);
 /// throws UserError with the lowest failing rank's message (prefixed "rank r: " when world > 1).
 void agree(Communicator& comm, const std::string& local_error);
 
+/// Calls `load` on the committed checkpoints of `dir`, newest first (rank 0's listing, so every
+/// rank tries the same ones): one that fails with a UserError (agreed on every rank: `load` must be
+/// collective and throw the same on every rank) is reported with log::warn and the previous one is
+/// tried. Returns the first success; nullopt when `dir` holds no committed checkpoint; throws
+/// UserError when it holds some but none loads. Collective.
+std::optional<LoadResult> load_newest(
+    const std::filesystem::path& dir, Communicator& comm,
+    const std::function<LoadResult(const std::filesystem::path&)>& load);
+
 /// Serialises an index object with its own checksum field "index_xxh3" (xxh3 of the rest).
 std::string index_text_with_checksum(nlohmann::json index);
+
+/// prune_checkpoints, never removing step `just_committed` (-1: none): a save that was just
+/// committed is never its own retention's victim, whatever the steps around it.
+std::vector<std::filesystem::path> prune(const std::filesystem::path& dir, int64_t keep_last_k,
+                                         int64_t keep_every, int64_t just_committed);
+
+/// "[4, 3]": a shape for messages and listings.
+std::string shape_text(const std::vector<int64_t>& shape);
+
+/// Training losses by step from a run's metrics.jsonl (lines that are not a JSON object with
+/// "step" and "loss" are skipped). Empty when the file is missing.
+std::map<int64_t, double> read_losses(const std::filesystem::path& metrics);
 
 /// Product of a shape's dimensions.
 uint64_t element_count(const std::vector<int64_t>& shape);

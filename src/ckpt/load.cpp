@@ -4,7 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "ckpt/internal.h"
+#include "core/clock.h"
 #include "core/files.h"
 #include "core/strings.h"
 #include "kiln/error.h"
@@ -37,10 +38,6 @@ std::vector<int64_t> row_major_strides(const std::vector<int64_t>& sizes) {
   std::vector<int64_t> strides(sizes.size(), 1);
   for (size_t d = sizes.size(); d-- > 1;) strides[d - 1] = strides[d] * sizes[d];
   return strides;
-}
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  return json(shape).dump();
 }
 
 // The reads bringing the part of `chunk` that overlaps the target box (offsets, sizes) into the
@@ -132,17 +129,17 @@ TargetBox target_box(const StateTensor& target, const TensorInfo& info, const st
   box.sizes.assign(target.tensor.sizes().begin(), target.tensor.sizes().end());
   if (target.placement == Placement::kReplicated) {
     if (box.sizes != info.shape) {
-      throw UserError(where + ": tensor '" + target.name + "' has shape " + shape_text(info.shape) +
-                      " in the checkpoint but " + shape_text(box.sizes) +
-                      " here (another model config?)");
+      throw UserError(where + ": tensor '" + target.name + "' has shape " +
+                      ckpt::shape_text(info.shape) + " in the checkpoint but " +
+                      ckpt::shape_text(box.sizes) + " here (another model config?)");
     }
     box.offsets.assign(box.sizes.size(), 0);
     return box;
   }
   if (target.global_shape != info.shape) {
     throw UserError(where + ": tensor '" + target.name + "' has global shape " +
-                    shape_text(info.shape) + " in the checkpoint but " +
-                    shape_text(target.global_shape) + " here");
+                    ckpt::shape_text(info.shape) + " in the checkpoint but " +
+                    ckpt::shape_text(target.global_shape) + " here");
   }
   if (target.offsets.size() != box.sizes.size()) {
     throw UserError(where + ": target piece of '" + target.name +
@@ -177,15 +174,15 @@ const SafetensorsEntry& chunk_entry(const SafetensorsReader& reader, const Tenso
 
 LoadResult load_checkpoint(const std::filesystem::path& step_dir, std::vector<StateTensor>& targets,
                            Communicator& comm, LoadOptions options) {
-  const auto begin = std::chrono::steady_clock::now();
+  const auto begin = SteadyClock::now();
   const std::string where = step_dir.string();
   LoadResult result;
   result.path = step_dir;
   std::string error;
   try {
     result.index = read_checkpoint_index(step_dir);
-  } catch (const UserError& e) {
-    error = e.what();
+  } catch (const std::exception& e) {
+    error = one_line_error(e);
   }
   ckpt::agree(comm, error);
   const CheckpointIndex& index = result.index;
@@ -219,8 +216,8 @@ LoadResult load_checkpoint(const std::filesystem::path& step_dir, std::vector<St
         plan_chunk_reads(chunk, box.offsets, box.sizes, element_size, i, ops_by_file[chunk.file]);
       }
     }
-  } catch (const UserError& e) {
-    error = e.what();
+  } catch (const std::exception& e) {
+    error = one_line_error(e);
   }
   ckpt::agree(comm, error);
 
@@ -283,8 +280,8 @@ LoadResult load_checkpoint(const std::filesystem::path& step_dir, std::vector<St
         verified.insert(file);
       }
     }
-  } catch (const UserError& e) {
-    error = e.what();
+  } catch (const std::exception& e) {
+    error = one_line_error(e);
   }
   ckpt::agree(comm, error);
 
@@ -312,8 +309,8 @@ LoadResult load_checkpoint(const std::filesystem::path& step_dir, std::vector<St
           throw UserError(path.string() + ": xxh3 does not match index.json; the file is damaged");
         }
       }
-    } catch (const UserError& e) {
-      error = e.what();
+    } catch (const std::exception& e) {
+      error = one_line_error(e);
     }
     ckpt::agree(comm, error);
   }
@@ -323,39 +320,53 @@ LoadResult load_checkpoint(const std::filesystem::path& step_dir, std::vector<St
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < targets.size(); ++i) targets[i].tensor.copy_(staged[i]);
   }
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+  result.seconds = seconds_since(begin);
   return result;
 }
 
 std::optional<LoadResult> load_latest_checkpoint(const std::filesystem::path& dir,
                                                  std::vector<StateTensor>& targets,
                                                  Communicator& comm, LoadOptions options) {
+  return ckpt::load_newest(dir, comm, [&](const std::filesystem::path& step_dir) {
+    return load_checkpoint(step_dir, targets, comm, options);
+  });
+}
+
+namespace ckpt {
+
+std::optional<LoadResult> load_newest(
+    const std::filesystem::path& dir, Communicator& comm,
+    const std::function<LoadResult(const std::filesystem::path&)>& load) {
   // Rank 0's listing, so every rank tries the same candidates in the same order.
   json steps = json::array();
+  std::string error;
   if (comm.rank() == 0) {
-    for (const auto& entry : list_checkpoints(dir)) {
-      if (entry.committed) steps.push_back(entry.step);
+    try {
+      for (const auto& entry : list_checkpoints(dir)) {
+        if (entry.committed) steps.push_back(entry.step);
+      }
+    } catch (const std::exception& e) {
+      error = one_line_error(e);
     }
   }
+  agree(comm, error);
   steps = json::parse(comm.all_gather_bytes(steps.dump())[0]);
   if (steps.empty()) return std::nullopt;
-  std::string first_error;
+  std::string newest_error;
   for (size_t k = steps.size(); k-- > 0;) {
-    const std::filesystem::path path = dir / ckpt::step_dir_name(steps[k].get<int64_t>());
+    const std::filesystem::path step_dir = dir / step_dir_name(steps[k].get<int64_t>());
     try {
-      return load_checkpoint(path, targets, comm, options);
-    } catch (const UserError& e) {
-      if (first_error.empty()) first_error = e.what();
-      log::warn("checkpoint: cannot load " + path.string() + ": " + e.what() +
+      return load(step_dir);
+    } catch (const UserError& e) {  // agreed on every rank (a CommunicationError is not caught)
+      if (newest_error.empty()) newest_error = e.what();
+      log::warn("checkpoint: cannot load " + step_dir.string() + ": " + e.what() +
                 (k > 0 ? "; falling back to the previous checkpoint" : ""));
     }
   }
   throw UserError("no loadable checkpoint in " + dir.string() + " (" +
-                  std::to_string(steps.size()) + " tried; the newest failed with: " + first_error +
-                  ")");
+                  std::to_string(steps.size()) + " tried; the newest failed with: " + newest_error +
+                  "); run `kiln ckpt list " + dir.string() + "`");
 }
-
-namespace ckpt {
 
 std::vector<std::pair<std::string, torch::Tensor>> read_whole_tensors(
     const std::filesystem::path& step_dir, const std::string& prefix, bool verify) {

@@ -33,7 +33,6 @@ constexpr DtypeName kDtypes[] = {
     {torch::kUInt64, "U64"},
 };
 
-
 void read_exact(int fd, void* out, size_t bytes, uint64_t offset, const std::string& source) {
   auto* p = static_cast<char*>(out);
   while (bytes > 0) {
@@ -137,7 +136,11 @@ SafetensorsHeader parse_safetensors_header(std::string_view prefix, uint64_t fil
                       std::to_string(entry.end) + "] fall outside the data (" +
                       std::to_string(data_size) + " bytes)");
     }
-    const uint64_t expected = numel * c10::elementSize(entry.dtype);
+    uint64_t expected = 0;
+    if (__builtin_mul_overflow(numel, static_cast<uint64_t>(c10::elementSize(entry.dtype)),
+                               &expected)) {
+      throw UserError(where + ": shape too large (its byte size overflows 64 bits)");
+    }
     if (entry.end - entry.begin != expected) {
       throw UserError(where + ": shape and dtype need " + std::to_string(expected) +
                       " bytes but data_offsets span " + std::to_string(entry.end - entry.begin));

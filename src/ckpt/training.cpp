@@ -3,7 +3,10 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/cuda.h>
+
+#include <optional>
 
 #include "ckpt/internal.h"
 #include "core/files.h"
@@ -11,6 +14,7 @@
 #include "kiln/config.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
+#include "kiln/run.h"
 #include "kiln/session.h"
 
 namespace kiln {
@@ -106,19 +110,21 @@ LoaderPosition resume_position(Trainer& trainer, const CheckpointIndex& index, i
   return position;
 }
 
-// Loads one checkpoint into the trainer. Throws UserError; the trainer is untouched then.
+// Loads one checkpoint into the trainer. Throws UserError on every rank when any rank fails (every
+// local failure goes through ckpt::agree); the trainer is untouched then, unless restoring the
+// loaded state itself failed.
 LoadResult restore_from(Trainer& trainer, Communicator& comm,
                         const std::filesystem::path& step_dir) {
   CheckpointIndex index;
   std::string error;
   try {
     index = read_checkpoint_index(step_dir);
-  } catch (const UserError& e) {
-    error = e.what();
+  } catch (const std::exception& e) {
+    error = one_line_error(e);
   }
   ckpt::agree(comm, error);
   const int rank = comm.rank();
-  std::vector<StateTensor> targets = model_and_optimizer(trainer, /*copy_buffers=*/false);
+  std::vector<StateTensor> targets;
   // RNG states: this rank's, when the saving world had this rank and the generator matches.
   std::vector<std::pair<at::Generator, size_t>> generators;
   auto add_rng = [&](const std::string& name, at::Generator generator) {
@@ -133,31 +139,38 @@ LoadResult restore_from(Trainer& trainer, Communicator& comm,
     generators.emplace_back(generator, targets.size());
     targets.push_back(own_tensor(name, torch::empty_like(current)));
   };
-  add_rng(cpu_rng_name(rank), at::detail::getDefaultCPUGenerator());
-  for (int d = 0; d < cuda_device_count(); ++d) add_rng(cuda_rng_name(rank, d), cuda_generator(d));
 
   // Everything the training state needs is checked before any tensor is loaded.
   const json& state = index.training_state;
-  int64_t step = 0, optimizer_steps = 0;
+  int64_t step = 0, optimizer_steps = 0, skipped_steps = 0;
   LoaderPosition position;
   try {
+    targets = model_and_optimizer(trainer, /*copy_buffers=*/false);
+    add_rng(cpu_rng_name(rank), at::detail::getDefaultCPUGenerator());
+    for (int d = 0; d < cuda_device_count(); ++d)
+      add_rng(cuda_rng_name(rank, d), cuda_generator(d));
     step = state.at("step").get<int64_t>();
     optimizer_steps = state.at("optimizer_steps").get<int64_t>();
+    skipped_steps = state.value("skipped_steps", int64_t{0});
     position = resume_position(trainer, index, rank);
-    error.clear();
   } catch (const json::exception& e) {
-    error = step_dir.string() + ": training_state is incomplete (" + std::string(e.what()) + ")";
-  } catch (const UserError& e) {
-    error = step_dir.string() + ": " + e.what();
+    error = step_dir.string() + ": training_state is incomplete (" + one_line_error(e) + ")";
+  } catch (const std::exception& e) {
+    error = step_dir.string() + ": " + one_line_error(e);
   }
   ckpt::agree(comm, error);
 
   LoadResult result = load_checkpoint(step_dir, targets, comm);
-  trainer.optimizer().load_state(trainer.optimizer().state(), optimizer_steps);
-  trainer.set_step(step);
-  trainer.set_skipped_steps(state.value("skipped_steps", int64_t{0}));
-  trainer.loader().seek(position);
-  for (const auto& [generator, k] : generators) set_generator_state(generator, targets[k].tensor);
+  try {
+    trainer.optimizer().load_state(trainer.optimizer().state(), optimizer_steps);
+    trainer.set_step(step);
+    trainer.set_skipped_steps(skipped_steps);
+    trainer.loader().seek(position);
+    for (const auto& [generator, k] : generators) set_generator_state(generator, targets[k].tensor);
+  } catch (const std::exception& e) {
+    error = step_dir.string() + ": restoring the loaded state failed: " + one_line_error(e);
+  }
+  ckpt::agree(comm, error);
 
   const Config& config = trainer.config();
   const std::string saved_hash = state.contains("config_hash") && state["config_hash"].is_string()
@@ -181,6 +194,49 @@ LoadResult restore_from(Trainer& trainer, Communicator& comm,
   log::info(fmt::format("resumed from {} at step {} (epoch {}, batch {})", step_dir.string(), step,
                         position.epoch, position.batch));
   return result;
+}
+
+// "" or "auto" or a path that exists (a step directory, or a directory of them). Throws UserError.
+void check_resume_argument(const std::string& resume) {
+  if (resume.empty() || resume == "auto") return;
+  const std::filesystem::path path(resume);
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(path / ckpt::kIndexFile, ec)) return;
+  if (!std::filesystem::is_directory(path, ec)) {
+    throw UserError("--resume " + resume +
+                    ": no such checkpoint (give a step-<N> directory, a checkpoint directory, or "
+                    "auto)");
+  }
+}
+
+// Why saving checkpoints into `dir` must not start: a fresh start (no `resumed_step`) into a
+// directory holding committed checkpoints, or a resume from a step older than some of them. Either
+// would mix two histories in one directory, and retention (newest steps first) would then remove
+// the new saves or the old ones. "" when starting is safe.
+std::string start_problem(const std::filesystem::path& dir, std::optional<int64_t> resumed_step) {
+  std::vector<int64_t> steps;
+  for (const auto& entry : list_checkpoints(dir)) {
+    if (entry.committed) steps.push_back(entry.step);
+  }
+  if (steps.empty()) return "";
+  if (!resumed_step) {
+    return fmt::format(
+        "checkpoint.dir {} holds committed checkpoints up to step {} of an earlier run; continue "
+        "it with --resume auto, or set checkpoint.dir or run.name to start afresh",
+        dir.string(), steps.back());
+  }
+  std::vector<std::string> newer;
+  for (int64_t s : steps) {
+    if (s > *resumed_step) newer.push_back((dir / ckpt::step_dir_name(s)).string());
+  }
+  if (newer.empty()) return "";
+  return fmt::format(
+      "resuming at step {}, but checkpoint.dir {} holds newer checkpoints ({}); the run's new "
+      "saves "
+      "would mix with them and retention could remove them: move them out of that directory to "
+      "resume from step {} (`kiln ckpt verify` tells whether they load), or set checkpoint.dir "
+      "to another directory",
+      *resumed_step, dir.string(), fmt::join(newer, ", "), *resumed_step);
 }
 
 }  // namespace
@@ -245,28 +301,9 @@ std::optional<LoadResult> restore_training_state(Trainer& trainer, Communicator&
                                                  const std::filesystem::path& path,
                                                  bool dir_fallback) {
   if (!dir_fallback) return restore_from(trainer, comm, path);
-  json steps = json::array();
-  if (comm.rank() == 0) {
-    for (const auto& entry : list_checkpoints(path)) {
-      if (entry.committed) steps.push_back(entry.step);
-    }
-  }
-  steps = json::parse(comm.all_gather_bytes(steps.dump())[0]);
-  if (steps.empty()) return std::nullopt;
-  std::string newest_error;
-  for (size_t k = steps.size(); k-- > 0;) {
-    const std::filesystem::path step_dir = path / ckpt::step_dir_name(steps[k].get<int64_t>());
-    try {
-      return restore_from(trainer, comm, step_dir);
-    } catch (const UserError& e) {
-      if (newest_error.empty()) newest_error = e.what();
-      log::warn("checkpoint: cannot resume from " + step_dir.string() + ": " + e.what() +
-                (k > 0 ? "; falling back to the previous checkpoint" : ""));
-    }
-  }
-  throw UserError("no loadable checkpoint in " + path.string() + " (" +
-                  std::to_string(steps.size()) + " tried; the newest failed with: " + newest_error +
-                  "); run `kiln ckpt list " + path.string() + "`");
+  return ckpt::load_newest(path, comm, [&](const std::filesystem::path& step_dir) {
+    return restore_from(trainer, comm, step_dir);
+  });
 }
 
 // ---- CheckpointHook ----------------------------------------------------------------------------
@@ -343,12 +380,48 @@ void CheckpointHook::on_train_end(Trainer& trainer) {
   trainer.phase_end(Phase::kCheckpoint);
 }
 
+bool check_train_start(const Config& config, const std::string& resume) {
+  check_resume_argument(resume);
+  const std::filesystem::path dir = checkpoint_options(config, run_directory(config)).dir;
+  const bool saving = config.get_int("checkpoint.every_steps") > 0;
+  std::error_code ec;
+  if (resume.empty()) {
+    if (saving) {
+      if (std::string problem = start_problem(dir, std::nullopt); !problem.empty())
+        throw UserError(problem);
+    }
+    return false;
+  }
+  if (resume == "auto") {
+    for (const auto& entry : list_checkpoints(dir)) {
+      if (entry.committed) return true;
+    }
+    return false;  // a fresh start
+  }
+  const std::filesystem::path path(resume);
+  if (saving && std::filesystem::is_regular_file(path / ckpt::kIndexFile, ec)) {
+    const int64_t step = read_checkpoint_index(path).step;
+    if (std::string problem = start_problem(dir, step); !problem.empty())
+      throw UserError("--resume " + resume + ": " + problem);
+  }
+  return true;
+}
+
 std::shared_ptr<CheckpointHook> attach_checkpointing(Session& session, const std::string& resume) {
   Trainer& trainer = *session.trainer;
   Communicator& comm = *session.comm;
   const CheckpointOptions options = checkpoint_options(session.config, session.run->dir());
+  std::string error;
+  try {
+    check_resume_argument(resume);
+  } catch (const std::exception& e) {
+    error = one_line_error(e);
+  }
+  ckpt::agree(comm, error);
+  std::optional<LoadResult> loaded;
   if (resume == "auto") {
-    if (!restore_training_state(trainer, comm, options.dir, /*dir_fallback=*/true)) {
+    loaded = restore_training_state(trainer, comm, options.dir, /*dir_fallback=*/true);
+    if (!loaded) {
       log::info("--resume auto: no checkpoint in " + options.dir.string() +
                 "; training starts at step 0");
     }
@@ -356,17 +429,27 @@ std::shared_ptr<CheckpointHook> attach_checkpointing(Session& session, const std
     const std::filesystem::path path(resume);
     std::error_code ec;
     if (std::filesystem::is_regular_file(path / ckpt::kIndexFile, ec)) {
-      restore_training_state(trainer, comm, path, /*dir_fallback=*/false);
-    } else if (!std::filesystem::is_directory(path, ec)) {
-      throw UserError("--resume " + resume +
-                      ": no such checkpoint (give a step-<N> directory, a checkpoint "
-                      "directory, or auto)");
-    } else if (!restore_training_state(trainer, comm, path, /*dir_fallback=*/true)) {
-      throw UserError("--resume " + resume +
-                      ": holds no committed checkpoint (no index.json, no step-<N>/)");
+      loaded = restore_training_state(trainer, comm, path, /*dir_fallback=*/false);
+    } else {
+      loaded = restore_training_state(trainer, comm, path, /*dir_fallback=*/true);
+      if (!loaded) {
+        throw UserError("--resume " + resume +
+                        ": holds no committed checkpoint (no index.json, no step-<N>/)");
+      }
     }
   }
   if (session.config.get_int("checkpoint.every_steps") <= 0) return nullptr;
+  // Saving must not mix with (and prune) checkpoints of another history: rank 0's listing decides.
+  if (comm.rank() == 0) {
+    try {
+      error = start_problem(options.dir,
+                            loaded ? std::optional<int64_t>(loaded->index.step) : std::nullopt);
+      if (!error.empty() && !resume.empty()) error = "--resume " + resume + ": " + error;
+    } catch (const std::exception& e) {
+      error = one_line_error(e);
+    }
+  }
+  ckpt::agree(comm, error);
   auto hook = std::make_shared<CheckpointHook>(session.config, options, comm,
                                                session.run->dir() / "manifest.json");
   trainer.add_hook(hook);

@@ -2,6 +2,7 @@
 // (docs/checkpoint.md). Single-process; the checkpoint library does the work.
 #include <fmt/format.h>
 
+#include "ckpt/internal.h"
 #include "cli/commands.h"
 #include "core/files.h"
 #include "core/strings.h"
@@ -12,12 +13,6 @@
 namespace kiln::cli {
 
 namespace {
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string out = "[";
-  for (size_t k = 0; k < shape.size(); ++k) out += (k ? ", " : "") + std::to_string(shape[k]);
-  return out + "]";
-}
 
 int list_command(const std::string& dir) {
   const auto entries = list_checkpoints(dir);
@@ -41,8 +36,9 @@ int list_command(const std::string& dir) {
       fmt::print("{:>10}  {:<10}  {:>5}  {:>10}  {}{}\n", entry.step, "committed", index.world_size,
                  format_bytes(static_cast<double>(index.total_file_bytes())), index.created_utc,
                  is_latest ? "  (latest)" : "");
-    } catch (const UserError& e) {
-      fmt::print("{:>10}  {:<10}  {:>5}  {:>10}  {}\n", entry.step, "invalid", "-", "-", e.what());
+    } catch (const std::exception& e) {
+      fmt::print("{:>10}  {:<10}  {:>5}  {:>10}  {}\n", entry.step, "invalid", "-", "-",
+                 one_line_error(e));
     }
   }
   return 0;
@@ -96,7 +92,7 @@ int inspect_command(const std::string& path) {
       where.append(c.file, 0, std::min(c.file.size(), c.file.find(".safetensors")));
     }
     fmt::print("  {:<48} {:<5} {:<16} {:>10}  {} in {}\n", t.name, safetensors_dtype(t.dtype),
-               shape_text(t.shape), format_bytes(static_cast<double>(t.bytes())),
+               ckpt::shape_text(t.shape), format_bytes(static_cast<double>(t.bytes())),
                t.placement == Placement::kReplicated ? "replicated"
                                                      : fmt::format("sharded x{}", t.chunks.size()),
                where);

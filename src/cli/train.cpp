@@ -14,19 +14,27 @@ void add_train_command(CLI::App& app, Action& action) {
   auto args = std::make_shared<ConfigArgs>();
   args->add_to(*command);
   auto resume = std::make_shared<std::string>();
-  command->add_option("--resume", *resume,
-                      "auto (the newest valid checkpoint in checkpoint.dir, if any) or a checkpoint path");
+  command->add_option(
+      "--resume", *resume,
+      "auto (the newest valid checkpoint in checkpoint.dir, if any) or a checkpoint path");
   command->callback([&action, args, resume] {
     action = [args, resume] {
       Config config = args->load();
-      auto session = open_session(config, {process_argv()});
+      // --resume is checked before the session opens: bad input writes nothing (metrics.jsonl
+      // included), and a resumed run appends to its metrics.jsonl.
+      const bool continues = check_train_start(config, *resume);
+      auto session =
+          open_session(config, SessionOptions{.argv = process_argv(), .append_metrics = continues});
       auto checkpointing = attach_checkpointing(*session, *resume);  // --resume, [checkpoint]
       TrainSummary s = session->trainer->fit(config.get_int("train.steps"), session->run.get());
       const bool tokens = s.tokens_per_second > 0;
-      fmt::print("\ntrained {} steps in {} | loss {:.4f} -> {:.4f} | val_loss {:.4f}{} | {:.0f} {}\n",
-                 s.steps, format_duration(s.seconds), s.first_loss, s.last_loss, s.final_eval.loss,
-                 s.final_eval.accuracy >= 0 ? fmt::format(" | val_accuracy {:.2f}%", 100 * s.final_eval.accuracy) : "",
-                 tokens ? s.tokens_per_second : s.samples_per_second, tokens ? "tokens/s" : "samples/s");
+      fmt::print(
+          "\ntrained {} steps in {} | loss {:.4f} -> {:.4f} | val_loss {:.4f}{} | {:.0f} {}\n",
+          s.steps, format_duration(s.seconds), s.first_loss, s.last_loss, s.final_eval.loss,
+          s.final_eval.accuracy >= 0
+              ? fmt::format(" | val_accuracy {:.2f}%", 100 * s.final_eval.accuracy)
+              : "",
+          tokens ? s.tokens_per_second : s.samples_per_second, tokens ? "tokens/s" : "samples/s");
       if (s.skipped_steps > 0) fmt::print("skipped {} non-finite steps\n", s.skipped_steps);
       fmt::print("run directory: {}\n", session->run->dir().string());
       return 0;

@@ -1,14 +1,13 @@
 // Helpers for the checkpoint tests: damaging files, a small disk, child processes.
 #pragma once
 
-#include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -17,9 +16,9 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/internal.h"
+#include "core/process.h"
 #include "support/helpers.h"
-
-extern char** environ;
 
 namespace kiln::testing {
 
@@ -67,29 +66,33 @@ class SmallDisk {
 };
 
 /// A child process running the kiln CLI with `args`, output to `log`; optional file-size limit
-/// (RLIMIT_FSIZE, with SIGXFSZ ignored so writes fail with EFBIG instead of killing it).
+/// (RLIMIT_FSIZE, with SIGXFSZ ignored so writes fail with EFBIG instead of killing it). Started
+/// with posix_spawn (spawn_process): nothing runs between fork and exec in this multithreaded test
+/// process. The child inherits the limit and the ignored signal from this process, so both are set
+/// here around the spawn only (the soft limit; SIGXFSZ stays ignored, harmless for the tests).
 class KilnProcess {
  public:
   KilnProcess(const std::vector<std::string>& args, const std::filesystem::path& log,
               uint64_t file_size_limit = 0) {
     std::vector<std::string> argv = {KILN_CLI};
     argv.insert(argv.end(), args.begin(), args.end());
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-      ::dup2(fd, 1);
-      ::dup2(fd, 2);
-      if (file_size_limit > 0) {
-        ::signal(SIGXFSZ, SIG_IGN);
-        struct rlimit limit = {file_size_limit, file_size_limit};
-        ::setrlimit(RLIMIT_FSIZE, &limit);
-      }
-      std::vector<char*> cargs;
-      for (auto& a : argv) cargs.push_back(a.data());
-      cargs.push_back(nullptr);
-      ::execv(cargs[0], cargs.data());
-      ::_exit(127);
+    if (file_size_limit == 0) {
+      pid_ = spawn_process(argv, log);
+      return;
     }
+    ::signal(SIGXFSZ, SIG_IGN);
+    struct rlimit saved {};
+    ::getrlimit(RLIMIT_FSIZE, &saved);
+    struct rlimit limit = saved;
+    limit.rlim_cur = std::min<rlim_t>(file_size_limit, saved.rlim_max);
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+    try {
+      pid_ = spawn_process(argv, log);
+    } catch (...) {
+      ::setrlimit(RLIMIT_FSIZE, &saved);
+      throw;
+    }
+    ::setrlimit(RLIMIT_FSIZE, &saved);
   }
   ~KilnProcess() {
     if (pid_ > 0 && !done_) {
@@ -101,11 +104,8 @@ class KilnProcess {
   /// Exit status, or 128 + signal.
   int wait() {
     if (done_) return status_;
-    int status = 0;
-    while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
-    }
+    status_ = wait_process(pid_);
     done_ = true;
-    status_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
     return status_;
   }
   /// True (and the status recorded) when the child has exited.
@@ -128,18 +128,7 @@ class KilnProcess {
   int status_ = -1;
 };
 
-/// Training losses by step from a run's metrics.jsonl.
-inline std::map<int64_t, double> read_losses(const std::filesystem::path& metrics) {
-  std::map<int64_t, double> losses;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) {
-    auto record = nlohmann::json::parse(line);
-    if (record.contains("loss"))
-      losses[record["step"].get<int64_t>()] = record["loss"].get<double>();
-  }
-  return losses;
-}
+using ckpt::read_losses;
 
 /// The `--set` arguments for a small, fast MLP run in `dir`/`name`.
 inline std::vector<std::string> mlp_train_args(const std::filesystem::path& dir,

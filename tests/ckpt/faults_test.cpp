@@ -1,10 +1,13 @@
-// Faults: SIGKILL at random points of a run that checkpoints every step (sync and async: 20
-// trials), and a disk that fills up during a save. The newest committed checkpoint must always
-// verify and resume; a failed save must leave the previous checkpoint intact and stop or continue
-// as configured.
+// Faults: SIGKILL at random points of a run that checkpoints every step, and during an async save
+// for certain (sync and async: 20 trials), and a disk that fills up during a save. The newest
+// committed checkpoint must always verify and resume; a failed save must leave the previous
+// checkpoint intact and stop or continue as configured.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
 
+#include <algorithm>
 #include <chrono>
 #include <random>
 #include <thread>
@@ -28,13 +31,23 @@ Config cli_config(const std::vector<std::string>& args) {
   return Config::load(source_dir() / "configs/mlp.toml", overrides);
 }
 
+// Whether `dir` holds a step-<N>.tmp directory (a save being written).
+bool save_in_progress(const std::filesystem::path& dir) {
+  const auto entries = list_checkpoints(dir);
+  return std::any_of(entries.begin(), entries.end(), [](const auto& e) { return !e.committed; });
+}
+
 class CkptKill : public ::testing::TestWithParam<bool> {};
 
+// 10 trials per mode (20 SIGKILLs). Sync: each kill at a random time. Async: odd trials kill at a
+// random time too; even trials kill during a save for certain: once a step-<N>.tmp directory
+// appears the child is stopped (SIGSTOP), and killed if the save is still unfinished then
+// (else it continues and the next save is waited for).
 TEST_P(CkptKill, TheNewestCommittedCheckpointAlwaysVerifiesAndResumes) {
   const bool async = GetParam();
   constexpr int kTrials = 10;
   std::mt19937 rng(async ? 2024 : 1129);
-  int killed_mid_save = 0;
+  int killed_mid_save = 0, meant_mid_save = 0;
   for (int trial = 0; trial < kTrials; ++trial) {
     SCOPED_TRACE("trial " + std::to_string(trial));
     TempDir dir;
@@ -51,12 +64,31 @@ TEST_P(CkptKill, TheNewestCommittedCheckpointAlwaysVerifiesAndResumes) {
       ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "no checkpoint committed";
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(rng() % 400000));
+    const bool mid_save = async && trial % 2 == 0;
+    if (mid_save) {
+      ++meant_mid_save;
+      while (true) {
+        ASSERT_FALSE(process.exited()) << slurp(dir / "train.log");
+        ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "no save caught in progress";
+        if (save_in_progress(ckpts)) {
+          ::kill(process.pid(), SIGSTOP);
+          int status = 0;  // wait until it has stopped for certain
+          ASSERT_EQ(::waitpid(process.pid(), &status, WUNTRACED), process.pid());
+          ASSERT_TRUE(WIFSTOPPED(status));
+          if (save_in_progress(ckpts)) break;  // stopped while the save is unfinished
+          ::kill(process.pid(), SIGCONT);
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(rng() % 400000));
+    }
     process.kill_now();
 
+    const bool unfinished_save = save_in_progress(ckpts);
+    killed_mid_save += unfinished_save;
+    EXPECT_TRUE(unfinished_save || !mid_save) << "the kill meant to land mid-save did not";
     const auto entries = list_checkpoints(ckpts);
-    killed_mid_save +=
-        std::any_of(entries.begin(), entries.end(), [](const auto& e) { return !e.committed; });
     auto newest =
         std::find_if(entries.rbegin(), entries.rend(), [](const auto& e) { return e.committed; });
     ASSERT_NE(newest, entries.rend());
@@ -74,10 +106,8 @@ TEST_P(CkptKill, TheNewestCommittedCheckpointAlwaysVerifiesAndResumes) {
     trainer.train_step();
   }
   std::cout << "[ kill ] " << kTrials << " trials, " << killed_mid_save
-            << " killed while a save was being written\n";
-  if (async) {
-    EXPECT_GE(killed_mid_save, 1) << "no kill landed during an async save";
-  }
+            << " killed while a save was being written (" << meant_mid_save << " on purpose)\n";
+  EXPECT_GE(killed_mid_save, meant_mid_save);
 }
 
 INSTANTIATE_TEST_SUITE_P(SyncAndAsync, CkptKill, ::testing::Values(false, true),

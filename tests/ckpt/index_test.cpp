@@ -139,7 +139,8 @@ TEST(CkptFuzz, ParsersRejectOrAcceptButNeverCrash) {
   std::mt19937_64 rng(20241129);
   const json extremes =
       json::array({-1, 0, 1, 18446744073709551615ull, 9223372036854775807ll, 1e308, "x", nullptr,
-                   json::array(), json::object(), true, "../x", "/abs"});
+                   json::array(), json::object(), true, "../x", "/abs", 2147483648ull,
+                   4611686018427387904ull, json::array({2147483648ull, 2147483648ull}), "F64"});
   auto mutate_bytes = [&](std::string s) {
     const int edits = 1 + static_cast<int>(rng() % 4);
     for (int e = 0; e < edits && !s.empty(); ++e) {
@@ -196,8 +197,17 @@ TEST(CkptFuzz, ParsersRejectOrAcceptButNeverCrash) {
     }
     // safetensors: edits anywhere, or inside the header only.
     std::string bytes = file_bytes;
-    if (rng() % 2) {
+    const int how = static_cast<int>(rng() % 3);
+    if (how == 0) {
       bytes = mutate_bytes(bytes);
+    } else if (how == 1) {
+      // Structural edits of the header JSON (shapes, dtypes and offsets set to extremes).
+      json header = json::parse(file_bytes.substr(8, header_len));
+      for (int k = 0, n = 1 + static_cast<int>(rng() % 3); k < n; ++k) mutate_json(header);
+      const std::string text = header.dump();
+      const uint64_t n = text.size();
+      bytes = std::string(reinterpret_cast<const char*>(&n), 8) + text +
+              file_bytes.substr(8 + header_len);
     } else {
       std::string header = mutate_bytes(file_bytes.substr(8, header_len));
       uint64_t n = header.size();
@@ -205,8 +215,14 @@ TEST(CkptFuzz, ParsersRejectOrAcceptButNeverCrash) {
               file_bytes.substr(8 + header_len);
     }
     try {
-      parse_safetensors_header(bytes, bytes.size(), "fuzz");
+      const SafetensorsHeader header = parse_safetensors_header(bytes, bytes.size(), "fuzz");
       ++accepted;
+      // What is accepted is consistent: each entry's byte range holds exactly its shape.
+      for (const auto& entry : header.tensors) {
+        unsigned __int128 need = c10::elementSize(entry.dtype);
+        for (int64_t d : entry.shape) need *= static_cast<uint64_t>(d);
+        ASSERT_EQ(need, static_cast<unsigned __int128>(entry.end - entry.begin)) << entry.name;
+      }
     } catch (const UserError&) {
     }
   }

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <fstream>
+#include <map>
 
 #include "ckpt/ckpt_helpers.h"
 #include "ckpt/internal.h"
@@ -209,6 +211,83 @@ TEST(CkptResume, FallsBackWhenTheNewestIsDamagedAndVerifyFails) {
   args.insert(args.end(), {"--resume", (ckpts / "step-6").string()});
   EXPECT_EQ(run_kiln_args(args, dir / "d.log"), 2);
   EXPECT_THAT(slurp(dir / "d.log"), HasSubstr("xxh3 does not match"));
+}
+
+// One checkpoint.dir holds one history. Bad input (a fresh start into it, a resume from an older
+// step, a typo in --resume, --resume auto falling back past a damaged newest) is refused before
+// anything is written: every checkpoint file and metrics.jsonl stay byte for byte. Once the newer
+// checkpoints are moved away, the resume from the older step goes on and appends to metrics.jsonl.
+TEST(CkptResume, RefusesToMixHistoriesAndBadInputNeverLosesSavedState) {
+  TempDir dir;
+  const auto ckpts = dir / "r" / "checkpoints";
+  const auto metrics = dir / "r" / "metrics.jsonl";
+  auto train = [&](const std::string& steps, const std::vector<std::string>& flags,
+                   const std::string& log) {
+    auto args =
+        mlp_train_args(dir.path(), "r", {"train.steps=" + steps, "checkpoint.every_steps=1"});
+    args.insert(args.end(), flags.begin(), flags.end());
+    return run_kiln_args(args, dir / log);
+  };
+  auto saved_state = [&] {
+    std::map<std::string, std::string> files = {{"metrics.jsonl", slurp(metrics)}};
+    for (const auto& item : std::filesystem::recursive_directory_iterator(ckpts)) {
+      if (item.is_regular_file())
+        files[std::filesystem::relative(item.path(), ckpts).string()] = slurp(item.path());
+    }
+    return files;
+  };
+  auto step_records = [&] {
+    int records = 0;
+    std::ifstream in(metrics);
+    for (std::string line; std::getline(in, line);) records += line.find("\"loss\"") != line.npos;
+    return records;
+  };
+  ASSERT_EQ(train("3", {}, "a.log"), 0) << slurp(dir / "a.log");
+  ASSERT_EQ(step_records(), 3);
+  const auto before = saved_state();
+  ASSERT_EQ(before.count("step-1/index.json") + before.count("step-3/index.json"), 2u);
+
+  EXPECT_EQ(train("5", {}, "fresh.log"), 2);
+  EXPECT_THAT(slurp(dir / "fresh.log"),
+              HasSubstr("checkpoint.dir " + ckpts.string() +
+                        " holds committed checkpoints up to step 3 of an earlier run; continue it "
+                        "with --resume auto"));
+  EXPECT_EQ(saved_state(), before);
+
+  EXPECT_EQ(train("5", {"--resume", (ckpts / "step-1").string()}, "older.log"), 2);
+  EXPECT_THAT(slurp(dir / "older.log"),
+              HasSubstr("holds newer checkpoints (" + (ckpts / "step-2").string() + ", " +
+                        (ckpts / "step-3").string() + "); "));
+  EXPECT_EQ(saved_state(), before);
+
+  EXPECT_EQ(train("5", {"--resume", (ckpts / "step-9").string()}, "typo.log"), 2);
+  EXPECT_THAT(slurp(dir / "typo.log"), HasSubstr("no such checkpoint"));
+  EXPECT_EQ(saved_state(), before) << "a bad --resume truncated metrics.jsonl";
+
+  flip_byte(ckpts / "step-3" / "rank-0.safetensors", -100);
+  const auto damaged = saved_state();
+  EXPECT_EQ(train("5", {"--resume", "auto"}, "auto.log"), 2);
+  const std::string auto_log = slurp(dir / "auto.log");
+  EXPECT_THAT(auto_log, HasSubstr("falling back to the previous checkpoint"));
+  EXPECT_THAT(auto_log,
+              HasSubstr("resuming at step 2, but checkpoint.dir " + ckpts.string() +
+                        " holds newer checkpoints (" + (ckpts / "step-3").string() + ")"));
+  EXPECT_EQ(saved_state(), damaged);
+
+  std::filesystem::create_directories(dir / "moved");
+  for (const char* name : {"step-2", "step-3"})
+    std::filesystem::rename(ckpts / name, dir / "moved" / name);
+  ASSERT_EQ(train("5", {"--resume", (ckpts / "step-1").string()}, "resume.log"), 0)
+      << slurp(dir / "resume.log");
+  EXPECT_EQ(step_records(), 3 + 4) << "the resumed run appends to metrics.jsonl";
+  std::vector<int64_t> steps;
+  for (const auto& entry : list_checkpoints(ckpts)) {
+    EXPECT_TRUE(entry.committed);
+    steps.push_back(entry.step);
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{3, 4, 5}));
+  EXPECT_EQ(slurp(ckpts / "latest"), "step-5\n");
+  EXPECT_TRUE(verify_checkpoint(ckpts / "step-5").ok());
 }
 
 TEST(CkptResume, AutoWithoutCheckpointsStartsFreshAndBadPathsAreOneLineErrors) {

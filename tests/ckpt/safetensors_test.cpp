@@ -113,6 +113,20 @@ TEST(CkptSafetensors, RejectsShapeDisagreeingWithOffsetsGapsAndTrailingBytes) {
   expect_rejected("abc", "shorter than its 8-byte header length");
 }
 
+// numel stays under 2^62 but numel * element size wraps to 0: must be refused, never accepted
+// as an empty tensor (reading it would then fail outside the UserError contract).
+TEST(CkptSafetensors, RejectsShapesWhoseByteSizeOverflows) {
+  expect_rejected(
+      raw_file(R"({"a":{"dtype":"F64","shape":[2147483648,2147483648],"data_offsets":[0,0]}})", 0),
+      "shape too large");
+  expect_rejected(
+      raw_file(R"({"a":{"dtype":"F32","shape":[4611686018427387904],"data_offsets":[0,0]}})", 0),
+      "shape too large");
+  expect_rejected(
+      raw_file(R"({"a":{"dtype":"BF16","shape":[9223372036854775808],"data_offsets":[0,0]}})", 0),
+      "shape too large");
+}
+
 TEST(CkptSafetensors, WriteFailureLeavesTheExistingFileIntact) {
   TempDir dir;
   write_safetensors(dir / "a.safetensors", {{"t", torch::ones({4})}});
