@@ -1,6 +1,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include "kiln/config.h"
 #include "kiln/error.h"
 #include "support/helpers.h"
@@ -150,7 +152,7 @@ namespace {
 TEST(ConfigDocs, EveryKeyIsDocumented) {
   std::string docs = testing::slurp(testing::source_dir() / "docs/config.md");
   for (const auto& def : schema()) {
-    EXPECT_NE(docs.find("`" + def.full_name() + "`"), std::string::npos)
+    EXPECT_NE(docs.find(fmt::format("`{}`", def.full_name())), std::string::npos)
         << def.full_name() << " is missing from docs/config.md; regenerate its table with `kiln config keys`";
   }
 }

@@ -595,8 +595,9 @@ TEST(Verdict, ActionsNamingWhatKilnLacksSaySo) {
       EXPECT_THAT(action, ::testing::Not(HasSubstr("compile rung"))) << v.bottleneck;
       EXPECT_THAT(action, ::testing::Not(HasSubstr("(scale rung)"))) << v.bottleneck;
       for (const char* missing : {"FSDP", "checkpointing", "compiled", "CUDA graph", "bf16"}) {
-        if (action.find(missing) != std::string::npos)
+        if (action.find(missing) != std::string::npos) {
           EXPECT_THAT(action, HasSubstr("not in kiln yet")) << v.bottleneck;
+        }
       }
     }
   }
