@@ -1,4 +1,5 @@
 // Precompiled header for the library, CLI and tests: the heavy LibTorch headers, parsed once.
 #pragma once
 #include <torch/torch.h>
+
 #include <nlohmann/json.hpp>

@@ -25,10 +25,10 @@ struct KeyDef {
   std::string name;
   ValueType type;
   Value default_value;
-  std::optional<double> min;          // inclusive, numbers only
-  std::optional<double> max;          // inclusive, numbers only
-  std::vector<std::string> choices;   // strings only; empty = any string
-  std::string doc;                    // one line
+  std::optional<double> min;         // inclusive, numbers only
+  std::optional<double> max;         // inclusive, numbers only
+  std::vector<std::string> choices;  // strings only; empty = any string
+  std::string doc;                   // one line
   std::string full_name() const { return section + "." + name; }
 };
 
@@ -50,7 +50,8 @@ class Config {
   /// Parses and validates a TOML file, then applies overrides ("section.key=value").
   /// Throws UserError for a missing/unreadable file, a syntax error, an unknown section or key,
   /// a wrong type, a value out of range, a bad override, or an inconsistent combination.
-  static Config load(const std::filesystem::path& file, const std::vector<std::string>& overrides = {});
+  static Config load(const std::filesystem::path& file,
+                     const std::vector<std::string>& overrides = {});
   /// Same as load() on TOML text; `source_name` is used in error messages.
   static Config parse(std::string_view toml_text, const std::string& source_name,
                       const std::vector<std::string>& overrides = {});

@@ -6,6 +6,8 @@
 // never on the number of workers.
 #pragma once
 
+#include <torch/types.h>
+
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -14,7 +16,6 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
-#include <torch/types.h>
 #include <vector>
 
 namespace kiln {
@@ -88,8 +89,8 @@ struct LoaderPosition {
 
 struct LoaderOptions {
   int64_t batch_size = 32;
-  int num_workers = 0;       // 0: batches are built in next(), in the caller's thread
-  int prefetch = 2;          // batches built ahead of the consumer (>= 1)
+  int num_workers = 0;  // 0: batches are built in next(), in the caller's thread
+  int prefetch = 2;     // batches built ahead of the consumer (>= 1)
   bool shuffle = true;
   uint64_t seed = 0;
   int rank = 0;
@@ -137,8 +138,8 @@ class Loader {
   int64_t next_deliver_ = 0;  // stream index of the next batch next() returns
   int64_t next_claim_ = 0;    // stream index the next idle worker builds
   std::map<int64_t, Batch> ready_;
-  std::exception_ptr error_;   // the failure of the lowest failed stream index, error_index_:
-  int64_t error_index_ = 0;     // next() raises it only there, after every batch before it
+  std::exception_ptr error_;  // the failure of the lowest failed stream index, error_index_:
+  int64_t error_index_ = 0;   // next() raises it only there, after every batch before it
   bool stopping_ = false;
   mutable std::mutex mutex_;
   std::condition_variable work_cv_, ready_cv_;

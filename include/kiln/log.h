@@ -17,9 +17,15 @@ void set_file(const std::filesystem::path& file);
 void close_file();
 
 void write(Level level, std::string_view message);
-inline void info(std::string_view message) { write(Level::kInfo, message); }
-inline void warn(std::string_view message) { write(Level::kWarn, message); }
-inline void error(std::string_view message) { write(Level::kError, message); }
+inline void info(std::string_view message) {
+  write(Level::kInfo, message);
+}
+inline void warn(std::string_view message) {
+  write(Level::kWarn, message);
+}
+inline void error(std::string_view message) {
+  write(Level::kError, message);
+}
 
 /// Draws a one-line status (a progress bar) on stderr, replacing the previous one with a carriage
 /// return and an erase-line escape; log lines written meanwhile clear it first. The caller decides

@@ -3,15 +3,16 @@
 //
 // Parameter names follow Hugging Face GPT-2 (transformer.wte.weight, transformer.h.0.attn.c_attn.
 // weight, ...). One documented difference: HF stores the four attention/MLP projection weights as
-// Conv1D [in, out]; kiln uses nn.Linear [out, in], so export needs no rename, only a transpose of those
-// (docs/models.md).
+// Conv1D [in, out]; kiln uses nn.Linear [out, in], so export needs no rename, only a transpose of
+// those (docs/models.md).
 #pragma once
+
+#include <torch/nn/module.h>
 
 #include <cstdint>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
-#include <torch/nn/module.h>
 
 namespace kiln {
 

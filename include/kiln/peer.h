@@ -17,6 +17,7 @@ class Config;
 ///   kiln.json            per-step loss, grad_norm, lr, step_seconds (batches preloaded in memory,
 ///                        so step time excludes data loading, as on the peer's side)
 /// Returns kiln.json's content. Throws UserError.
-nlohmann::json export_for_peer(const Config& config, int64_t steps, const std::filesystem::path& out_dir);
+nlohmann::json export_for_peer(const Config& config, int64_t steps,
+                               const std::filesystem::path& out_dir);
 
 }  // namespace kiln

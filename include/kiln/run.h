@@ -20,10 +20,10 @@
 namespace kiln {
 
 struct RunOptions {
-  std::vector<std::string> argv;  // the command line, recorded in the manifest
-  bool writer = true;             // false on ranks other than 0
+  std::vector<std::string> argv;               // the command line, recorded in the manifest
+  bool writer = true;                          // false on ranks other than 0
   std::string metrics_file = "metrics.jsonl";  // the ladder gives each rung its own
-  bool append_metrics = false;    // keep earlier records (a resumed run); else start the file anew
+  bool append_metrics = false;  // keep earlier records (a resumed run); else start the file anew
 };
 
 class Run {

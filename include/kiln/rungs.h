@@ -16,8 +16,8 @@ namespace kiln {
 struct RungResult {
   std::string rung;
   bool passed = false;
-  std::string verdict;     // one line: why it passed or failed
-  nlohmann::json numbers;  // what <rung>.json holds
+  std::string verdict;                                     // one line: why it passed or failed
+  nlohmann::json numbers;                                  // what <rung>.json holds
   std::vector<std::pair<std::string, std::string>> table;  // rows to print and report
 };
 

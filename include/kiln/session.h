@@ -22,7 +22,7 @@ struct Session {
 };
 
 struct SessionOptions {
-  std::vector<std::string> argv;       // recorded in the manifest
+  std::vector<std::string> argv;                 // recorded in the manifest
   std::shared_ptr<Communicator> comm = nullptr;  // null: process_communicator() (launcher env)
   std::string metrics_file = "metrics.jsonl";    // see RunOptions
   bool append_metrics = false;                   // a resumed run keeps its earlier records
@@ -35,9 +35,9 @@ std::unique_ptr<Session> open_session(const Config& config, const SessionOptions
 /// Peak memory of the last measured region. On CUDA, the caching allocator's max allocated and
 /// max reserved bytes; on CPU, the process's peak resident set (VmHWM), reset before the region.
 struct PeakMemory {
-  std::string method;             // how it was measured, in words
-  double allocated_bytes = -1;    // CUDA: max allocated; CPU: peak RSS
-  double reserved_bytes = -1;     // CUDA: max reserved; CPU: -1
+  std::string method;                // how it was measured, in words
+  double allocated_bytes = -1;       // CUDA: max allocated; CPU: peak RSS
+  double reserved_bytes = -1;        // CUDA: max reserved; CPU: -1
   double resident_after_bytes = -1;  // CPU: resident set when read
 };
 

@@ -6,11 +6,12 @@
 // Trainer does not know which command drives it.
 #pragma once
 
+#include <torch/types.h>
+
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
-#include <torch/types.h>
 #include <utility>
 #include <vector>
 
@@ -64,15 +65,15 @@ enum class Phase { kDataWait, kForward, kBackward, kComm, kOptimizer, kCheckpoin
 const char* phase_name(Phase phase);
 
 struct StepStats {
-  int64_t step = 0;                // 1-based number of the optimizer step just completed
-  double loss = 0;                 // mean training loss over the step's micro-batches
+  int64_t step = 0;  // 1-based number of the optimizer step just completed
+  double loss = 0;   // mean training loss over the step's micro-batches
   double lr = 0;
-  double grad_norm = 0;            // global gradient norm before clipping
-  double step_seconds = 0;         // wall time of the whole step
-  double data_wait_seconds = 0;    // time blocked waiting for batches
-  int64_t samples = 0;             // samples in the step, all processes
-  int64_t tokens = 0;              // tokens in the step, all processes (0 for classification)
-  bool skipped = false;            // a non-finite step skipped under train.nonfinite = "skip"
+  double grad_norm = 0;          // global gradient norm before clipping
+  double step_seconds = 0;       // wall time of the whole step
+  double data_wait_seconds = 0;  // time blocked waiting for batches
+  int64_t samples = 0;           // samples in the step, all processes
+  int64_t tokens = 0;            // tokens in the step, all processes (0 for classification)
+  bool skipped = false;          // a non-finite step skipped under train.nonfinite = "skip"
 };
 
 struct EvalStats {

@@ -1,6 +1,7 @@
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
-#include <fmt/format.h>
 #include <numeric>
 
 #include "core/clock.h"
@@ -40,8 +41,8 @@ RungResult run_baseline(Session& session) {
   RungResult result;
   result.rung = "baseline";
 
-  log::info(fmt::format("baseline: {} warm-up + {} measured steps, eager, one process on {}", warmup,
-                        measured, session.device.str()));
+  log::info(fmt::format("baseline: {} warm-up + {} measured steps, eager, one process on {}",
+                        warmup, measured, session.device.str()));
   const EvalStats initial_eval = trainer.evaluate();
   std::vector<double> losses, step_seconds, wait_seconds;
   int64_t samples = 0, tokens = 0;
@@ -97,7 +98,8 @@ RungResult run_baseline(Session& session) {
   // Parameter, gradient and optimizer-state bytes: the model state a step must hold.
   double param_bytes = 0, state_bytes = 0;
   for (const auto& p : trainer.model().parameters()) param_bytes += static_cast<double>(p.nbytes());
-  for (const auto& [name, t] : trainer.optimizer().state()) state_bytes += static_cast<double>(t.nbytes());
+  for (const auto& [name, t] : trainer.optimizer().state())
+    state_bytes += static_cast<double>(t.nbytes());
 
   json numbers = {
       {"device", session.device.str()},
@@ -108,19 +110,22 @@ RungResult run_baseline(Session& session) {
       {"seq_len", seq_len},
       {"samples_per_second", samples_per_second},
       {"tokens_per_second", seq_len > 0 ? json(tokens_per_second) : json(nullptr)},
-      {"step_seconds", {{"median", percentile(step_seconds, 0.5)},
-                        {"p10", percentile(step_seconds, 0.1)},
-                        {"p90", percentile(step_seconds, 0.9)},
-                        {"mean", total_seconds / static_cast<double>(step_seconds.size())}}},
+      {"step_seconds",
+       {{"median", percentile(step_seconds, 0.5)},
+        {"p10", percentile(step_seconds, 0.1)},
+        {"p90", percentile(step_seconds, 0.9)},
+        {"mean", total_seconds / static_cast<double>(step_seconds.size())}}},
       {"data_wait_share", total_wait / total_seconds},
-      {"peak_memory", {{"method", peak.method},
-                       {"allocated_bytes", peak.allocated_bytes},
-                       {"reserved_bytes", peak.reserved_bytes},
-                       {"resident_after_bytes", peak.resident_after_bytes}}},
-      {"state_bytes", {{"parameters", param_bytes}, {"gradients", param_bytes},
-                       {"optimizer", state_bytes}}},
+      {"peak_memory",
+       {{"method", peak.method},
+        {"allocated_bytes", peak.allocated_bytes},
+        {"reserved_bytes", peak.reserved_bytes},
+        {"resident_after_bytes", peak.resident_after_bytes}}},
+      {"state_bytes",
+       {{"parameters", param_bytes}, {"gradients", param_bytes}, {"optimizer", state_bytes}}},
       {"flops_per_sample", flops_per_sample},
-      {"flops_per_token", seq_len > 0 ? json(flops_per_sample / static_cast<double>(seq_len)) : json(nullptr)},
+      {"flops_per_token",
+       seq_len > 0 ? json(flops_per_sample / static_cast<double>(seq_len)) : json(nullptr)},
       {"achieved_flops_per_second", achieved_flops},
       {"mfu", peak_flops > 0 ? json(achieved_flops / peak_flops) : json(nullptr)},
       {"loss_start", loss_start},
@@ -134,57 +139,73 @@ RungResult run_baseline(Session& session) {
 
   // The gate.
   std::vector<std::string> problems;
-  const auto first_nonfinite = std::find_if(losses.begin(), losses.end(), [](double v) { return !std::isfinite(v); });
+  const auto first_nonfinite =
+      std::find_if(losses.begin(), losses.end(), [](double v) { return !std::isfinite(v); });
   if (first_nonfinite != losses.end() || trainer.skipped_steps() > 0) {
     problems.push_back(fmt::format(
-        "non-finite loss or gradient ({} step(s) skipped{}); lower optim.lr or enable train.clip_grad_norm",
+        "non-finite loss or gradient ({} step(s) skipped{}); lower optim.lr or enable "
+        "train.clip_grad_norm",
         trainer.skipped_steps(),
         first_nonfinite != losses.end()
-            ? fmt::format(", first at step {}", trainer.step() - static_cast<int64_t>(losses.size()) +
-                                                     (first_nonfinite - losses.begin()))
+            ? fmt::format(", first at step {}", trainer.step() -
+                                                    static_cast<int64_t>(losses.size()) +
+                                                    (first_nonfinite - losses.begin()))
             : ""));
   }
   if (!std::isfinite(initial_eval.loss) || !std::isfinite(final_eval.loss)) {
-    problems.push_back(fmt::format("non-finite val loss ({:.4f} -> {:.4f}); check the data and optim.lr",
-                                   initial_eval.loss, final_eval.loss));
+    problems.push_back(
+        fmt::format("non-finite val loss ({:.4f} -> {:.4f}); check the data and optim.lr",
+                    initial_eval.loss, final_eval.loss));
   }
   if (!(loss_end <= loss_start * (1.0 - min_drop))) {
-    problems.push_back(fmt::format("the loss did not fall by {:.0f}% ({:.4f} -> {:.4f}); check optim.lr "
-                                   "and the data, or lower baseline.min_loss_drop",
-                                   100 * min_drop, loss_start, loss_end));
+    problems.push_back(
+        fmt::format("the loss did not fall by {:.0f}% ({:.4f} -> {:.4f}); check optim.lr "
+                    "and the data, or lower baseline.min_loss_drop",
+                    100 * min_drop, loss_start, loss_end));
   }
   if (!(final_eval.loss < initial_eval.loss)) {
     problems.push_back(fmt::format("val loss did not beat its initial value ({:.4f} -> {:.4f})",
                                    initial_eval.loss, final_eval.loss));
   }
   result.passed = problems.empty();
-  result.verdict = result.passed
-                       ? fmt::format("correct eager baseline: loss {:.4f} -> {:.4f}, val {:.4f} -> {:.4f}",
-                                     loss_start, loss_end, initial_eval.loss, final_eval.loss)
-                       : problems.front();
+  result.verdict =
+      result.passed
+          ? fmt::format("correct eager baseline: loss {:.4f} -> {:.4f}, val {:.4f} -> {:.4f}",
+                        loss_start, loss_end, initial_eval.loss, final_eval.loss)
+          : problems.front();
   numbers["passed"] = result.passed;
   numbers["verdict"] = result.verdict;
   result.numbers = numbers;
 
   auto& t = result.table;
-  t.emplace_back("throughput", seq_len > 0 ? fmt::format("{:.0f} tokens/s ({:.1f} samples/s)", tokens_per_second, samples_per_second)
+  t.emplace_back("throughput", seq_len > 0 ? fmt::format("{:.0f} tokens/s ({:.1f} samples/s)",
+                                                         tokens_per_second, samples_per_second)
                                            : fmt::format("{:.0f} samples/s", samples_per_second));
   t.emplace_back("step time", fmt::format("median {:.2f} ms, p10 {:.2f} ms, p90 {:.2f} ms",
-                                          1e3 * percentile(step_seconds, 0.5), 1e3 * percentile(step_seconds, 0.1),
+                                          1e3 * percentile(step_seconds, 0.5),
+                                          1e3 * percentile(step_seconds, 0.1),
                                           1e3 * percentile(step_seconds, 0.9)));
-  t.emplace_back("data wait", fmt::format("{:.1f}% of step time", 100 * total_wait / total_seconds));
-  t.emplace_back("peak memory", peak.allocated_bytes >= 0
-                                    ? format_bytes(peak.allocated_bytes) +
-                                          (session.device.is_cpu() ? " (process peak RSS over one step)" : " max allocated")
-                                    : peak.method);
-  t.emplace_back("model state", fmt::format("params {}, grads {}, optimizer {}", format_bytes(param_bytes),
-                                            format_bytes(param_bytes), format_bytes(state_bytes)));
-  t.emplace_back("compute", fmt::format("{:.3g} FLOP/sample, {:.3g} FLOP/s{}", flops_per_sample, achieved_flops,
-                                        peak_flops > 0 ? fmt::format(", MFU {:.1f}%", 100 * achieved_flops / peak_flops)
-                                                       : ", MFU n/a (set baseline.peak_flops_per_second)"));
+  t.emplace_back("data wait",
+                 fmt::format("{:.1f}% of step time", 100 * total_wait / total_seconds));
+  t.emplace_back(
+      "peak memory",
+      peak.allocated_bytes >= 0
+          ? format_bytes(peak.allocated_bytes) +
+                (session.device.is_cpu() ? " (process peak RSS over one step)" : " max allocated")
+          : peak.method);
+  t.emplace_back("model state",
+                 fmt::format("params {}, grads {}, optimizer {}", format_bytes(param_bytes),
+                             format_bytes(param_bytes), format_bytes(state_bytes)));
+  t.emplace_back(
+      "compute",
+      fmt::format("{:.3g} FLOP/sample, {:.3g} FLOP/s{}", flops_per_sample, achieved_flops,
+                  peak_flops > 0 ? fmt::format(", MFU {:.1f}%", 100 * achieved_flops / peak_flops)
+                                 : ", MFU n/a (set baseline.peak_flops_per_second)"));
   t.emplace_back("loss", fmt::format("{:.4f} -> {:.4f}", loss_start, loss_end));
   t.emplace_back("val loss", fmt::format("{:.4f} -> {:.4f}", initial_eval.loss, final_eval.loss) +
-                                 (final_eval.accuracy >= 0 ? fmt::format(" (accuracy {:.1f}%)", 100 * final_eval.accuracy) : ""));
+                                 (final_eval.accuracy >= 0 ? fmt::format(" (accuracy {:.1f}%)",
+                                                                         100 * final_eval.accuracy)
+                                                           : ""));
   session.run->write_json("baseline.json", numbers);
   return result;
 }

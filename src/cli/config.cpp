@@ -16,7 +16,8 @@ void add_config_command(CLI::App& app, Action& action) {
   show->callback([&action, show_args] {
     action = [show_args] {
       Config config = show_args->load();
-      fmt::print("# resolved from {} (hash {})\n{}", config.source_name(), config.hash(), config.to_toml(true));
+      fmt::print("# resolved from {} (hash {})\n{}", config.source_name(), config.hash(),
+                 config.to_toml(true));
       return 0;
     };
   });

@@ -7,7 +7,8 @@ namespace kiln::cli {
 namespace {
 
 void add_ladder_command(CLI::App& app, Action& action) {
-  auto* command = app.add_subcommand("ladder", "run the rungs in order, stop at the first failed gate, write report.md");
+  auto* command = app.add_subcommand(
+      "ladder", "run the rungs in order, stop at the first failed gate, write report.md");
   auto args = std::make_shared<ConfigArgs>();
   args->add_to(*command);
   command->callback([&action, args] {

@@ -1,4 +1,5 @@
 #include <c10/util/Exception.h>
+
 #include <algorithm>
 #include <cstdio>
 
@@ -18,7 +19,9 @@ std::vector<std::pair<int, CommandAdder>>& registry() {
 }
 }  // namespace
 
-Registration::Registration(int order, CommandAdder adder) { registry().emplace_back(order, adder); }
+Registration::Registration(int order, CommandAdder adder) {
+  registry().emplace_back(order, adder);
+}
 
 void add_registered_commands(CLI::App& app, Action& action) {
   auto adders = registry();
@@ -27,7 +30,9 @@ void add_registered_commands(CLI::App& app, Action& action) {
   for (const auto& [order, adder] : adders) adder(app, action);
 }
 
-const std::vector<std::string>& process_argv() { return g_argv; }
+const std::vector<std::string>& process_argv() {
+  return g_argv;
+}
 
 void ConfigArgs::add_to(CLI::App& command, bool config_required) {
   auto* option = command.add_option("config", path, "TOML config file");
@@ -45,10 +50,12 @@ Config ConfigArgs::load() const {
 int main(int argc, char** argv) {
   using namespace kiln;
   for (int k = 0; k < argc; ++k) cli::g_argv.emplace_back(argv[k]);
-  CLI::App app{"kiln: a C++ training workbench on LibTorch. The ladder: baseline -> profile -> scale -> "
-               "checkpoint (compile and pilot are planned)"};
+  CLI::App app{
+      "kiln: a C++ training workbench on LibTorch. The ladder: baseline -> profile -> scale -> "
+      "checkpoint (compile and pilot are planned)"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", std::string(build_info().version) + " (" + build_info().git_commit + ")");
+  app.set_version_flag("--version",
+                       std::string(build_info().version) + " (" + build_info().git_commit + ")");
   cli::Action action;
   cli::add_registered_commands(app, action);
   try {

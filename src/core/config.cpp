@@ -1,5 +1,6 @@
 #include "kiln/config.h"
 
+#include <toml++/toml.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -7,7 +8,6 @@
 #include <cmath>
 #include <fstream>
 #include <sstream>
-#include <toml++/toml.h>
 
 #include "core/schema_sections.h"
 #include "core/strings.h"
@@ -101,7 +101,8 @@ std::optional<Value> from_text(const KeyDef& def, std::string_view text) {
     }
     case ValueType::kFloat: {
       double v = 0;  // decimal or scientific notation only (no hex); inf/nan fail the range check
-      auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v, std::chars_format::general);
+      auto [end, ec] =
+          std::from_chars(text.data(), text.data() + text.size(), v, std::chars_format::general);
       if (ec != std::errc() || end != text.data() + text.size()) return std::nullopt;
       return Value(v);
     }
@@ -120,10 +121,14 @@ std::optional<Value> from_text(const KeyDef& def, std::string_view text) {
 
 std::string type_name(ValueType type) {
   switch (type) {
-    case ValueType::kBool: return "boolean";
-    case ValueType::kInt: return "integer";
-    case ValueType::kFloat: return "float";
-    case ValueType::kString: return "string";
+    case ValueType::kBool:
+      return "boolean";
+    case ValueType::kInt:
+      return "integer";
+    case ValueType::kFloat:
+      return "float";
+    case ValueType::kString:
+      return "string";
   }
   return "?";
 }
@@ -161,7 +166,8 @@ std::string closest_key(std::string_view full_name) {
     // Also compare the bare key name, so "optim.learning_rate" finds nothing but "train.lr" would
     // find "optim.lr" when the section is wrong.
     size_t dot = full_name.find('.');
-    if (dot != std::string_view::npos && full_name.substr(dot + 1) == def.name) d = std::min<size_t>(d, 1);
+    if (dot != std::string_view::npos && full_name.substr(dot + 1) == def.name)
+      d = std::min<size_t>(d, 1);
     if (d < best_distance) {
       best_distance = d;
       best = candidate;
@@ -186,7 +192,8 @@ Config Config::load(const std::filesystem::path& file, const std::vector<std::st
     throw UserError("config file " + file.string() + " is a directory; pass a .toml file");
   }
   std::ifstream in(file, std::ios::binary);
-  if (!in) throw UserError("config file " + file.string() + " cannot be read; check its permissions");
+  if (!in)
+    throw UserError("config file " + file.string() + " cannot be read; check its permissions");
   std::stringstream buffer;
   buffer << in.rdbuf();
   if (in.bad()) throw UserError("config file " + file.string() + " cannot be read (I/O error)");
@@ -203,8 +210,8 @@ Config Config::parse(std::string_view toml_text, const std::string& source_name,
   try {
     root = toml::parse(toml_text, source_name);
   } catch (const toml::parse_error& e) {
-    throw UserError(where(source_name, e.source()) + ": TOML syntax error: " +
-                    std::string(e.description()));
+    throw UserError(where(source_name, e.source()) +
+                    ": TOML syntax error: " + std::string(e.description()));
   }
   for (auto&& [section_key, section_node] : root) {
     std::string section(section_key.str());
@@ -267,8 +274,8 @@ void Config::set_from_string(std::string_view assignment) {
   }
   std::optional<Value> value = from_text(*def, text);
   if (!value) {
-    throw UserError("--set " + std::string(assignment) + ": '" + std::string(text) +
-                    "' is not " + expectation(*def));
+    throw UserError("--set " + std::string(assignment) + ": '" + std::string(text) + "' is not " +
+                    expectation(*def));
   }
   if (std::string problem = check_value(*def, *value); !problem.empty()) {
     throw UserError("--set " + std::string(assignment) + ": " + problem);
@@ -298,9 +305,15 @@ const Value& Config::get(std::string_view key) const {
   return it->second;
 }
 
-bool Config::get_bool(std::string_view key) const { return std::get<bool>(get(key)); }
-int64_t Config::get_int(std::string_view key) const { return std::get<int64_t>(get(key)); }
-double Config::get_float(std::string_view key) const { return std::get<double>(get(key)); }
+bool Config::get_bool(std::string_view key) const {
+  return std::get<bool>(get(key));
+}
+int64_t Config::get_int(std::string_view key) const {
+  return std::get<int64_t>(get(key));
+}
+double Config::get_float(std::string_view key) const {
+  return std::get<double>(get(key));
+}
 const std::string& Config::get_string(std::string_view key) const {
   return std::get<std::string>(get(key));
 }
@@ -322,10 +335,13 @@ void Config::validate() const {
                     "(0, 0.9]" + (data == "tokens" ? " or give data.val_path" : ""));
   }
   if (data == "tokens" && get_string("data.path").empty()) {
-    throw UserError(source_name_ + ": data.name = \"tokens\" needs data.path = \"<train .bin file>\"");
+    throw UserError(source_name_ +
+                    ": data.name = \"tokens\" needs data.path = \"<train .bin file>\"");
   }
-  if (get_bool("optim.nesterov") && get_string("optim.name") == "sgd" && get_float("optim.momentum") <= 0) {
-    throw UserError(source_name_ + ": optim.nesterov = true needs optim.momentum > 0; set it (e.g. 0.9)");
+  if (get_bool("optim.nesterov") && get_string("optim.name") == "sgd" &&
+      get_float("optim.momentum") <= 0) {
+    throw UserError(source_name_ +
+                    ": optim.nesterov = true needs optim.momentum > 0; set it (e.g. 0.9)");
   }
   try {
     check_model_keys(*this);

@@ -1,9 +1,9 @@
 // Built only against a CUDA LibTorch (see cuda_info.h).
-#include "core/cuda_info.h"
-
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 #include <torch/csrc/cuda/nccl.h>
+
+#include "core/cuda_info.h"
 
 namespace kiln {
 

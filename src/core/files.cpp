@@ -4,8 +4,8 @@
 #include <unistd.h>
 #include <xxhash.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -16,9 +16,13 @@
 
 namespace kiln {
 
-std::string errno_text() { return std::strerror(errno); }
+std::string errno_text() {
+  return std::strerror(errno);
+}
 
-FileDescriptor::~FileDescriptor() { close(); }
+FileDescriptor::~FileDescriptor() {
+  close();
+}
 
 FileDescriptor& FileDescriptor::operator=(FileDescriptor&& other) noexcept {
   if (this != &other) {
@@ -36,7 +40,8 @@ int FileDescriptor::close() {
 void fsync_directory(const std::filesystem::path& dir) {
   FileDescriptor fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (!fd.valid()) throw UserError("cannot open directory " + dir.string() + ": " + errno_text());
-  if (::fsync(fd.get()) != 0) throw UserError("cannot fsync directory " + dir.string() + ": " + errno_text());
+  if (::fsync(fd.get()) != 0)
+    throw UserError("cannot fsync directory " + dir.string() + ": " + errno_text());
 }
 
 AtomicFile::AtomicFile(std::filesystem::path path)
@@ -70,10 +75,12 @@ void AtomicFile::write(const void* data, size_t bytes) {
 }
 
 void AtomicFile::commit() {
-  if (::fsync(fd_.get()) != 0) throw UserError("cannot write " + path_.string() + ": " + errno_text());
+  if (::fsync(fd_.get()) != 0)
+    throw UserError("cannot write " + path_.string() + ": " + errno_text());
   if (fd_.close() != 0) throw UserError("cannot write " + path_.string() + ": " + errno_text());
   if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
-    throw UserError("cannot rename " + tmp_.string() + " to " + path_.string() + ": " + errno_text());
+    throw UserError("cannot rename " + tmp_.string() + " to " + path_.string() + ": " +
+                    errno_text());
   }
   committed_ = true;
   fsync_directory(path_.has_parent_path() ? path_.parent_path() : std::filesystem::path("."));
@@ -96,7 +103,8 @@ std::string read_file(const std::filesystem::path& path) {
 uint64_t hash_file(const std::filesystem::path& path) {
   FileDescriptor fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd.valid()) throw UserError("cannot read " + path.string() + ": " + errno_text());
-  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), XXH3_freeState);
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
+                                                                 XXH3_freeState);
   XXH3_64bits_reset(state.get());
   std::vector<char> buffer(1 << 20);
   while (true) {
@@ -113,7 +121,8 @@ std::string join_command_line(int argc, const char* const* argv) {
   std::string out;
   for (int k = 0; k < argc; ++k) {
     std::string arg = argv[k];
-    bool plain = !arg.empty() && arg.find_first_of(" \t\n'\"\\$`*?[]{}()<>|&;#~") == std::string::npos;
+    bool plain =
+        !arg.empty() && arg.find_first_of(" \t\n'\"\\$`*?[]{}()<>|&;#~") == std::string::npos;
     if (k) out += ' ';
     if (plain) {
       out += arg;

@@ -29,7 +29,8 @@ State& state() {
 std::string utc_timestamp() {
   auto now = std::chrono::system_clock::now();
   std::time_t t = std::chrono::system_clock::to_time_t(now);
-  auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000;
+  auto ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000;
   std::tm tm{};
   gmtime_r(&t, &tm);
   char buffer[64];
@@ -50,8 +51,9 @@ void clear_status_locked(State& s) {
 void set_rank(int rank, int world_size) {
   State& s = state();
   std::lock_guard lock(s.mutex);
-  s.prefix = world_size > 1 ? "[kiln rank " + std::to_string(rank) + "/" + std::to_string(world_size) + "]"
-                            : "[kiln]";
+  s.prefix = world_size > 1
+                 ? "[kiln rank " + std::to_string(rank) + "/" + std::to_string(world_size) + "]"
+                 : "[kiln]";
 }
 
 void set_file(const std::filesystem::path& file) {
@@ -82,7 +84,9 @@ void write(Level level, std::string_view message) {
   }
 }
 
-bool stderr_is_terminal() { return ::isatty(STDERR_FILENO) == 1; }
+bool stderr_is_terminal() {
+  return ::isatty(STDERR_FILENO) == 1;
+}
 
 void status(std::string_view line) {
   State& s = state();

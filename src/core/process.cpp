@@ -21,8 +21,10 @@ std::filesystem::path kiln_executable() {
   const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
   if (!ec && self.filename() == "kiln") return self;
   if (!ec) {
-    for (const auto& candidate : {self.parent_path() / "kiln", self.parent_path().parent_path() / "kiln"}) {
-      if (::access(candidate.c_str(), X_OK) == 0 && std::filesystem::is_regular_file(candidate, ec)) {
+    for (const auto& candidate :
+         {self.parent_path() / "kiln", self.parent_path().parent_path() / "kiln"}) {
+      if (::access(candidate.c_str(), X_OK) == 0 &&
+          std::filesystem::is_regular_file(candidate, ec)) {
         return candidate;
       }
     }
@@ -52,7 +54,8 @@ int wait_process(pid_t pid) {
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0) {
     if (errno != EINTR) {
-      throw UserError("waiting for process " + std::to_string(pid) + " failed: " + std::strerror(errno));
+      throw UserError("waiting for process " + std::to_string(pid) +
+                      " failed: " + std::strerror(errno));
     }
   }
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);

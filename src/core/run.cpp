@@ -1,26 +1,26 @@
 #include "kiln/run.h"
 
-#include <sys/utsname.h>
-#include <unistd.h>
-
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
+#include <sys/utsname.h>
+#include <torch/cuda.h>
+#include <torch/version.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
 #include <sstream>
 #include <thread>
-#include <torch/cuda.h>
-#include <torch/version.h>
 
 #include "core/files.h"
 #include "core/process.h"
 #ifdef KILN_WITH_CUDA
 #include "core/cuda_info.h"
 #endif
-#include "kiln/data.h"
 #include "kiln/build_info.h"
+#include "kiln/data.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
 
@@ -42,7 +42,7 @@ std::string cpu_model() {
 }
 
 json os_info() {
-  struct utsname u{};
+  struct utsname u {};
   if (::uname(&u) != 0) return "unknown";
   std::string pretty;
   std::ifstream in("/etc/os-release");
@@ -53,7 +53,9 @@ json os_info() {
       if (pretty.size() >= 2 && pretty.front() == '"') pretty = pretty.substr(1, pretty.size() - 2);
     }
   }
-  return {{"system", u.sysname}, {"release", u.release}, {"machine", u.machine},
+  return {{"system", u.sysname},
+          {"release", u.release},
+          {"machine", u.machine},
           {"distribution", pretty.empty() ? json(nullptr) : json(pretty)}};
 }
 
@@ -116,33 +118,41 @@ json make_manifest(const Config& config, const std::string& command_line,
   const char* digest = env_or_null("KILN_CONTAINER_DIGEST");
   return {
       {"manifest_version", 1},
-      {"kiln", {{"version", build.version}, {"git_commit", build.git_commit},
-                {"git_dirty", build.git_dirty}}},
-      {"build", {{"compiler", build.compiler}, {"build_type", build.build_type},
-                 {"flags", build.build_flags}, {"libtorch_dir", build.torch_dir}}},
-      {"libtorch", {{"version", TORCH_VERSION},
-                    {"cuda_available", cuda},
-                    {"cuda_runtime", find_config_line(torch_config, "CUDA Runtime")},
-                    {"cudnn", find_config_line(torch_config, "CuDNN")},
+      {"kiln",
+       {{"version", build.version},
+        {"git_commit", build.git_commit},
+        {"git_dirty", build.git_dirty}}},
+      {"build",
+       {{"compiler", build.compiler},
+        {"build_type", build.build_type},
+        {"flags", build.build_flags},
+        {"libtorch_dir", build.torch_dir}}},
+      {"libtorch",
+       {{"version", TORCH_VERSION},
+        {"cuda_available", cuda},
+        {"cuda_runtime", find_config_line(torch_config, "CUDA Runtime")},
+        {"cudnn", find_config_line(torch_config, "CuDNN")},
 #ifdef KILN_WITH_CUDA
-                    {"nccl", nccl_version().empty() ? json(nullptr) : json(nccl_version())},
+        {"nccl", nccl_version().empty() ? json(nullptr) : json(nccl_version())},
 #else
-                    {"nccl", nullptr},
+        {"nccl", nullptr},
 #endif
-                    {"blas", find_config_line(torch_config, "BLAS_INFO=")}}},
+        {"blas", find_config_line(torch_config, "BLAS_INFO=")}}},
       {"devices", devices},
-      {"host", {{"hostname", hostname()},
-                {"os", os_info()},
-                {"cpu_model", cpu_model()},
-                {"logical_cpus", std::thread::hardware_concurrency()},
-                {"intra_op_threads", at::get_num_threads()},
-                {"inter_op_threads", at::get_num_interop_threads()},
-                {"omp_num_threads", env_or_null("OMP_NUM_THREADS") ? json(env_or_null("OMP_NUM_THREADS")) : json(nullptr)}}},
+      {"host",
+       {{"hostname", hostname()},
+        {"os", os_info()},
+        {"cpu_model", cpu_model()},
+        {"logical_cpus", std::thread::hardware_concurrency()},
+        {"intra_op_threads", at::get_num_threads()},
+        {"inter_op_threads", at::get_num_interop_threads()},
+        {"omp_num_threads",
+         env_or_null("OMP_NUM_THREADS") ? json(env_or_null("OMP_NUM_THREADS")) : json(nullptr)}}},
       {"container_image_digest", digest ? json(digest) : json(nullptr)},
-      {"config", {{"file", config.source().empty() ? json(nullptr) : json(config.source().string())},
-                  {"hash_xxh64", config.hash()}}},
-      {"seeds", {{"run.seed", config.get_int("run.seed")},
-                 {"data.seed", data_seed(config)}}},
+      {"config",
+       {{"file", config.source().empty() ? json(nullptr) : json(config.source().string())},
+        {"hash_xxh64", config.hash()}}},
+      {"seeds", {{"run.seed", config.get_int("run.seed")}, {"data.seed", data_seed(config)}}},
       {"deterministic", config.get_bool("run.deterministic")},
       {"data", data},
       {"model", model},
@@ -168,7 +178,8 @@ Run::Run(const Config& config, RunOptions options)
   log::set_file(dir_ / "train.log");
   const auto metrics_path = dir_ / options_.metrics_file;
   metrics_.open(metrics_path, options_.append_metrics ? std::ios::app : std::ios::trunc);
-  if (!metrics_) throw UserError("cannot write " + metrics_path.string() + "; check run.dir's permissions");
+  if (!metrics_)
+    throw UserError("cannot write " + metrics_path.string() + "; check run.dir's permissions");
 }
 
 Run::~Run() {

@@ -14,8 +14,10 @@ namespace kiln {
 inline constexpr double kUnbounded = std::numeric_limits<double>::infinity();
 
 KeyDef bool_key(std::string section, std::string name, bool def, std::string doc);
-KeyDef int_key(std::string section, std::string name, int64_t def, double lo, double hi, std::string doc);
-KeyDef float_key(std::string section, std::string name, double def, double lo, double hi, std::string doc);
+KeyDef int_key(std::string section, std::string name, int64_t def, double lo, double hi,
+               std::string doc);
+KeyDef float_key(std::string section, std::string name, double def, double lo, double hi,
+                 std::string doc);
 KeyDef string_key(std::string section, std::string name, std::string def,
                   std::vector<std::string> choices, std::string doc);
 

@@ -1,12 +1,12 @@
 // The datasets: a synthetic teacher task for the MLP, byte-level text, and pre-tokenized files
 // (nanoGPT raw uint16 .bin, llm.c .bin with a 256 x int32 header).
+#include <ATen/ATen.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
-#include <ATen/ATen.h>
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -109,7 +109,10 @@ class WindowDataset final : public Dataset {
  public:
   WindowDataset(TokenBuffer buffer, int64_t first, int64_t count, int64_t seq_len,
                 int64_t vocab_limit)
-      : buffer_(std::move(buffer)), first_(first), count_(count), seq_len_(seq_len),
+      : buffer_(std::move(buffer)),
+        first_(first),
+        count_(count),
+        seq_len_(seq_len),
         vocab_limit_(vocab_limit) {}
   int64_t size() const override { return (count_ - 1) / seq_len_; }
   int64_t tokens_per_sample() const override { return seq_len_; }
@@ -148,17 +151,21 @@ std::shared_ptr<const Dataset> make_windows(const TokenBuffer& buffer, int64_t f
                                             const std::string& what) {
   if (count < seq_len + 1) {
     const std::string fix = what == "validation"
-                                ? "raise data.val_fraction (or give data.val_path), lower data.seq_len, or use more data"
+                                ? "raise data.val_fraction (or give data.val_path), lower "
+                                  "data.seq_len, or use more data"
                                 : "lower data.seq_len or data.val_fraction, or use more data";
     throw UserError(buffer.source + ": the " + what + " split holds " + std::to_string(count) +
-                    " tokens, fewer than data.seq_len + 1 = " + std::to_string(seq_len + 1) + "; " + fix);
+                    " tokens, fewer than data.seq_len + 1 = " + std::to_string(seq_len + 1) + "; " +
+                    fix);
   }
   return std::make_shared<WindowDataset>(buffer, first, count, seq_len, vocab_limit);
 }
 
 // ---- text: any file (or a directory of text files) as bytes -------------------------------------
 
-bool looks_binary(const std::string& bytes) { return bytes.find('\0') != std::string::npos; }
+bool looks_binary(const std::string& bytes) {
+  return bytes.find('\0') != std::string::npos;
+}
 
 Datasets make_text(const Config& config, int64_t vocab_limit) {
   std::string path = config.get_string("data.path");
@@ -171,7 +178,8 @@ Datasets make_text(const Config& config, int64_t vocab_limit) {
                       " is missing; install it with `apt-get install fortunes` (scripts/setup "
                       "does this) or set data.path to a text file");
     }
-    throw UserError("data.path = \"" + path + "\" does not exist; point it at a text file or directory");
+    throw UserError("data.path = \"" + path +
+                    "\" does not exist; point it at a text file or directory");
   }
   // A directory: its regular files, sorted by name; files with NUL bytes (binary) are skipped.
   std::vector<fs::path> files;
@@ -179,7 +187,8 @@ Datasets make_text(const Config& config, int64_t vocab_limit) {
     for (fs::directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec)) {
       if (it->is_regular_file(ec) && !it->is_symlink(ec)) files.push_back(it->path());
     }
-    if (ec) throw UserError("data.path = \"" + path + "\": cannot list the directory: " + ec.message());
+    if (ec)
+      throw UserError("data.path = \"" + path + "\": cannot list the directory: " + ec.message());
     std::sort(files.begin(), files.end());
   } else {
     files.push_back(path);
@@ -193,8 +202,9 @@ Datasets make_text(const Config& config, int64_t vocab_limit) {
     used.push_back(file.filename().string());
   }
   if (vocab_limit > 0 && vocab_limit < 256) {
-    throw UserError("model.vocab_size = " + std::to_string(vocab_limit) +
-                    " is smaller than the 256 byte values of data.name = \"text\"; set it to 256 or more");
+    throw UserError(
+        "model.vocab_size = " + std::to_string(vocab_limit) +
+        " is smaller than the 256 byte values of data.name = \"text\"; set it to 256 or more");
   }
   TokenBuffer buffer;
   buffer.owner = bytes;
@@ -231,10 +241,11 @@ TokenBuffer map_token_file(const std::string& path, const std::string& format_ke
     throw UserError("token file " + path + " cannot be opened: " + std::strerror(errno) +
                     "; check data.path / data.val_path");
   }
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
-    throw UserError("token file " + path + " is not a regular file; point data.path / data.val_path at a .bin file");
+    throw UserError("token file " + path +
+                    " is not a regular file; point data.path / data.val_path at a .bin file");
   }
   const int64_t size = st.st_size;
   void* map = size > 0 ? ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_PRIVATE, fd, 0)
@@ -248,7 +259,8 @@ TokenBuffer map_token_file(const std::string& path, const std::string& format_ke
   int32_t magic = 0;
   if (size >= 4) std::memcpy(&magic, bytes, 4);
   std::string format = format_key;
-  if (format == "auto") format = (size >= kLlmcHeaderBytes && magic == kLlmcMagic) ? "llmc" : "nanogpt";
+  if (format == "auto")
+    format = (size >= kLlmcHeaderBytes && magic == kLlmcMagic) ? "llmc" : "nanogpt";
   *format_used = format;
   TokenBuffer buffer;
   buffer.owner = owner;
@@ -262,8 +274,9 @@ TokenBuffer map_token_file(const std::string& path, const std::string& format_ke
     int32_t header[3];
     std::memcpy(header, bytes, sizeof(header));
     if (header[0] != kLlmcMagic) {
-      throw UserError(path + ": bad magic " + std::to_string(header[0]) + " (llm.c files start with " +
-                      std::to_string(kLlmcMagic) + "); set data.format = \"nanogpt\" for raw uint16 files");
+      throw UserError(path + ": bad magic " + std::to_string(header[0]) +
+                      " (llm.c files start with " + std::to_string(kLlmcMagic) +
+                      "); set data.format = \"nanogpt\" for raw uint16 files");
     }
     if (header[1] != 1) {
       throw UserError(path + ": llm.c token file version " + std::to_string(header[1]) +
@@ -272,8 +285,9 @@ TokenBuffer map_token_file(const std::string& path, const std::string& format_ke
     const int64_t declared = header[2];
     const int64_t held = (size - kLlmcHeaderBytes) / 2;
     if (declared < 0 || size != kLlmcHeaderBytes + 2 * declared) {
-      throw UserError(path + ": truncated or oversized: the header declares " + std::to_string(declared) +
-                      " tokens but the file holds " + std::to_string(held));
+      throw UserError(path + ": truncated or oversized: the header declares " +
+                      std::to_string(declared) + " tokens but the file holds " +
+                      std::to_string(held));
     }
     buffer.data = bytes + kLlmcHeaderBytes;
     buffer.count = declared;
@@ -313,7 +327,8 @@ Datasets make_tokens(const Config& config, int64_t vocab_limit) {
     const int64_t val_count =
         static_cast<int64_t>(std::llround(config.get_float("data.val_fraction") * train.count));
     out.train = make_windows(train, 0, train.count - val_count, seq_len, vocab_limit, "train");
-    out.val = make_windows(train, train.count - val_count, val_count, seq_len, vocab_limit, "validation");
+    out.val =
+        make_windows(train, train.count - val_count, val_count, seq_len, vocab_limit, "validation");
   }
   out.identity = {{"kind", "tokens"},
                   {"format", format},
@@ -333,7 +348,8 @@ uint64_t data_seed(const Config& config) {
 Datasets make_datasets(const Config& config) {
   const std::string& name = config.get_string("data.name");
   if (name == "synthetic") return make_synthetic(config);
-  const int64_t vocab = config.get_string("model.name") == "gpt" ? resolve_gpt_config(config).vocab_size : 0;
+  const int64_t vocab =
+      config.get_string("model.name") == "gpt" ? resolve_gpt_config(config).vocab_size : 0;
   if (name == "text") return make_text(config, vocab);
   return make_tokens(config, vocab);
 }

@@ -1,4 +1,5 @@
 #include <ATen/ThreadLocalState.h>
+
 #include <chrono>
 
 #include "kiln/data.h"
@@ -6,14 +7,17 @@
 namespace kiln {
 
 Loader::Loader(std::shared_ptr<const Dataset> dataset, LoaderOptions options)
-    : dataset_(std::move(dataset)), options_(std::move(options)),
+    : dataset_(std::move(dataset)),
+      options_(std::move(options)),
       sampler_(dataset_->size(), options_.batch_size, options_.rank, options_.world_size,
                options_.shuffle, options_.seed) {
   if (options_.prefetch < 1) options_.prefetch = 1;
   start_workers();
 }
 
-Loader::~Loader() { stop_workers(); }
+Loader::~Loader() {
+  stop_workers();
+}
 
 LoaderPosition Loader::position_of(int64_t stream_index) const {
   const int64_t per_epoch = sampler_.batches_per_epoch();
@@ -101,7 +105,9 @@ Batch Loader::next() {
     std::unique_lock lock(mutex_);
     // A failure is raised at its own place in the stream, so what a run sees before it does not
     // depend on the worker count.
-    ready_cv_.wait(lock, [&] { return ready_.count(next_deliver_) || (error_ && error_index_ == next_deliver_); });
+    ready_cv_.wait(lock, [&] {
+      return ready_.count(next_deliver_) || (error_ && error_index_ == next_deliver_);
+    });
     auto it = ready_.find(next_deliver_);
     if (it == ready_.end()) std::rethrow_exception(error_);
     batch = std::move(it->second);
@@ -117,7 +123,9 @@ Batch Loader::next() {
   return batch;
 }
 
-void Loader::pause_workers() { stop_workers(); }
+void Loader::pause_workers() {
+  stop_workers();
+}
 
 void Loader::resume_workers() {
   if (workers_.empty()) start_workers();

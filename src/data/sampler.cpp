@@ -7,8 +7,12 @@ namespace kiln {
 
 Sampler::Sampler(int64_t dataset_size, int64_t batch_size, int rank, int world_size, bool shuffle,
                  uint64_t seed)
-    : dataset_size_(dataset_size), batch_size_(batch_size), rank_(rank), world_size_(world_size),
-      shuffle_(shuffle), seed_(seed) {
+    : dataset_size_(dataset_size),
+      batch_size_(batch_size),
+      rank_(rank),
+      world_size_(world_size),
+      shuffle_(shuffle),
+      seed_(seed) {
   const int64_t global_batch = batch_size_ * world_size_;
   batches_per_epoch_ = dataset_size_ / global_batch;
   if (batches_per_epoch_ == 0) {

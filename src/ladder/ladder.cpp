@@ -3,7 +3,6 @@
 #include "core/files.h"
 #include "core/strings.h"
 #include "dist/scale.h"
-
 #include "kiln/checkpoint.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
@@ -15,14 +14,16 @@ namespace {
 
 std::string report_markdown(const Config& config, const std::vector<RungResult>& results,
                             const std::vector<std::string>& skipped) {
-  std::string out = fmt::format("# kiln ladder report\n\nConfig `{}` (hash `{}`), generated {}.\n"
-                                "See `manifest.json` for the pinned environment.\n\n",
-                                config.source_name(), config.hash(), utc_now_iso8601());
+  std::string out = fmt::format(
+      "# kiln ladder report\n\nConfig `{}` (hash `{}`), generated {}.\n"
+      "See `manifest.json` for the pinned environment.\n\n",
+      config.source_name(), config.hash(), utc_now_iso8601());
   out += "| rung | gate | verdict |\n|---|---|---|\n";
   for (const auto& r : results) {
     out += fmt::format("| {} | {} | {} |\n", r.rung, r.passed ? "passed" : "**failed**", r.verdict);
   }
-  for (const auto& name : skipped) out += fmt::format("| {} | not run | an earlier rung failed |\n", name);
+  for (const auto& name : skipped)
+    out += fmt::format("| {} | not run | an earlier rung failed |\n", name);
   for (const auto& r : results) {
     out += fmt::format("\n## {}\n\n| measure | value |\n|---|---|\n", r.rung);
     for (const auto& [key, value] : r.table) out += fmt::format("| {} | {} |\n", key, value);

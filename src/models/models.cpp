@@ -1,18 +1,19 @@
-#include <xxhash.h>
+#include "kiln/models.h"
 
-#include <cmath>
-#include <memory>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
+#include <xxhash.h>
+
+#include <cmath>
+#include <memory>
 
 #include "core/schema_sections.h"
 #include "core/strings.h"
 #include "kiln/config.h"
 #include "kiln/error.h"
-#include "kiln/models.h"
 
 namespace kiln {
 namespace {
@@ -118,7 +119,8 @@ class Gpt final : public Model {
       h_->push_back(block);
       blocks_.push_back(block);
     }
-    ln_f_ = transformer->register_module("ln_f", nn::LayerNorm(nn::LayerNormOptions({config.n_embd})));
+    ln_f_ =
+        transformer->register_module("ln_f", nn::LayerNorm(nn::LayerNormOptions({config.n_embd})));
     initialise(generator);
   }
 
@@ -137,14 +139,20 @@ class Gpt final : public Model {
 
   std::string architecture() const override { return "gpt"; }
   nlohmann::json describe() const override {
-    return {{"n_layer", config_.n_layer}, {"n_head", config_.n_head},
-            {"n_embd", config_.n_embd},   {"block_size", config_.block_size},
-            {"vocab_size", config_.vocab_size}, {"init_std", config_.init_std},
-            {"tied_head", true}, {"activation", "gelu_tanh"}, {"norm", "pre-LayerNorm"}};
+    return {{"n_layer", config_.n_layer},
+            {"n_head", config_.n_head},
+            {"n_embd", config_.n_embd},
+            {"block_size", config_.block_size},
+            {"vocab_size", config_.vocab_size},
+            {"init_std", config_.init_std},
+            {"tied_head", true},
+            {"activation", "gelu_tanh"},
+            {"norm", "pre-LayerNorm"}};
   }
   double train_flops_per_sample(int64_t seq_len) const override {
     const double params = static_cast<double>(parameter_count(*this) - wpe_->weight.numel());
-    const double per_token = 6.0 * params + 12.0 * static_cast<double>(config_.n_layer * config_.n_embd * seq_len);
+    const double per_token =
+        6.0 * params + 12.0 * static_cast<double>(config_.n_layer * config_.n_embd * seq_len);
     return per_token * static_cast<double>(seq_len);
   }
 
@@ -199,8 +207,9 @@ GptConfig resolve_gpt_config(const Config& config) {
   pick("model.vocab_size", out.vocab_size);
   out.init_std = config.get_float("model.init_std");
   if (out.n_embd % out.n_head != 0) {
-    throw UserError("model.n_embd = " + std::to_string(out.n_embd) + " is not divisible by model.n_head = " +
-                    std::to_string(out.n_head) + "; pick a head count that divides the width");
+    throw UserError("model.n_embd = " + std::to_string(out.n_embd) +
+                    " is not divisible by model.n_head = " + std::to_string(out.n_head) +
+                    "; pick a head count that divides the width");
   }
   if (config.get_int("data.seq_len") > out.block_size) {
     throw UserError("data.seq_len = " + std::to_string(config.get_int("data.seq_len")) +
@@ -214,15 +223,18 @@ void check_model_keys(const Config& config) {
   if (config.get_string("model.name") != "gpt") return;
   const GptConfig gpt = resolve_gpt_config(config);  // throws on shapes that cannot be built
   if (config.get_string("data.name") == "text" && gpt.vocab_size < 256) {
-    throw UserError("model.vocab_size = " + std::to_string(gpt.vocab_size) +
-                    " is smaller than the 256 byte values of data.name = \"text\"; set it to 256 or more");
+    throw UserError(
+        "model.vocab_size = " + std::to_string(gpt.vocab_size) +
+        " is smaller than the 256 byte values of data.name = \"text\"; set it to 256 or more");
   }
 }
 
 std::shared_ptr<Model> make_model(const Config& config) {
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.get_int("run.seed")));
+  auto generator =
+      at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.get_int("run.seed")));
   if (config.get_string("model.name") == "mlp") {
-    return std::make_shared<Mlp>(config.get_int("model.input_dim"), config.get_int("model.hidden_dim"),
+    return std::make_shared<Mlp>(config.get_int("model.input_dim"),
+                                 config.get_int("model.hidden_dim"),
                                  config.get_int("model.num_classes"), generator);
   }
   return std::make_shared<Gpt>(resolve_gpt_config(config), generator);
@@ -235,7 +247,8 @@ int64_t parameter_count(const torch::nn::Module& module) {
 }
 
 std::string weights_hash(const torch::nn::Module& module) {
-  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> owner(XXH3_createState(), XXH3_freeState);
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> owner(XXH3_createState(),
+                                                                 XXH3_freeState);
   XXH3_state_t* state = owner.get();
   XXH3_64bits_reset(state);
   auto feed = [&](const std::string& name, const torch::Tensor& tensor) {

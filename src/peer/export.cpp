@@ -10,7 +10,8 @@
 
 namespace kiln {
 
-nlohmann::json export_for_peer(const Config& config, int64_t steps, const std::filesystem::path& out_dir) {
+nlohmann::json export_for_peer(const Config& config, int64_t steps,
+                               const std::filesystem::path& out_dir) {
   std::error_code ec;
   std::filesystem::create_directories(out_dir, ec);
   if (ec) throw UserError("cannot create " + out_dir.string() + ": " + ec.message());
@@ -18,7 +19,8 @@ nlohmann::json export_for_peer(const Config& config, int64_t steps, const std::f
   Datasets data = make_datasets(config);
   auto model = make_model(config);
   NamedTensors init;
-  for (const auto& item : model->named_parameters()) init.emplace_back(item.key(), item.value().clone());
+  for (const auto& item : model->named_parameters())
+    init.emplace_back(item.key(), item.value().clone());
   write_safetensors(out_dir / "init.safetensors", init, {{"format", "pt"}, {"source", "kiln"}});
   write_file_atomic(out_dir / "config.toml", config.to_toml(false));
 
@@ -36,8 +38,10 @@ nlohmann::json export_for_peer(const Config& config, int64_t steps, const std::f
   }
   write_safetensors(out_dir / "batches.safetensors", batch_tensors);
 
-  nlohmann::json result = {{"steps", steps}, {"loss", nlohmann::json::array()},
-                           {"grad_norm", nlohmann::json::array()}, {"lr", nlohmann::json::array()},
+  nlohmann::json result = {{"steps", steps},
+                           {"loss", nlohmann::json::array()},
+                           {"grad_norm", nlohmann::json::array()},
+                           {"lr", nlohmann::json::array()},
                            {"step_seconds", nlohmann::json::array()}};
   for (int64_t k = 0; k < steps; ++k) {
     StepStats s = trainer.train_step_on(batches[static_cast<size_t>(k)]);
@@ -46,7 +50,8 @@ nlohmann::json export_for_peer(const Config& config, int64_t steps, const std::f
     result["lr"].push_back(s.lr);
     result["step_seconds"].push_back(s.step_seconds);
   }
-  write_file_atomic(out_dir / "kiln.json", result.dump(2, ' ', false, nlohmann::json::error_handler_t::replace));
+  write_file_atomic(out_dir / "kiln.json",
+                    result.dump(2, ' ', false, nlohmann::json::error_handler_t::replace));
   log::info(fmt::format("exported {} steps to {}", steps, out_dir.string()));
   return result;
 }

@@ -1,4 +1,5 @@
 #include <ATen/ATen.h>
+
 #include <cmath>
 #include <numbers>
 
@@ -64,8 +65,10 @@ void Optimizer::load_state(const NamedTensors& state, int64_t steps_taken) {
   }
   torch::NoGradGuard no_grad;
   for (size_t k = 0; k < live.size(); ++k) {
-    if (live[k].first != state[k].first || !live[k].second.sizes().equals(state[k].second.sizes())) {
-      throw UserError("optimizer state tensor " + state[k].first + " does not match " + live[k].first);
+    if (live[k].first != state[k].first ||
+        !live[k].second.sizes().equals(state[k].second.sizes())) {
+      throw UserError("optimizer state tensor " + state[k].first + " does not match " +
+                      live[k].first);
     }
     live[k].second.copy_(state[k].second);
   }

@@ -1,9 +1,10 @@
+#include "kiln/session.h"
+
 #include <fstream>
 #include <string>
 
 #include "kiln/error.h"
 #include "kiln/log.h"
-#include "kiln/session.h"
 
 namespace kiln {
 namespace {
@@ -21,7 +22,8 @@ double proc_status_bytes(const std::string& field) {
 }  // namespace
 
 std::unique_ptr<Session> open_session(const Config& config, const SessionOptions& options) {
-  auto session = std::make_unique<Session>(Session{config, torch::kCPU, options.comm, nullptr, nullptr});
+  auto session =
+      std::make_unique<Session>(Session{config, torch::kCPU, options.comm, nullptr, nullptr});
   // Without a communicator: this process's (torchrun / Slurm environment; else a world of one).
   if (!session->comm) session->comm = process_communicator(config);
   const int rank = session->comm->rank(), world_size = session->comm->world_size();
@@ -41,19 +43,20 @@ std::unique_ptr<Session> open_session(const Config& config, const SessionOptions
   run_options.append_metrics = options.append_metrics;
   session->run = std::make_unique<Run>(config, run_options);
   session->run->write_manifest(data.identity, model_id,
-                               {{"device", session->device.str()},
-                                {"world_size", world_size}});
+                               {{"device", session->device.str()}, {"world_size", world_size}});
   TrainerOptions trainer_options;
   trainer_options.device = session->device;
   trainer_options.rank = rank;
   trainer_options.world_size = world_size;
   trainer_options.comm = session->comm;
-  session->trainer = std::make_unique<Trainer>(config, std::move(model), std::move(data), trainer_options);
+  session->trainer =
+      std::make_unique<Trainer>(config, std::move(model), std::move(data), trainer_options);
   if (world_size > 1) {  // DDP: broadcast rank 0's weights, average gradients during backward
     DataParallel::attach(*session->trainer, session->comm, data_parallel_options(config));
   }
-  log::info("run directory " + session->run->dir().string() + " | " + model_id["architecture"].get<std::string>() +
-            " with " + std::to_string(model_id["parameter_count"].get<int64_t>()) + " parameters on " +
+  log::info("run directory " + session->run->dir().string() + " | " +
+            model_id["architecture"].get<std::string>() + " with " +
+            std::to_string(model_id["parameter_count"].get<int64_t>()) + " parameters on " +
             session->device.str());
   return session;
 }
@@ -80,8 +83,9 @@ PeakMemory read_peak_memory(const torch::Device& device) {
 #endif
   PeakMemory peak;
   if (device.is_cpu()) {
-    peak.method = "CPU: process peak resident set size (VmHWM) over the region, reset through "
-                  "/proc/self/clear_refs; includes allocator caches, code and libraries";
+    peak.method =
+        "CPU: process peak resident set size (VmHWM) over the region, reset through "
+        "/proc/self/clear_refs; includes allocator caches, code and libraries";
     peak.allocated_bytes = proc_status_bytes("VmHWM");
     peak.resident_after_bytes = proc_status_bytes("VmRSS");
   } else {

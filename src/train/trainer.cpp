@@ -1,12 +1,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
-#include <chrono>
-#include <cmath>
-#include <cstdlib>
 #include <fmt/format.h>
 #include <torch/cuda.h>
 #include <torch/utils.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
 
 #include "core/clock.h"
 #include "core/strings.h"
@@ -42,14 +43,16 @@ class Progress {
     const char* unit = s.tokens > 0 ? "tok/s" : "samples/s";
     if (bar_) {
       const int width = 24;
-      const int filled = static_cast<int>(width * static_cast<double>(s.step) / static_cast<double>(total_));
+      const int filled =
+          static_cast<int>(width * static_cast<double>(s.step) / static_cast<double>(total_));
       log::status(fmt::format("[{}{}] {}/{} loss {:.4f} | {:.1f} it/s {:.0f} {} | ETA {}",
                               std::string(filled, '#'), std::string(width - filled, '.'), s.step,
                               total_, s.loss, rate, throughput, unit, format_duration(eta)));
     } else if (s.step % every_ == 0 || s.step == total_) {
-      log::info(fmt::format("step {}/{} loss {:.4f} lr {:.3g} grad_norm {:.3f} {:.1f} ms/step {:.0f} {} ETA {}",
-                            s.step, total_, s.loss, s.lr, s.grad_norm, 1e3 * s.step_seconds,
-                            throughput, unit, format_duration(eta)));
+      log::info(fmt::format(
+          "step {}/{} loss {:.4f} lr {:.3g} grad_norm {:.3f} {:.1f} ms/step {:.0f} {} ETA {}",
+          s.step, total_, s.loss, s.lr, s.grad_norm, 1e3 * s.step_seconds, throughput, unit,
+          format_duration(eta)));
     }
   }
   void finish() {
@@ -65,13 +68,20 @@ class Progress {
 
 const char* phase_name(Phase phase) {
   switch (phase) {
-    case Phase::kDataWait: return "data_wait";
-    case Phase::kForward: return "forward";
-    case Phase::kBackward: return "backward";
-    case Phase::kComm: return "comm";
-    case Phase::kOptimizer: return "optimizer";
-    case Phase::kCheckpoint: return "checkpoint";
-    case Phase::kEval: return "eval";
+    case Phase::kDataWait:
+      return "data_wait";
+    case Phase::kForward:
+      return "forward";
+    case Phase::kBackward:
+      return "backward";
+    case Phase::kComm:
+      return "comm";
+    case Phase::kOptimizer:
+      return "optimizer";
+    case Phase::kCheckpoint:
+      return "checkpoint";
+    case Phase::kEval:
+      return "eval";
   }
   return "?";
 }
@@ -95,7 +105,8 @@ torch::Device resolve_device(const Config& config) {
   const bool cuda = torch::cuda::is_available();
   if (device == "cuda" && !cuda) {
     throw UserError("run.device = \"cuda\" but no CUDA device is available (this LibTorch build: " +
-                    std::string(at::hasCUDA() ? "CUDA" : "CPU-only") + "); set run.device = \"cpu\"");
+                    std::string(at::hasCUDA() ? "CUDA" : "CPU-only") +
+                    "); set run.device = \"cpu\"");
   }
   if (device == "cuda" || (device == "auto" && cuda)) return torch::Device(torch::kCUDA, 0);
   return torch::kCPU;
@@ -103,7 +114,9 @@ torch::Device resolve_device(const Config& config) {
 
 Trainer::Trainer(const Config& config, std::shared_ptr<Model> model, Datasets data,
                  TrainerOptions options)
-    : config_(std::make_unique<Config>(config)), model_(std::move(model)), data_(std::move(data)),
+    : config_(std::make_unique<Config>(config)),
+      model_(std::move(model)),
+      data_(std::move(data)),
       options_(options) {
   model_->to(options_.device);
   NamedTensors params;
@@ -124,17 +137,20 @@ Trainer::Trainer(const Config& config, std::shared_ptr<Model> model, Datasets da
                                              options_.rank, options_.world_size,
                                              /*shuffle=*/false, 0);
   } catch (const UserError&) {
-    throw UserError("the validation split has " + std::to_string(data_.val->size()) +
-                    " samples, fewer than one global batch (train.batch_size " +
-                    std::to_string(loader_options.batch_size) + " x " + std::to_string(options_.world_size) +
-                    " processes); raise data.val_samples (synthetic) or data.val_fraction (text, tokens), "
-                    "or lower train.batch_size");
+    throw UserError(
+        "the validation split has " + std::to_string(data_.val->size()) +
+        " samples, fewer than one global batch (train.batch_size " +
+        std::to_string(loader_options.batch_size) + " x " + std::to_string(options_.world_size) +
+        " processes); raise data.val_samples (synthetic) or data.val_fraction (text, tokens), "
+        "or lower train.batch_size");
   }
 }
 
 Trainer::~Trainer() = default;
 
-void Trainer::add_hook(std::shared_ptr<TrainerHook> hook) { hooks_.push_back(std::move(hook)); }
+void Trainer::add_hook(std::shared_ptr<TrainerHook> hook) {
+  hooks_.push_back(std::move(hook));
+}
 
 void Trainer::phase_begin(Phase phase) {
   for (auto& hook : hooks_) hook->on_phase_begin(*this, phase);
@@ -220,8 +236,9 @@ StepStats Trainer::run_step(int accum, const std::function<Batch(int)>& next_bat
                                          stats.step, stats.loss, stats.grad_norm);
     if (config_->get_string("train.nonfinite") == "abort") {
       phase_end(Phase::kOptimizer);
-      throw TrainingError(what + "; lower optim.lr, enable train.clip_grad_norm, or set "
-                                 "train.nonfinite = \"skip\"");
+      throw TrainingError(what +
+                          "; lower optim.lr, enable train.clip_grad_norm, or set "
+                          "train.nonfinite = \"skip\"");
     }
     ++skipped_steps_;
     if (skipped_steps_ > config_->get_int("train.max_skipped_steps")) {
@@ -246,8 +263,8 @@ EvalStats Trainer::evaluate() {
   phase_begin(Phase::kEval);
   torch::NoGradGuard no_grad;
   model_->eval();
-  int64_t batches = std::min(config_->get_int("train.eval_batches"),
-                             val_sampler_->batches_per_epoch());
+  int64_t batches =
+      std::min(config_->get_int("train.eval_batches"), val_sampler_->batches_per_epoch());
   double loss_sum = 0;
   int64_t correct = 0, samples = 0;
   for (int64_t b = 0; b < batches; ++b) {

@@ -22,7 +22,8 @@ TEST(Baseline, ReportsThroughputMemoryAndPassesTheGate) {
   auto j = nlohmann::json::parse(slurp(dir / "t" / "baseline.json"));
   EXPECT_EQ(j["measured_steps"], 10);
   EXPECT_GT(j["tokens_per_second"].get<double>(), 0);
-  EXPECT_NEAR(j["tokens_per_second"].get<double>(), j["samples_per_second"].get<double>() * 32, 1e-6 * j["tokens_per_second"].get<double>());
+  EXPECT_NEAR(j["tokens_per_second"].get<double>(), j["samples_per_second"].get<double>() * 32,
+              1e-6 * j["tokens_per_second"].get<double>());
   EXPECT_LE(j["step_seconds"]["p10"].get<double>(), j["step_seconds"]["median"].get<double>());
   EXPECT_LE(j["step_seconds"]["median"].get<double>(), j["step_seconds"]["p90"].get<double>());
   EXPECT_GE(j["data_wait_share"].get<double>(), 0);
@@ -36,7 +37,8 @@ TEST(Baseline, ReportsThroughputMemoryAndPassesTheGate) {
 
 TEST(Baseline, GateTripsWhenTheLossCannotFall) {
   TempDir dir;
-  Config config = gpt_config(dir.path(), {"optim.lr=0", "baseline.warmup_steps=1", "baseline.steps=6"});
+  Config config =
+      gpt_config(dir.path(), {"optim.lr=0", "baseline.warmup_steps=1", "baseline.steps=6"});
   auto session = open_session(config, {{"kiln"}});
   RungResult r = run_baseline(*session);
   EXPECT_FALSE(r.passed);
@@ -47,9 +49,10 @@ TEST(Baseline, SkippedNonFiniteStepsFailTheGate) {
   TempDir dir;
   // SGD at an absurd learning rate: the weights blow up after the first step, every later loss is
   // non-finite and, under the skip policy, skipped rather than aborting the run.
-  Config config = mlp_config(dir.path(), {"optim.name=sgd", "optim.lr=1e30", "train.clip_grad_norm=0",
-                                          "train.nonfinite=skip", "train.max_skipped_steps=1000",
-                                          "baseline.warmup_steps=1", "baseline.steps=8"});
+  Config config =
+      mlp_config(dir.path(), {"optim.name=sgd", "optim.lr=1e30", "train.clip_grad_norm=0",
+                              "train.nonfinite=skip", "train.max_skipped_steps=1000",
+                              "baseline.warmup_steps=1", "baseline.steps=8"});
   auto session = open_session(config, {{"kiln"}});
   RungResult r = run_baseline(*session);
   EXPECT_FALSE(r.passed);
@@ -84,8 +87,9 @@ TEST(Ladder, ARungThatThrowsStillLeavesAReport) {
 
 TEST(Baseline, CliExitsNonZeroOnAFailedGate) {
   TempDir dir;
-  auto r = run_kiln("baseline " + (source_dir() / "configs/gpt-tiny.toml").string() + " --set optim.lr=0 " +
-                    "--set baseline.steps=4 --set baseline.warmup_steps=0 --set run.dir=" + dir.path().string());
+  auto r = run_kiln(
+      "baseline " + (source_dir() / "configs/gpt-tiny.toml").string() + " --set optim.lr=0 " +
+      "--set baseline.steps=4 --set baseline.warmup_steps=0 --set run.dir=" + dir.path().string());
   EXPECT_EQ(r.exit_code, 3) << r.err;
   EXPECT_THAT(r.err, HasSubstr("baseline gate failed"));
   EXPECT_THAT(r.out, HasSubstr("baseline — FAILED"));

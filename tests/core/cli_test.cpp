@@ -82,8 +82,9 @@ TEST(Cli, ValidateRejectsWhatTrainingWouldAndTrainingWritesNothingFirst) {
 TEST(Cli, NonUtf8NamesAndArgumentsAreRecordedNotFatal) {
   TempDir dir;
   // A Latin-1 run name (legal on Linux); the manifest records it with U+FFFD replacing the byte.
-  auto r = run_kiln("train " + (source_dir() / "configs/mlp.toml").string() + " --set run.dir=" +
-                    dir.path().string() + " --set \"run.name=r$(printf '\\351')\" --set train.steps=3 " +
+  auto r = run_kiln("train " + (source_dir() / "configs/mlp.toml").string() +
+                    " --set run.dir=" + dir.path().string() +
+                    " --set \"run.name=r$(printf '\\351')\" --set train.steps=3 " +
                     "--set run.progress=off --set train.eval_every=0");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const auto run_dir = dir / "r\xe9";

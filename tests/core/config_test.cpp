@@ -1,9 +1,9 @@
+#include "kiln/config.h"
+
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <fmt/format.h>
-
-#include "kiln/config.h"
 #include "kiln/error.h"
 #include "support/helpers.h"
 
@@ -56,7 +56,8 @@ TEST(Config, KeyInTheWrongSectionSuggestsTheRightOne) {
 }
 
 TEST(Config, UnknownSectionSuggestsTheClosest) {
-  EXPECT_THAT(error_of("[optimm]\nlr = 0.1\n"), HasSubstr("unknown section [optimm] (did you mean [optim]?)"));
+  EXPECT_THAT(error_of("[optimm]\nlr = 0.1\n"),
+              HasSubstr("unknown section [optimm] (did you mean [optim]?)"));
 }
 
 TEST(Config, WrongTypeNamesFileLineKeyAndExpectation) {
@@ -74,7 +75,8 @@ TEST(Config, OutOfRangeNamesTheRange) {
 }
 
 TEST(Config, BadChoiceListsTheChoices) {
-  EXPECT_THAT(error_of("[optim]\nname = \"adam\"\n"), HasSubstr("expected one of \"adamw\", \"sgd\""));
+  EXPECT_THAT(error_of("[optim]\nname = \"adam\"\n"),
+              HasSubstr("expected one of \"adamw\", \"sgd\""));
 }
 
 TEST(Config, SyntaxErrorNamesTheLine) {
@@ -91,8 +93,9 @@ TEST(Config, MissingFileSaysWhich) {
 }
 
 TEST(Config, OverridesAreTypedAndValidated) {
-  Config c = Config::parse("", "x", {"optim.lr=3e-4", "train.steps=12", "run.deterministic=false",
-                                     "run.name=\"abc\"", "optim.name=sgd"});
+  Config c = Config::parse("", "x",
+                           {"optim.lr=3e-4", "train.steps=12", "run.deterministic=false",
+                            "run.name=\"abc\"", "optim.name=sgd"});
   EXPECT_DOUBLE_EQ(c.get_float("optim.lr"), 3e-4);
   EXPECT_EQ(c.get_int("train.steps"), 12);
   EXPECT_FALSE(c.get_bool("run.deterministic"));
@@ -119,7 +122,8 @@ TEST(Config, ResolvedTomlRoundTripsWithTheSameHash) {
 TEST(Config, RejectsInconsistentCombinations) {
   EXPECT_THAT(error_of("[model]\nname = \"gpt\"\n"), HasSubstr("needs token data"));
   EXPECT_THAT(error_of("[data]\nname = \"text\"\n"), HasSubstr("model.name = \"mlp\" trains on"));
-  EXPECT_THAT(error_of("[model]\nname = \"gpt\"\n[data]\nname = \"tokens\"\n"), HasSubstr("data.path"));
+  EXPECT_THAT(error_of("[model]\nname = \"gpt\"\n[data]\nname = \"tokens\"\n"),
+              HasSubstr("data.path"));
 }
 
 // Checks that need a preset's shape run in validate() too, so `kiln config validate` rejects
@@ -127,10 +131,13 @@ TEST(Config, RejectsInconsistentCombinations) {
 TEST(Config, RejectsShapesTheModelCannotBuild) {
   const std::string gpt = "[model]\nname = \"gpt\"\npreset = \"tiny\"\n[data]\nname = \"text\"\n";
   EXPECT_EQ(error_of(gpt), "");
-  EXPECT_THAT(error_of(gpt, {"model.n_head=3"}), HasSubstr("cfg.toml: model.n_embd = 128 is not divisible"));
+  EXPECT_THAT(error_of(gpt, {"model.n_head=3"}),
+              HasSubstr("cfg.toml: model.n_embd = 128 is not divisible"));
   EXPECT_THAT(error_of(gpt, {"data.seq_len=512"}), HasSubstr("exceeds the model's block_size"));
-  EXPECT_THAT(error_of(gpt, {"model.vocab_size=100"}), HasSubstr("smaller than the 256 byte values"));
-  EXPECT_THAT(error_of("[optim]\nname = \"sgd\"\nnesterov = true\n"), HasSubstr("optim.nesterov = true needs optim.momentum > 0"));
+  EXPECT_THAT(error_of(gpt, {"model.vocab_size=100"}),
+              HasSubstr("smaller than the 256 byte values"));
+  EXPECT_THAT(error_of("[optim]\nname = \"sgd\"\nnesterov = true\n"),
+              HasSubstr("optim.nesterov = true needs optim.momentum > 0"));
   EXPECT_EQ(error_of("[optim]\nname = \"sgd\"\nnesterov = true\nmomentum = 0.9\n"), "");
 }
 
@@ -153,7 +160,8 @@ TEST(ConfigDocs, EveryKeyIsDocumented) {
   std::string docs = testing::slurp(testing::source_dir() / "docs/config.md");
   for (const auto& def : schema()) {
     EXPECT_NE(docs.find(fmt::format("`{}`", def.full_name())), std::string::npos)
-        << def.full_name() << " is missing from docs/config.md; regenerate its table with `kiln config keys`";
+        << def.full_name()
+        << " is missing from docs/config.md; regenerate its table with `kiln config keys`";
   }
 }
 

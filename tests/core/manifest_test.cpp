@@ -33,7 +33,8 @@ TEST(Manifest, RunDirectoryHoldsConfigManifestMetricsAndLog) {
     if (!record.contains("loss")) continue;
     ++steps;
     EXPECT_EQ(record["step"], steps);
-    for (auto key : {"lr", "grad_norm", "step_seconds", "data_wait_seconds", "samples_per_second"}) {
+    for (auto key :
+         {"lr", "grad_norm", "step_seconds", "data_wait_seconds", "samples_per_second"}) {
       EXPECT_TRUE(record.contains(key)) << key;
     }
   }
@@ -62,7 +63,8 @@ TEST(Manifest, PinsWhatReproducesTheRun) {
 #else
   EXPECT_TRUE(m["libtorch"]["nccl"].is_null());  // a CPU LibTorch has no NCCL
 #endif
-  ASSERT_EQ(m["devices"].size(), 1u + (m["libtorch"]["cuda_available"].get<bool>() ? torch::cuda::device_count() : 0));
+  ASSERT_EQ(m["devices"].size(),
+            1u + (m["libtorch"]["cuda_available"].get<bool>() ? torch::cuda::device_count() : 0));
   EXPECT_EQ(m["devices"][0]["type"], "cpu");
   for (size_t k = 1; k < m["devices"].size(); ++k) {
     EXPECT_EQ(m["devices"][k]["type"], "cuda");

@@ -1,12 +1,13 @@
+#include "kiln/data.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <cstring>
 #include <chrono>
+#include <cstring>
 #include <set>
 #include <thread>
 
-#include "kiln/data.h"
 #include "kiln/error.h"
 #include "support/helpers.h"
 
@@ -31,11 +32,13 @@ std::vector<Batch> take(const Config& config, int workers, int count) {
 TEST(Loader, BatchOrderDoesNotDependOnWorkerCount) {
   TempDir dir;
   for (const Config& config : {mlp_config(dir.path()), gpt_config(dir.path())}) {
-    auto reference = take(config, 0, 70);  // the mlp's 2048 samples make 64 batches: crosses an epoch
+    auto reference =
+        take(config, 0, 70);  // the mlp's 2048 samples make 64 batches: crosses an epoch
     for (int workers : {1, 2, 4}) {
       auto batches = take(config, workers, 70);
       for (size_t k = 0; k < reference.size(); ++k) {
-        EXPECT_TRUE(torch::equal(reference[k].inputs, batches[k].inputs)) << workers << " workers, batch " << k;
+        EXPECT_TRUE(torch::equal(reference[k].inputs, batches[k].inputs))
+            << workers << " workers, batch " << k;
         EXPECT_TRUE(torch::equal(reference[k].targets, batches[k].targets));
       }
     }
@@ -65,7 +68,8 @@ TEST(Loader, AWorkerErrorSurfacesAtItsOwnBatchWhateverTheWorkerCount) {
     options.shuffle = false;
     Loader loader(std::make_shared<FailingDataset>(), options);
     for (int k = 0; k < 5; ++k) {
-      EXPECT_EQ(loader.next().inputs[0][0].item<float>(), static_cast<float>(k)) << workers << " workers";
+      EXPECT_EQ(loader.next().inputs[0][0].item<float>(), static_cast<float>(k))
+          << workers << " workers";
     }
     try {
       loader.next();
@@ -78,7 +82,8 @@ TEST(Loader, AWorkerErrorSurfacesAtItsOwnBatchWhateverTheWorkerCount) {
 
 TEST(Loader, PositionAndSeekResumeTheSameStream) {
   TempDir dir;
-  Config config = mlp_config(dir.path(), {"data.num_samples=256", "train.batch_size=32"});  // 8 batches/epoch
+  Config config =
+      mlp_config(dir.path(), {"data.num_samples=256", "train.batch_size=32"});  // 8 batches/epoch
   Datasets data = make_datasets(config);
   LoaderOptions options;
   options.batch_size = 32;
@@ -168,14 +173,16 @@ TEST(TextData, DefaultCorpusIsTheFortunesText) {
 // ---- token files ----
 
 void write_llmc(const std::filesystem::path& path, const std::vector<uint16_t>& tokens,
-                int32_t magic = 20240520, int32_t version = 1, int64_t declared = -1, size_t drop = 0) {
+                int32_t magic = 20240520, int32_t version = 1, int64_t declared = -1,
+                size_t drop = 0) {
   int32_t header[256] = {};
   header[0] = magic;
   header[1] = version;
   header[2] = static_cast<int32_t>(declared >= 0 ? declared : static_cast<int64_t>(tokens.size()));
   std::string bytes(reinterpret_cast<const char*>(header), sizeof(header));
   bytes.append(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 2);
-  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size() - drop));
+  std::ofstream(path, std::ios::binary)
+      .write(bytes.data(), static_cast<std::streamsize>(bytes.size() - drop));
 }
 
 std::string token_error(const TempDir& dir, const std::vector<std::string>& extra) {
@@ -195,11 +202,12 @@ TEST(TokenData, ReadsLlmcAndNanogptFiles) {
   std::vector<uint16_t> tokens(1000);
   for (size_t k = 0; k < tokens.size(); ++k) tokens[k] = static_cast<uint16_t>(k % 900);
   write_llmc(dir / "train.bin", tokens);
-  write_text(dir / "raw.bin", std::string(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 2));
+  write_text(dir / "raw.bin",
+             std::string(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 2));
   for (auto [file, format] : {std::pair{"train.bin", "llmc"}, std::pair{"raw.bin", "nanogpt"}}) {
-    Datasets d = make_datasets(gpt_config(dir.path(), {"data.name=tokens", "data.path=" + (dir / file).string(),
-                                                       "model.vocab_size=1000", "data.seq_len=10",
-                                                       "data.val_fraction=0.1"}));
+    Datasets d = make_datasets(gpt_config(
+        dir.path(), {"data.name=tokens", "data.path=" + (dir / file).string(),
+                     "model.vocab_size=1000", "data.seq_len=10", "data.val_fraction=0.1"}));
     EXPECT_EQ(d.identity["format"], format);
     EXPECT_EQ(d.train->size(), (900 - 1) / 10);
     Batch b = d.train->get({3});
@@ -215,7 +223,8 @@ TEST(TokenData, RejectsBadFilesWithClearErrors) {
   EXPECT_THAT(token_error(dir, {"data.path=" + (dir / "magic.bin").string(), "data.format=llmc"}),
               HasSubstr("bad magic 12345"));
   write_llmc(dir / "version.bin", tokens, 20240520, 7);
-  EXPECT_THAT(token_error(dir, {"data.path=" + (dir / "version.bin").string()}), HasSubstr("version 7"));
+  EXPECT_THAT(token_error(dir, {"data.path=" + (dir / "version.bin").string()}),
+              HasSubstr("version 7"));
   write_llmc(dir / "trunc.bin", tokens, 20240520, 1, -1, 10);
   EXPECT_THAT(token_error(dir, {"data.path=" + (dir / "trunc.bin").string()}),
               HasSubstr("header declares 500 tokens but the file holds 495"));
@@ -233,7 +242,8 @@ TEST(TokenData, RejectsBadFilesWithClearErrors) {
   write_llmc(dir / "vocab.bin", big);
   EXPECT_THAT(token_error(dir, {"data.path=" + (dir / "vocab.bin").string()}),
               HasSubstr("outside the model's vocabulary"));
-  EXPECT_THAT(token_error(dir, {"data.path=" + (dir / "nope.bin").string()}), HasSubstr("cannot be opened"));
+  EXPECT_THAT(token_error(dir, {"data.path=" + (dir / "nope.bin").string()}),
+              HasSubstr("cannot be opened"));
 }
 
 }  // namespace

@@ -1,9 +1,10 @@
+#include "kiln/models.h"
+
 #include <gtest/gtest.h>
 
 #include <set>
 
 #include "kiln/error.h"
-#include "kiln/models.h"
 #include "support/helpers.h"
 
 namespace kiln::testing {
@@ -14,8 +15,12 @@ Config gpt_preset(const std::string& preset) {
 }
 
 TEST(Gpt, PresetShapesAndParameterCounts) {
-  struct Expect { std::string preset; int64_t lo, hi; };
-  for (const auto& e : {Expect{"tiny", 900'000, 1'200'000}, Expect{"small", 9'000'000, 12'000'000}}) {
+  struct Expect {
+    std::string preset;
+    int64_t lo, hi;
+  };
+  for (const auto& e :
+       {Expect{"tiny", 900'000, 1'200'000}, Expect{"small", 9'000'000, 12'000'000}}) {
     auto model = make_model(gpt_preset(e.preset));
     EXPECT_GE(parameter_count(*model), e.lo) << e.preset;
     EXPECT_LE(parameter_count(*model), e.hi) << e.preset;
@@ -33,11 +38,12 @@ TEST(Gpt, ParameterNamesFollowHuggingFaceGpt2) {
   auto model = make_model(gpt_preset("tiny"));
   std::set<std::string> names;
   for (const auto& item : model->named_parameters()) names.insert(item.key());
-  for (auto name : {"transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.ln_1.weight",
-                    "transformer.h.0.ln_1.bias", "transformer.h.0.attn.c_attn.weight",
-                    "transformer.h.0.attn.c_attn.bias", "transformer.h.0.attn.c_proj.weight",
-                    "transformer.h.0.ln_2.weight", "transformer.h.0.mlp.c_fc.weight",
-                    "transformer.h.0.mlp.c_proj.bias", "transformer.ln_f.weight", "transformer.ln_f.bias"}) {
+  for (auto name :
+       {"transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.ln_1.weight",
+        "transformer.h.0.ln_1.bias", "transformer.h.0.attn.c_attn.weight",
+        "transformer.h.0.attn.c_attn.bias", "transformer.h.0.attn.c_proj.weight",
+        "transformer.h.0.ln_2.weight", "transformer.h.0.mlp.c_fc.weight",
+        "transformer.h.0.mlp.c_proj.bias", "transformer.ln_f.weight", "transformer.ln_f.bias"}) {
     EXPECT_TRUE(names.count(name)) << name;
   }
   EXPECT_FALSE(names.count("lm_head.weight"));  // tied to wte
@@ -51,11 +57,14 @@ TEST(Gpt, LogitsShapeAndCausalMasking) {
   auto logits = model->forward(tokens);
   EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{2, 16, 256}));
   auto changed = tokens.clone();
-  changed.index_put_({torch::indexing::Slice(), 10}, (tokens.index({torch::indexing::Slice(), 10}) + 1) % 256);
+  changed.index_put_({torch::indexing::Slice(), 10},
+                     (tokens.index({torch::indexing::Slice(), 10}) + 1) % 256);
   auto after = model->forward(changed);
   using torch::indexing::Slice;
-  EXPECT_TRUE(torch::equal(logits.index({Slice(), Slice(0, 10)}), after.index({Slice(), Slice(0, 10)})));
-  EXPECT_FALSE(torch::allclose(logits.index({Slice(), Slice(10)}), after.index({Slice(), Slice(10)})));
+  EXPECT_TRUE(
+      torch::equal(logits.index({Slice(), Slice(0, 10)}), after.index({Slice(), Slice(0, 10)})));
+  EXPECT_FALSE(
+      torch::allclose(logits.index({Slice(), Slice(10)}), after.index({Slice(), Slice(10)})));
 }
 
 TEST(Gpt, InitialisationFollowsGpt2) {
@@ -87,11 +96,12 @@ TEST(Gpt, InitialLossIsNearUniform) {
 }
 
 TEST(Gpt, BadShapesAreUserErrors) {
-  EXPECT_THROW(resolve_gpt_config(Config::parse("", "x", {"model.name=gpt", "data.name=text",
-                                                          "model.n_embd=100", "model.n_head=3"})),
-               UserError);
-  EXPECT_THROW(resolve_gpt_config(Config::parse("", "x", {"model.name=gpt", "data.name=text",
-                                                          "data.seq_len=512"})),
+  EXPECT_THROW(
+      resolve_gpt_config(Config::parse(
+          "", "x", {"model.name=gpt", "data.name=text", "model.n_embd=100", "model.n_head=3"})),
+      UserError);
+  EXPECT_THROW(resolve_gpt_config(Config::parse(
+                   "", "x", {"model.name=gpt", "data.name=text", "data.seq_len=512"})),
                UserError);
 }
 

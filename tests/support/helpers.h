@@ -64,14 +64,16 @@ inline CommandResult run_kiln(const std::string& args) {
   return run_shell(std::string(KILN_CLI) + " " + args);
 }
 
-inline std::filesystem::path source_dir() { return KILN_SOURCE_DIR; }
+inline std::filesystem::path source_dir() {
+  return KILN_SOURCE_DIR;
+}
 
 /// A small, fast MLP config writing into `run_dir`.
-inline Config mlp_config(const std::filesystem::path& run_dir, const std::vector<std::string>& extra = {}) {
-  std::vector<std::string> overrides = {"run.dir=" + run_dir.string(), "run.name=t",
-                                        "run.progress=off", "train.steps=50",
-                                        "data.num_samples=2048", "data.val_samples=512",
-                                        "train.eval_every=0"};
+inline Config mlp_config(const std::filesystem::path& run_dir,
+                         const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> overrides = {
+      "run.dir=" + run_dir.string(), "run.name=t",           "run.progress=off",  "train.steps=50",
+      "data.num_samples=2048",       "data.val_samples=512", "train.eval_every=0"};
   overrides.insert(overrides.end(), extra.begin(), extra.end());
   Config config = Config::defaults();
   for (const auto& o : overrides) config.set_from_string(o);
@@ -80,12 +82,21 @@ inline Config mlp_config(const std::filesystem::path& run_dir, const std::vector
 }
 
 /// A small GPT on the bundled-text default corpus, writing into `run_dir`.
-inline Config gpt_config(const std::filesystem::path& run_dir, const std::vector<std::string>& extra = {}) {
-  std::vector<std::string> overrides = {"run.dir=" + run_dir.string(), "run.name=t",
-                                        "run.progress=off", "model.name=gpt",
-                                        "model.n_layer=2", "model.n_embd=64", "model.n_head=4",
-                                        "data.name=text", "data.seq_len=32", "train.batch_size=8",
-                                        "train.steps=20", "train.eval_every=0", "train.eval_batches=2",
+inline Config gpt_config(const std::filesystem::path& run_dir,
+                         const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> overrides = {"run.dir=" + run_dir.string(),
+                                        "run.name=t",
+                                        "run.progress=off",
+                                        "model.name=gpt",
+                                        "model.n_layer=2",
+                                        "model.n_embd=64",
+                                        "model.n_head=4",
+                                        "data.name=text",
+                                        "data.seq_len=32",
+                                        "train.batch_size=8",
+                                        "train.steps=20",
+                                        "train.eval_every=0",
+                                        "train.eval_batches=2",
                                         "optim.lr=3e-3"};
   overrides.insert(overrides.end(), extra.begin(), extra.end());
   Config config = Config::defaults();

@@ -57,7 +57,8 @@ TEST(Trainer, LossSequenceDoesNotDependOnLoaderWorkers) {
 // A model that returns NaN logits from its k-th forward pass on.
 class NanAfter final : public Model {
  public:
-  NanAfter(std::shared_ptr<Model> inner, int poison_from) : inner_(std::move(inner)), poison_from_(poison_from) {
+  NanAfter(std::shared_ptr<Model> inner, int poison_from)
+      : inner_(std::move(inner)), poison_from_(poison_from) {
     register_module("inner", inner_);
   }
   torch::Tensor forward(const torch::Tensor& x) override {
@@ -104,7 +105,8 @@ TEST(Trainer, SkipPolicySkipsNonFiniteStepsThenGivesUp) {
 TEST(Trainer, GradAccumulationMatchesOneLargeBatch) {
   // Two micro-batches of 16 give the same update as one batch of 32 on the same samples.
   TempDir dir;
-  Config big = mlp_config(dir.path(), {"train.batch_size=32", "data.shuffle=false", "train.clip_grad_norm=0"});
+  Config big = mlp_config(dir.path(),
+                          {"train.batch_size=32", "data.shuffle=false", "train.clip_grad_norm=0"});
   Config accum = mlp_config(dir.path(), {"train.batch_size=16", "train.grad_accum_steps=2",
                                          "data.shuffle=false", "train.clip_grad_norm=0"});
   auto a = losses_of(big, 5);
@@ -114,7 +116,8 @@ TEST(Trainer, GradAccumulationMatchesOneLargeBatch) {
 
 TEST(Trainer, ClippingBoundsTheUpdateNormButReportsTheRawNorm) {
   TempDir dir;
-  Config config = mlp_config(dir.path(), {"train.clip_grad_norm=1e-3", "optim.name=sgd", "optim.lr=1.0"});
+  Config config =
+      mlp_config(dir.path(), {"train.clip_grad_norm=1e-3", "optim.name=sgd", "optim.lr=1.0"});
   auto model = make_model(config);
   Trainer trainer(config, model, make_datasets(config));
   std::vector<torch::Tensor> before;
@@ -122,14 +125,16 @@ TEST(Trainer, ClippingBoundsTheUpdateNormButReportsTheRawNorm) {
   StepStats s = trainer.train_step();
   double squared = 0;
   auto params = model->parameters();
-  for (size_t k = 0; k < params.size(); ++k) squared += (params[k] - before[k]).pow(2).sum().item<double>();
+  for (size_t k = 0; k < params.size(); ++k)
+    squared += (params[k] - before[k]).pow(2).sum().item<double>();
   EXPECT_GT(s.grad_norm, 1e-2);
   EXPECT_NEAR(std::sqrt(squared), 1e-3, 1e-5);  // SGD at lr 1: the update is the clipped gradient
 }
 
 TEST(Schedule, WarmupThenCosineToTheFloor) {
-  Config c = Config::parse("", "x", {"optim.lr=1.0", "optim.warmup_steps=10", "optim.schedule=cosine",
-                                     "train.steps=110", "optim.min_lr_ratio=0.1"});
+  Config c = Config::parse("", "x",
+                           {"optim.lr=1.0", "optim.warmup_steps=10", "optim.schedule=cosine",
+                            "train.steps=110", "optim.min_lr_ratio=0.1"});
   EXPECT_DOUBLE_EQ(learning_rate(c, 0), 0.1);
   EXPECT_DOUBLE_EQ(learning_rate(c, 9), 1.0);
   EXPECT_DOUBLE_EQ(learning_rate(c, 10), 1.0);
@@ -142,13 +147,15 @@ TEST(Schedule, WarmupThenCosineToTheFloor) {
 TEST(Optimizer, FusedAndReferenceKernelsAgree) {
   for (std::string name : {"adamw", "sgd"}) {
     TempDir dir;
-    std::vector<std::string> common = {"optim.name=" + name, "optim.weight_decay=0.1", "optim.momentum=0.9"};
+    std::vector<std::string> common = {"optim.name=" + name, "optim.weight_decay=0.1",
+                                       "optim.momentum=0.9"};
     auto fused = common, reference = common;
     fused.push_back("optim.fused=true");
     reference.push_back("optim.fused=false");
     auto a = losses_of(mlp_config(dir.path(), fused), 10);
     auto b = losses_of(mlp_config(dir.path(), reference), 10);
-    for (size_t k = 0; k < a.size(); ++k) EXPECT_NEAR(a[k], b[k], 1e-5 * std::abs(a[k])) << name << " step " << k;
+    for (size_t k = 0; k < a.size(); ++k)
+      EXPECT_NEAR(a[k], b[k], 1e-5 * std::abs(a[k])) << name << " step " << k;
   }
 }
 
@@ -165,7 +172,8 @@ TEST(Optimizer, StateRoundTripsThroughLoadState) {
   trainer.optimizer().load_state(saved, 1);
   EXPECT_EQ(trainer.optimizer().steps_taken(), 1);
   auto live = trainer.optimizer().state();
-  for (size_t k = 0; k < saved.size(); ++k) EXPECT_TRUE(torch::equal(live[k].second, saved[k].second));
+  for (size_t k = 0; k < saved.size(); ++k)
+    EXPECT_TRUE(torch::equal(live[k].second, saved[k].second));
 }
 
 }  // namespace
