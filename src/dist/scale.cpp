@@ -3,6 +3,7 @@
 // scale.json.
 #include "dist/scale.h"
 
+#include <ATen/Parallel.h>
 #include <fmt/format.h>
 #include <unistd.h>
 

@@ -18,6 +18,19 @@ bool is_gzip(std::string_view bytes) {
          static_cast<unsigned char>(bytes[1]) == 0x8b;
 }
 
+namespace {
+
+// Hands zlib the next chunk of `bytes` (at most chunk_bytes) once it has used up the last one.
+void feed_next_chunk(z_stream& stream, std::string_view bytes, size_t& offset, size_t chunk_bytes) {
+  if (stream.avail_in != 0 || offset >= bytes.size()) return;
+  const size_t n = std::min(chunk_bytes, bytes.size() - offset);
+  stream.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(bytes.data() + offset));
+  stream.avail_in = static_cast<uInt>(n);
+  offset += n;
+}
+
+}  // namespace
+
 std::string gzip_compress(std::string_view bytes, size_t chunk_bytes) {
   // zlib counts in uInt (32 bits): the input goes in chunks of at most chunk_bytes, the output
   // comes out through a fixed buffer, so traces over 4 GiB are compressed whole.
@@ -32,12 +45,7 @@ std::string gzip_compress(std::string_view bytes, size_t chunk_bytes) {
   size_t offset = 0;
   int status = Z_OK;
   while (status != Z_STREAM_END) {
-    if (stream.avail_in == 0 && offset < bytes.size()) {
-      const size_t n = std::min(chunk_bytes, bytes.size() - offset);
-      stream.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(bytes.data() + offset));
-      stream.avail_in = static_cast<uInt>(n);
-      offset += n;
-    }
+    feed_next_chunk(stream, bytes, offset, chunk_bytes);
     stream.next_out = reinterpret_cast<Bytef*>(buffer.data());
     stream.avail_out = static_cast<uInt>(buffer.size());
     status = deflate(&stream, offset == bytes.size() ? Z_FINISH : Z_NO_FLUSH);
@@ -61,12 +69,7 @@ std::string gzip_decompress(std::string_view bytes, const std::filesystem::path&
   size_t offset = 0;
   int status = Z_OK;
   while (status != Z_STREAM_END) {
-    if (stream.avail_in == 0 && offset < bytes.size()) {
-      const size_t n = std::min(chunk_bytes, bytes.size() - offset);
-      stream.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(bytes.data() + offset));
-      stream.avail_in = static_cast<uInt>(n);
-      offset += n;
-    }
+    feed_next_chunk(stream, bytes, offset, chunk_bytes);
     stream.next_out = reinterpret_cast<Bytef*>(buffer.data());
     stream.avail_out = static_cast<uInt>(buffer.size());
     status = inflate(&stream, Z_NO_FLUSH);
