@@ -67,6 +67,7 @@ json find_config_line(const std::string& config, const std::string& needle) {
     size_t at = line.find(needle);
     if (at != std::string::npos) {
       std::string rest = line.substr(at + needle.size());
+      if (needle.back() == '=') rest = rest.substr(0, rest.find(','));  // one KEY=value setting
       size_t begin = rest.find_first_not_of(" :");
       return begin == std::string::npos ? json(nullptr) : json(rest.substr(begin));
     }
@@ -132,6 +133,8 @@ json make_manifest(const Config& config, const std::string& command_line,
         {"cuda_available", cuda},
         {"cuda_runtime", find_config_line(torch_config, "CUDA Runtime")},
         {"cudnn", find_config_line(torch_config, "CuDNN")},
+        {"cuda_build", find_config_line(torch_config, "CUDA_VERSION=")},
+        {"cudnn_build", find_config_line(torch_config, "CUDNN_VERSION=")},
 #ifdef KILN_WITH_CUDA
         {"nccl", nccl_version().empty() ? json(nullptr) : json(nccl_version())},
 #else

@@ -25,6 +25,10 @@ std::string report_markdown(const Config& config, const std::vector<RungResult>&
   for (const auto& name : skipped)
     out += fmt::format("| {} | not run | an earlier rung failed |\n", name);
   for (const auto& r : results) {
+    if (r.table.empty()) {  // the rung stopped with an error before it measured anything
+      out += fmt::format("\n## {}\n\n{}\n", r.rung, r.verdict);
+      continue;
+    }
     out += fmt::format("\n## {}\n\n| measure | value |\n|---|---|\n", r.rung);
     for (const auto& [key, value] : r.table) out += fmt::format("| {} | {} |\n", key, value);
     out += fmt::format("\nNumbers: `{}.json`.\n", r.rung);

@@ -104,9 +104,15 @@ torch::Device resolve_device(const Config& config) {
   const std::string& device = config.get_string("run.device");
   const bool cuda = torch::cuda::is_available();
   if (device == "cuda" && !cuda) {
-    throw UserError("run.device = \"cuda\" but no CUDA device is available (this LibTorch build: " +
-                    std::string(at::hasCUDA() ? "CUDA" : "CPU-only") +
-                    "); set run.device = \"cpu\"");
+#ifdef KILN_WITH_CUDA
+    const char* build = "a CUDA LibTorch, but the driver reports no device";
+#else
+    const char* build = "a CPU-only LibTorch";
+#endif
+    throw UserError(
+        std::string("run.device = \"cuda\" but no CUDA device is available (kiln is built "
+                    "with ") +
+        build + "); set run.device = \"cpu\"");
   }
   if (device == "cuda" || (device == "auto" && cuda)) return torch::Device(torch::kCUDA, 0);
   return torch::kCPU;

@@ -83,6 +83,7 @@ TEST(Ladder, ARungThatThrowsStillLeavesAReport) {
   std::string report = slurp(dir / "t" / "report.md");
   EXPECT_THAT(report, HasSubstr("| baseline | passed |"));
   EXPECT_THAT(report, HasSubstr("| profile | **failed** | error: "));
+  EXPECT_THAT(report, HasSubstr("## profile\n\nerror: "));  // no empty table for a rung that threw
 }
 
 TEST(Baseline, CliExitsNonZeroOnAFailedGate) {

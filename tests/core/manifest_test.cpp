@@ -58,6 +58,13 @@ TEST(Manifest, PinsWhatReproducesTheRun) {
   EXPECT_FALSE(m["build"]["flags"].get<std::string>().empty());
   EXPECT_TRUE(m["libtorch"].contains("cuda_runtime"));
   EXPECT_TRUE(m["libtorch"].contains("cudnn"));
+  const std::string blas = m["libtorch"]["blas"].get<std::string>();
+  EXPECT_EQ(blas.find(','), std::string::npos) << "one setting, not the rest of the line: " << blas;
+#ifdef KILN_WITH_CUDA
+  EXPECT_TRUE(m["libtorch"]["cuda_build"].is_string());
+#else
+  EXPECT_TRUE(m["libtorch"]["cuda_build"].is_null());
+#endif
 #ifdef KILN_WITH_CUDA
   EXPECT_TRUE(m["libtorch"]["nccl"].is_string() || m["libtorch"]["nccl"].is_null());
 #else
