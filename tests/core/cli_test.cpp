@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "support/helpers.h"
@@ -91,6 +92,28 @@ TEST(Cli, NonUtf8NamesAndArgumentsAreRecordedNotFatal) {
   ASSERT_TRUE(std::filesystem::exists(run_dir / "manifest.json"));
   auto manifest = nlohmann::json::parse(slurp(run_dir / "manifest.json"));
   EXPECT_THAT(manifest["command_line"].get<std::string>(), HasSubstr("run.name=r\xef\xbf\xbd"));
+}
+
+// Determinism across processes, not only within one: global state (RNG, threads) must not leak.
+TEST(Cli, TwoProcessesOfTheSameConfigLogBitwiseEqualLosses) {
+  TempDir dir;
+  std::vector<std::vector<double>> runs;
+  for (const char* name : {"a", "b"}) {
+    auto r = run_kiln("train " + (source_dir() / "configs/gpt-tiny.toml").string() +
+                      " --set run.dir=" + dir.path().string() + " --set run.name=" + name +
+                      " --set train.steps=6 --set train.eval_every=0 --set run.progress=off" +
+                      " --set data.num_workers=" + (name[0] == 'a' ? "0" : "2"));
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    std::ifstream metrics(dir / name / "metrics.jsonl");
+    std::vector<double> losses;
+    for (std::string line; std::getline(metrics, line);) {
+      auto record = nlohmann::json::parse(line);
+      if (record.contains("loss")) losses.push_back(record["loss"].get<double>());
+    }
+    runs.push_back(losses);
+  }
+  ASSERT_EQ(runs[0].size(), 6u);
+  EXPECT_EQ(runs[0], runs[1]);  // exact: bitwise-equal doubles
 }
 
 }  // namespace
