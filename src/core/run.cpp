@@ -105,8 +105,14 @@ json make_manifest(const Config& config, const std::string& command_line,
   const BuildInfo& build = build_info();
   std::string torch_config = at::show_config();
   bool cuda = torch::cuda::is_available();
+  const std::string cpu = cpu_model();  // /proc/cpuinfo, read once
+#ifdef KILN_WITH_CUDA
+  const std::string nccl = nccl_version();
+#else
+  const std::string nccl;  // a CPU LibTorch has no NCCL
+#endif
   json devices = json::array();
-  devices.push_back({{"type", "cpu"}, {"name", cpu_model()}});
+  devices.push_back({{"type", "cpu"}, {"name", cpu}});
   if (cuda) {
     for (int k = 0; k < static_cast<int>(torch::cuda::device_count()); ++k) {
 #ifdef KILN_WITH_CUDA
@@ -135,17 +141,13 @@ json make_manifest(const Config& config, const std::string& command_line,
         {"cudnn", find_config_line(torch_config, "CuDNN")},
         {"cuda_build", find_config_line(torch_config, "CUDA_VERSION=")},
         {"cudnn_build", find_config_line(torch_config, "CUDNN_VERSION=")},
-#ifdef KILN_WITH_CUDA
-        {"nccl", nccl_version().empty() ? json(nullptr) : json(nccl_version())},
-#else
-        {"nccl", nullptr},
-#endif
+        {"nccl", nccl.empty() ? json(nullptr) : json(nccl)},
         {"blas", find_config_line(torch_config, "BLAS_INFO=")}}},
       {"devices", devices},
       {"host",
        {{"hostname", hostname()},
         {"os", os_info()},
-        {"cpu_model", cpu_model()},
+        {"cpu_model", cpu},
         {"logical_cpus", std::thread::hardware_concurrency()},
         {"intra_op_threads", at::get_num_threads()},
         {"inter_op_threads", at::get_num_interop_threads()},
