@@ -24,8 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "kiln/dist.h"
-#include "kiln/rungs.h"
+#include "kiln/comm.h"
 #include "kiln/train.h"
 
 namespace kiln {
@@ -343,6 +342,18 @@ class CheckpointHook : public TrainerHook {
   int64_t last_saved_step_ = -1;
 };
 
+/// The tensors of a checkpoint whose names start with `prefix` ("model/", "optim/"), whole
+/// (reassembled from every rank's chunks), in name order, on the CPU. Verifies the checksums first
+/// when `verify`. Single-process; throws UserError naming the step directory.
+std::vector<std::pair<std::string, torch::Tensor>> read_checkpoint_tensors(
+    const std::filesystem::path& step_dir, const std::string& prefix, bool verify);
+
+/// The directory of step `step` in checkpoint directory `dir` (<dir>/step-<step>), committed or
+/// not.
+std::filesystem::path checkpoint_step_dir(const std::filesystem::path& dir, int64_t step);
+/// Whether `step_dir` holds a committed checkpoint (its index file exists).
+bool checkpoint_committed(const std::filesystem::path& step_dir);
+
 /// For `kiln train`, before open_session (so that bad input writes nothing, metrics.jsonl
 /// included): checks that `resume` is "", "auto" or an existing path, and, when the run saves
 /// checkpoints (checkpoint.every_steps > 0), refuses what attach_checkpointing would refuse and can
@@ -360,13 +371,8 @@ bool check_train_start(const Config& config, const std::string& resume);
 /// older --resume path, or --resume auto falling back past damaged newer ones), throws UserError
 /// naming those checkpoints and the fix, before anything is written. Returns the hook (nullptr
 /// when none). Collective.
-std::shared_ptr<CheckpointHook> attach_checkpointing(Session& session, const std::string& resume);
-
-/// The checkpoint rung, a restore drill: a reference process trains 2K steps (K =
-/// checkpoint.drill_steps); a second process trains with a checkpoint at step K and is killed
-/// (SIGKILL) once it is committed; a third, fresh process verifies it, resumes from it and trains
-/// to 2K. Gate: its losses and final parameters are bitwise equal to the reference's. Runs the
-/// kiln executable ($KILN_EXECUTABLE, else /proc/self/exe). Writes <run dir>/checkpoint.json.
-RungResult run_checkpoint_drill(const Config& config, const SessionOptions& options);
+std::shared_ptr<CheckpointHook> attach_checkpointing(Trainer& trainer, Communicator& comm,
+                                                     const std::filesystem::path& run_dir,
+                                                     const std::string& resume);
 
 }  // namespace kiln

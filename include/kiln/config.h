@@ -85,4 +85,7 @@ class Config {
   std::string source_name_ = "<defaults>";
 };
 
+/// The seed of data generation and shuffling: data.seed, or run.seed when data.seed is 0.
+uint64_t data_seed(const Config& config);
+
 }  // namespace kiln

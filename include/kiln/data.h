@@ -52,9 +52,6 @@ struct Datasets {
 /// Builds the train/val datasets the config describes. Throws UserError naming the file/key.
 Datasets make_datasets(const Config& config);
 
-/// The seed of data generation and shuffling: data.seed, or run.seed when data.seed is 0.
-uint64_t data_seed(const Config& config);
-
 /// DistributedSampler semantics. Each epoch is a permutation of [0, N) drawn from (seed, epoch)
 /// (identity when shuffle is off). Global batch b of an epoch is the permutation's slice
 /// [b*B*W, (b+1)*B*W); rank r takes its elements r, r+W, r+2W, ... (B of them). The remainder

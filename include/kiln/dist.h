@@ -1,15 +1,6 @@
 // Distributed training: the process group a kiln process belongs to, and data parallelism.
 //
-// A Communicator is one process's handle on a group of world_size() processes. Every collective
-// must be called by every rank, in the same order. Calls into one communicator are never
-// concurrent, but not all come from the training thread: DataParallel starts its bucket
-// all-reduces (all_reduce_sum_async) from autograd's post-accumulate-grad hook, which runs on the
-// thread executing backward: the training thread on CPU, autograd's device thread on CUDA (while
-// the training thread is blocked in backward()). Implementations must therefore not depend on the
-// calling thread (no thread-local state); everything else (blocking collectives, wait(), the
-// constructors) is called from the training thread. A world of one
-// (single_process_communicator) makes every collective the identity, so code written against this
-// interface runs unchanged in one process.
+// The Communicator interface is in kiln/comm.h.
 //
 // A distributed process is started by a launcher, one process per device: torchrun
 // (`torchrun --no-python --nproc-per-node=N kiln train cfg.toml`) or Slurm (`srun kiln train`).
@@ -26,73 +17,13 @@
 #include <string>
 #include <vector>
 
+#include "kiln/comm.h"
 #include "kiln/error.h"
 #include "kiln/train.h"
 
 namespace kiln {
 
 class Config;
-
-/// A collective failed: a peer process died, hung past dist.timeout_seconds, or the network
-/// failed. The message is one line naming this rank, the collective and the cause. The CLI exits
-/// non-zero (status 3, like every TrainingError).
-class CommunicationError : public TrainingError {
- public:
-  using TrainingError::TrainingError;
-};
-
-/// Traffic and time of the collectives a communicator has run since it was created. Monotonic,
-/// so a measurement is the difference of two snapshots.
-struct CommunicationStats {
-  int64_t collectives = 0;     // collectives started (blocking and asynchronous)
-  double bytes = 0;            // payload bytes this rank contributed
-  double busy_seconds = 0;     // wall time with at least one collective in flight (union)
-  double blocked_seconds = 0;  // time the calling thread spent blocked in collectives
-};
-
-/// A collective started by all_reduce_sum_async, still in flight.
-class PendingCollective {
- public:
-  virtual ~PendingCollective() = default;
-  /// Blocks until the collective finished. Throws CommunicationError if it failed or timed out.
-  /// Call at most once, from the training thread.
-  virtual void wait() = 0;
-};
-
-class Communicator {
- public:
-  virtual ~Communicator() = default;
-  virtual int rank() const = 0;
-  virtual int world_size() const = 0;
-  /// Blocks until every rank has called it (or throws on timeout / a lost rank).
-  virtual void barrier() = 0;
-  /// Sums `tensor` element-wise across ranks, in place.
-  virtual void all_reduce_sum(torch::Tensor& tensor) = 0;
-  /// Copies rank `root`'s `tensor` into every rank's `tensor` (same shape and dtype everywhere).
-  virtual void broadcast(torch::Tensor& tensor, int root) = 0;
-  /// Every rank's `mine`, indexed by rank. For small messages (metadata, hashes, errors).
-  virtual std::vector<std::string> all_gather_bytes(const std::string& mine) = 0;
-
-  // ---- added for the scale rung; every one has a default, so existing implementations build ----
-  /// Starts a sum all-reduce of `tensor` (contiguous, on the process group's device) in place and
-  /// returns at once. `tensor` must stay alive and untouched until wait() returns. Collectives
-  /// still complete in the order they were started on every rank. May be called from autograd's
-  /// backward thread (see the top of this file); wait() is called from the training thread.
-  /// Default: runs all_reduce_sum now and returns a finished collective.
-  virtual std::unique_ptr<PendingCollective> all_reduce_sum_async(torch::Tensor& tensor);
-  /// This process's rank on its node (torchrun LOCAL_RANK, Slurm SLURM_LOCALID); on CUDA, the
-  /// index of its device.
-  virtual int local_rank() const { return 0; }
-  /// Processes on this node (LOCAL_WORLD_SIZE).
-  virtual int local_world_size() const { return 1; }
-  /// "gloo", "nccl", or "none" for a world of one.
-  virtual std::string backend_name() const { return "none"; }
-  /// What the collectives cost so far (zeros for a world of one). Thread-safe.
-  virtual CommunicationStats stats() const { return {}; }
-};
-
-/// The world of one process: rank 0 of 1; collectives return their input.
-std::shared_ptr<Communicator> single_process_communicator();
 
 // ---- the launcher's environment ----------------------------------------------------------------
 

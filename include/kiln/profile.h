@@ -22,7 +22,6 @@
 #include <string>
 #include <vector>
 
-#include "kiln/rungs.h"
 #include "kiln/train.h"
 
 namespace kiln {
@@ -242,14 +241,5 @@ nlohmann::json analysis_to_json(const TraceAnalysis& analysis, int top_operators
 /// The printed tables: top operators, step phases, memory by phase, GPU breakdown, verdict.
 std::string format_profile_tables(const TraceAnalysis& analysis, const Verdict& verdict,
                                   int top_operators);
-
-// ---- the rung -----------------------------------------------------------------------------------
-
-/// Profile rung: runs the schedule (skip_first + max(repeat, 1) cycles) on the session's
-/// Trainer with a Profiler attached, writes the traces, analyses them, decides the verdict and
-/// writes <run dir>/profile.json. Gate: every window was written and holds its steps, phases
-/// and operators. Throws UserError (e.g. an unwritable profile.dir) before the first step.
-/// When `tables` is given, it receives the printable tables (format_profile_tables).
-RungResult run_profile(Session& session, std::string* tables = nullptr);
 
 }  // namespace kiln

@@ -8,8 +8,10 @@
 // alone.
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
@@ -70,5 +72,9 @@ std::filesystem::path run_directory(const Config& config);
 
 /// Current UTC time as ISO 8601 ("2026-11-29T08:26:23Z").
 std::string utc_now_iso8601();
+
+/// Training losses by step from a metrics.jsonl file (lines that are not a JSON object with
+/// "step" and "loss" are skipped). Empty when the file is missing.
+std::map<int64_t, double> read_step_losses(const std::filesystem::path& metrics);
 
 }  // namespace kiln

@@ -42,26 +42,6 @@ std::string index_text_with_checksum(nlohmann::json index) {
   return index.dump(1) + "\n";
 }
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string out = "[";
-  for (size_t k = 0; k < shape.size(); ++k) out += (k ? ", " : "") + std::to_string(shape[k]);
-  return out + "]";
-}
-
-std::map<int64_t, double> read_losses(const std::filesystem::path& metrics) {
-  std::map<int64_t, double> losses;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) {
-    const nlohmann::json record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (record.is_object() && record.contains("loss") && record["loss"].is_number() &&
-        record.contains("step") && record["step"].is_number_integer()) {
-      losses[record["step"].get<int64_t>()] = record["loss"].get<double>();
-    }
-  }
-  return losses;
-}
-
 uint64_t element_count(const std::vector<int64_t>& shape) {
   uint64_t n = 1;
   for (int64_t d : shape) n *= static_cast<uint64_t>(d);
@@ -69,6 +49,15 @@ uint64_t element_count(const std::vector<int64_t>& shape) {
 }
 
 }  // namespace ckpt
+
+std::filesystem::path checkpoint_step_dir(const std::filesystem::path& dir, int64_t step) {
+  return dir / ckpt::step_dir_name(step);
+}
+
+bool checkpoint_committed(const std::filesystem::path& step_dir) {
+  std::error_code ec;
+  return std::filesystem::is_regular_file(step_dir / ckpt::kIndexFile, ec);
+}
 
 namespace {
 

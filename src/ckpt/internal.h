@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "kiln/checkpoint.h"
-#include "kiln/dist.h"
+#include "kiln/comm.h"
 
 namespace kiln::ckpt {
 
@@ -46,19 +46,7 @@ std::string index_text_with_checksum(nlohmann::json index);
 std::vector<std::filesystem::path> prune(const std::filesystem::path& dir, int64_t keep_last_k,
                                          int64_t keep_every, int64_t just_committed);
 
-/// "[4, 3]": a shape for messages and listings.
-std::string shape_text(const std::vector<int64_t>& shape);
-
-/// Training losses by step from a run's metrics.jsonl (lines that are not a JSON object with
-/// "step" and "loss" are skipped). Empty when the file is missing.
-std::map<int64_t, double> read_losses(const std::filesystem::path& metrics);
-
 /// Product of a shape's dimensions.
 uint64_t element_count(const std::vector<int64_t>& shape);
-
-/// Reads the whole tensors of a checkpoint whose names start with `prefix`, reassembled from their
-/// chunks, in name order. Verifies checksums first when `verify`. Single-process.
-std::vector<std::pair<std::string, torch::Tensor>> read_whole_tensors(
-    const std::filesystem::path& step_dir, const std::string& prefix, bool verify);
 
 }  // namespace kiln::ckpt

@@ -129,17 +129,17 @@ TargetBox target_box(const StateTensor& target, const TensorInfo& info, const st
   box.sizes.assign(target.tensor.sizes().begin(), target.tensor.sizes().end());
   if (target.placement == Placement::kReplicated) {
     if (box.sizes != info.shape) {
-      throw UserError(where + ": tensor '" + target.name + "' has shape " +
-                      ckpt::shape_text(info.shape) + " in the checkpoint but " +
-                      ckpt::shape_text(box.sizes) + " here (another model config?)");
+      throw UserError(where + ": tensor '" + target.name + "' has shape " + shape_text(info.shape) +
+                      " in the checkpoint but " + shape_text(box.sizes) +
+                      " here (another model config?)");
     }
     box.offsets.assign(box.sizes.size(), 0);
     return box;
   }
   if (target.global_shape != info.shape) {
     throw UserError(where + ": tensor '" + target.name + "' has global shape " +
-                    ckpt::shape_text(info.shape) + " in the checkpoint but " +
-                    ckpt::shape_text(target.global_shape) + " here");
+                    shape_text(info.shape) + " in the checkpoint but " +
+                    shape_text(target.global_shape) + " here");
   }
   if (target.offsets.size() != box.sizes.size()) {
     throw UserError(where + ": target piece of '" + target.name +
@@ -368,7 +368,9 @@ std::optional<LoadResult> load_newest(
                   "); run `kiln ckpt list " + dir.string() + "`");
 }
 
-std::vector<std::pair<std::string, torch::Tensor>> read_whole_tensors(
+}  // namespace ckpt
+
+std::vector<std::pair<std::string, torch::Tensor>> read_checkpoint_tensors(
     const std::filesystem::path& step_dir, const std::string& prefix, bool verify) {
   if (verify) {
     VerifyReport report = verify_checkpoint(step_dir);
@@ -391,13 +393,11 @@ std::vector<std::pair<std::string, torch::Tensor>> read_whole_tensors(
   return out;
 }
 
-}  // namespace ckpt
-
 int64_t consolidate_checkpoint(const std::filesystem::path& step_dir,
                                const std::filesystem::path& out, bool include_optimizer) {
   std::vector<std::pair<std::string, torch::Tensor>> tensors;
   const CheckpointIndex index = read_checkpoint_index(step_dir);
-  for (auto& [name, tensor] : ckpt::read_whole_tensors(step_dir, "", /*verify=*/true)) {
+  for (auto& [name, tensor] : read_checkpoint_tensors(step_dir, "", /*verify=*/true)) {
     if (name.rfind("rng/", 0) == 0) continue;
     if (name.rfind("optim/", 0) == 0 && !include_optimizer) continue;
     tensors.emplace_back(name.rfind("model/", 0) == 0 ? name.substr(6) : name, std::move(tensor));

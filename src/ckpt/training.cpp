@@ -15,7 +15,6 @@
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/run.h"
-#include "kiln/session.h"
 
 namespace kiln {
 namespace {
@@ -407,10 +406,11 @@ bool check_train_start(const Config& config, const std::string& resume) {
   return true;
 }
 
-std::shared_ptr<CheckpointHook> attach_checkpointing(Session& session, const std::string& resume) {
-  Trainer& trainer = *session.trainer;
-  Communicator& comm = *session.comm;
-  const CheckpointOptions options = checkpoint_options(session.config, session.run->dir());
+std::shared_ptr<CheckpointHook> attach_checkpointing(Trainer& trainer, Communicator& comm,
+                                                     const std::filesystem::path& run_dir,
+                                                     const std::string& resume) {
+  const Config& config = trainer.config();
+  const CheckpointOptions options = checkpoint_options(config, run_dir);
   std::string error;
   try {
     check_resume_argument(resume);
@@ -438,7 +438,7 @@ std::shared_ptr<CheckpointHook> attach_checkpointing(Session& session, const std
       }
     }
   }
-  if (session.config.get_int("checkpoint.every_steps") <= 0) return nullptr;
+  if (config.get_int("checkpoint.every_steps") <= 0) return nullptr;
   // Saving must not mix with (and prune) checkpoints of another history: rank 0's listing decides.
   if (comm.rank() == 0) {
     try {
@@ -450,8 +450,7 @@ std::shared_ptr<CheckpointHook> attach_checkpointing(Session& session, const std
     }
   }
   ckpt::agree(comm, error);
-  auto hook = std::make_shared<CheckpointHook>(session.config, options, comm,
-                                               session.run->dir() / "manifest.json");
+  auto hook = std::make_shared<CheckpointHook>(config, options, comm, run_dir / "manifest.json");
   trainer.add_hook(hook);
   return hook;
 }

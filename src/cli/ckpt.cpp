@@ -2,12 +2,12 @@
 // (docs/checkpoint.md). Single-process; the checkpoint library does the work.
 #include <fmt/format.h>
 
-#include "ckpt/internal.h"
 #include "cli/commands.h"
 #include "core/files.h"
 #include "core/strings.h"
 #include "kiln/checkpoint.h"
 #include "kiln/error.h"
+#include "kiln/rungs.h"
 #include "kiln/safetensors.h"
 
 namespace kiln::cli {
@@ -92,7 +92,7 @@ int inspect_command(const std::string& path) {
       where.append(c.file, 0, std::min(c.file.size(), c.file.find(".safetensors")));
     }
     fmt::print("  {:<48} {:<5} {:<16} {:>10}  {} in {}\n", t.name, safetensors_dtype(t.dtype),
-               ckpt::shape_text(t.shape), format_bytes(static_cast<double>(t.bytes())),
+               shape_text(t.shape), format_bytes(static_cast<double>(t.bytes())),
                t.placement == Placement::kReplicated ? "replicated"
                                                      : fmt::format("sharded x{}", t.chunks.size()),
                where);

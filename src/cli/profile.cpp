@@ -6,6 +6,7 @@
 
 #include "cli/commands.h"
 #include "kiln/error.h"
+#include "kiln/rungs.h"
 
 namespace kiln::cli {
 

@@ -1,8 +1,7 @@
-#include "dist/scale.h"
-
 #include "cli/commands.h"
 #include "kiln/dist.h"
 #include "kiln/error.h"
+#include "kiln/rungs.h"
 
 namespace kiln::cli {
 

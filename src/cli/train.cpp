@@ -25,7 +25,9 @@ void add_train_command(CLI::App& app, Action& action) {
       const bool continues = check_train_start(config, *resume);
       auto session =
           open_session(config, SessionOptions{.argv = process_argv(), .append_metrics = continues});
-      auto checkpointing = attach_checkpointing(*session, *resume);  // --resume, [checkpoint]
+      auto checkpointing =
+          attach_checkpointing(*session->trainer, *session->comm, session->run->dir(),
+                               *resume);  // --resume, [checkpoint]
       TrainSummary s = session->trainer->fit(config.get_int("train.steps"), session->run.get());
       const bool tokens = s.tokens_per_second > 0;
       fmt::print(

@@ -20,7 +20,6 @@
 #include "core/cuda_info.h"
 #endif
 #include "kiln/build_info.h"
-#include "kiln/data.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
 
@@ -211,6 +210,20 @@ void Run::write_manifest(const json& data, const json& model, const json& extra)
   json manifest = make_manifest(config_, command_line_, start_time_utc_, data, model);
   for (auto& [key, value] : extra.items()) manifest[key] = value;
   write_json("manifest.json", manifest);
+}
+
+std::map<int64_t, double> read_step_losses(const std::filesystem::path& metrics) {
+  std::map<int64_t, double> losses;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    const nlohmann::json record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (record.is_object() && record.contains("loss") && record["loss"].is_number() &&
+        record.contains("step") && record["step"].is_number_integer()) {
+      losses[record["step"].get<int64_t>()] = record["loss"].get<double>();
+    }
+  }
+  return losses;
 }
 
 }  // namespace kiln

@@ -95,6 +95,9 @@ std::vector<KeyDef> core_keys() {
                  "on a non-finite loss or gradient: stop the run, or skip the step"),
       int_key("train", "max_skipped_steps", 10, 0, 1e9,
               "with nonfinite = skip: stop after this many skipped steps"),
+      int_key("train", "metrics_every", 1, 1, 1e12,
+              "steps between reading the loss and grad norm back from the device (a metrics "
+              "record and the non-finite checks); other steps never wait for the device"),
       // [optim] -------------------------------------------------------------------------------
       string_key("optim", "name", "adamw", {"adamw", "sgd"}, "optimizer"),
       float_key("optim", "lr", 1e-3, 0.0, kUnbounded, "peak learning rate"),
@@ -126,7 +129,7 @@ std::vector<KeyDef> core_keys() {
 
 std::vector<KeyDef> build_schema() {
   std::vector<KeyDef> keys = core_keys();
-  for (auto* section : {&compile_keys, &profile_keys, &dist_keys, &checkpoint_keys, &pilot_keys}) {
+  for (auto* section : {&profile_keys, &dist_keys, &checkpoint_keys}) {
     for (auto& key : (*section)()) keys.push_back(std::move(key));
   }
   return keys;

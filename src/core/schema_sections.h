@@ -22,11 +22,9 @@ KeyDef string_key(std::string section, std::string name, std::string def,
                   std::vector<std::string> choices, std::string doc);
 
 // Sections owned by the rungs, each defined in its rung's folder.
-std::vector<KeyDef> compile_keys();     // src/compile/schema.cpp   [compile]
 std::vector<KeyDef> profile_keys();     // src/profile/schema.cpp   [profile]
 std::vector<KeyDef> dist_keys();        // src/dist/schema.cpp      [dist]
 std::vector<KeyDef> checkpoint_keys();  // src/ckpt/schema.cpp      [checkpoint]
-std::vector<KeyDef> pilot_keys();       // src/plan/schema.cpp      [pilot]
 
 // Cross-key checks that need a component's knowledge (a preset's shape), called by
 // Config::validate() so that `kiln config validate` and every command reject the same configs

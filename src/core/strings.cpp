@@ -116,4 +116,10 @@ std::string format_duration(double seconds) {
   return buffer;
 }
 
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t k = 0; k < shape.size(); ++k) out += (k ? ", " : "") + std::to_string(shape[k]);
+  return out + "]";
+}
+
 }  // namespace kiln

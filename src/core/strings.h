@@ -26,4 +26,7 @@ std::string format_bytes(double bytes);
 /// "1h02m", "3m05s", "12.3s".
 std::string format_duration(double seconds);
 
+/// "[4, 3]": a shape for messages and listings.
+std::string shape_text(const std::vector<int64_t>& shape);
+
 }  // namespace kiln

@@ -340,11 +340,6 @@ Datasets make_tokens(const Config& config, int64_t vocab_limit) {
 
 }  // namespace
 
-uint64_t data_seed(const Config& config) {
-  const int64_t seed = config.get_int("data.seed");
-  return static_cast<uint64_t>(seed == 0 ? config.get_int("run.seed") : seed);
-}
-
 Datasets make_datasets(const Config& config) {
   const std::string& name = config.get_string("data.name");
   if (name == "synthetic") return make_synthetic(config);

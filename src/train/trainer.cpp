@@ -11,8 +11,8 @@
 
 #include "core/clock.h"
 #include "core/strings.h"
+#include "kiln/comm.h"
 #include "kiln/config.h"
-#include "kiln/dist.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/run.h"

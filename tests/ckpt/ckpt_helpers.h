@@ -128,8 +128,6 @@ class KilnProcess {
   int status_ = -1;
 };
 
-using ckpt::read_losses;
-
 /// The `--set` arguments for a small, fast MLP run in `dir`/`name`.
 inline std::vector<std::string> mlp_train_args(const std::filesystem::path& dir,
                                                const std::string& name,

@@ -158,7 +158,7 @@ TEST_P(CkptDiskFull, AFailedSaveKeepsThePreviousCheckpointAndStopsOrContinues) {
     EXPECT_THAT(log, HasSubstr("checkpoint.on_save_error = \"continue\""));
   } else {
     EXPECT_EQ(code, 0) << log;
-    EXPECT_EQ(read_losses(dir / "r" / "metrics.jsonl").rbegin()->first, 5)
+    EXPECT_EQ(read_step_losses(dir / "r" / "metrics.jsonl").rbegin()->first, 5)
         << "training went on to the last step";
   }
   const auto entries = list_checkpoints(ckpts);

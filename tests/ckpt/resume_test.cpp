@@ -69,8 +69,8 @@ TEST(CkptResume, FreshProcessContinuesBitwiseInTheMiddleOfAnEpoch) {
   EXPECT_THAT(slurp(dir / "b.log"),
               HasSubstr("resumed from " + step5.string() + " at step 5 (epoch 0, batch 5)"));
 
-  const auto straight = read_losses(dir / "straight" / "metrics.jsonl");
-  const auto resumed = read_losses(dir / "resumed" / "metrics.jsonl");
+  const auto straight = read_step_losses(dir / "straight" / "metrics.jsonl");
+  const auto resumed = read_step_losses(dir / "resumed" / "metrics.jsonl");
   ASSERT_EQ(resumed.size(), 5u);
   for (const auto& [step, loss] : resumed) {
     ASSERT_TRUE(straight.count(step));
@@ -78,10 +78,10 @@ TEST(CkptResume, FreshProcessContinuesBitwiseInTheMiddleOfAnEpoch) {
   }
   const auto a = dir / "straight" / "checkpoints" / "step-10";
   const auto b = dir / "resumed" / "checkpoints" / "step-10";
-  EXPECT_TRUE(bitwise_equal(ckpt::read_whole_tensors(a, "model/", true),
-                            ckpt::read_whole_tensors(b, "model/", true)));
-  EXPECT_TRUE(bitwise_equal(ckpt::read_whole_tensors(a, "optim/", true),
-                            ckpt::read_whole_tensors(b, "optim/", true)));
+  EXPECT_TRUE(bitwise_equal(read_checkpoint_tensors(a, "model/", true),
+                            read_checkpoint_tensors(b, "model/", true)));
+  EXPECT_TRUE(bitwise_equal(read_checkpoint_tensors(a, "optim/", true),
+                            read_checkpoint_tensors(b, "optim/", true)));
   EXPECT_EQ(read_checkpoint_index(b).ranks[0]["loader"]["epoch"], 1);
 }
 

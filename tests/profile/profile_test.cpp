@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "kiln/error.h"
+#include "kiln/rungs.h"
 #include "kiln/session.h"
 #include "profile/trace_io.h"
 #include "support/helpers.h"

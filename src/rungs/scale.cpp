@@ -1,8 +1,6 @@
 // The scale rung: data-parallel throughput against a single-process baseline, and where the time
 // goes (compute against communication). See scale.h for the procedure, docs/scale.md for
 // scale.json.
-#include "dist/scale.h"
-
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 #include <unistd.h>
@@ -20,6 +18,7 @@
 #include "kiln/dist.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
+#include "kiln/rungs.h"
 
 namespace kiln {
 namespace {

@@ -9,14 +9,15 @@
 #include <map>
 #include <thread>
 
-#include "ckpt/internal.h"
 #include "core/clock.h"
 #include "core/files.h"
 #include "core/process.h"
 #include "core/strings.h"
+#include "kiln/checkpoint.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/run.h"
+#include "kiln/rungs.h"
 
 namespace kiln {
 namespace {
@@ -89,14 +90,13 @@ RungResult drill(const Config& config) {
 
   // 2. A run that saves at step K and is killed once that checkpoint is committed.
   const std::filesystem::path killed_ckpt = dir / "killed" / "checkpoints";
-  const std::filesystem::path step_k = killed_ckpt / ckpt::step_dir_name(half);
+  const std::filesystem::path step_k = checkpoint_step_dir(killed_ckpt, half);
   begin = Clock::now();
   const pid_t pid = spawn_process(train_args("killed", half), dir / "killed.log");
   bool killed = false;
   int killed_status = -1;
   while (true) {
-    std::error_code ec;
-    if (std::filesystem::exists(step_k / ckpt::kIndexFile, ec)) {
+    if (checkpoint_committed(step_k)) {
       killed = ::kill(pid, SIGKILL) == 0;
       killed_status = wait_process(pid);
       killed = killed && killed_status == 128 + SIGKILL;
@@ -112,8 +112,7 @@ RungResult drill(const Config& config) {
   numbers["killed"] = killed;
   numbers["killed_exit_status"] = killed_status;
   numbers["save_seconds"] = seconds_since(begin);
-  std::error_code ec;
-  if (!std::filesystem::exists(step_k / ckpt::kIndexFile, ec)) {
+  if (!checkpoint_committed(step_k)) {
     return fail(fmt::format("the run to be killed exited with {} before committing {} (see {})",
                             killed_status, step_k.string(), (dir / "killed.log").string()));
   }
@@ -141,8 +140,8 @@ RungResult drill(const Config& config) {
                             (dir / "resumed.log").string()));
 
   // 5. Compare with the reference.
-  const auto reference_losses = ckpt::read_losses(dir / "reference" / "metrics.jsonl");
-  const auto resumed_losses = ckpt::read_losses(dir / "resumed" / "metrics.jsonl");
+  const auto reference_losses = read_step_losses(dir / "reference" / "metrics.jsonl");
+  const auto resumed_losses = read_step_losses(dir / "resumed" / "metrics.jsonl");
   int64_t compared = 0, equal = 0;
   double max_difference = 0;
   for (int64_t step = half + 1; step <= total; ++step) {
@@ -153,15 +152,15 @@ RungResult drill(const Config& config) {
     max_difference = std::max(max_difference, std::abs(a->second - b->second));
   }
   const std::filesystem::path reference_final =
-      dir / "reference" / "checkpoints" / ckpt::step_dir_name(total);
+      checkpoint_step_dir(dir / "reference" / "checkpoints", total);
   const std::filesystem::path resumed_final =
-      dir / "resumed" / "checkpoints" / ckpt::step_dir_name(total);
+      checkpoint_step_dir(dir / "resumed" / "checkpoints", total);
   const bool parameters_equal =
-      bitwise_equal(ckpt::read_whole_tensors(reference_final, "model/", true),
-                    ckpt::read_whole_tensors(resumed_final, "model/", true));
+      bitwise_equal(read_checkpoint_tensors(reference_final, "model/", true),
+                    read_checkpoint_tensors(resumed_final, "model/", true));
   const bool optimizer_equal =
-      bitwise_equal(ckpt::read_whole_tensors(reference_final, "optim/", true),
-                    ckpt::read_whole_tensors(resumed_final, "optim/", true));
+      bitwise_equal(read_checkpoint_tensors(reference_final, "optim/", true),
+                    read_checkpoint_tensors(resumed_final, "optim/", true));
   numbers["losses_compared"] = compared;
   numbers["losses_bitwise_equal"] = compared == half && equal == compared;
   numbers["max_abs_loss_difference"] = max_difference;

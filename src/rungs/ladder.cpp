@@ -2,7 +2,6 @@
 
 #include "core/files.h"
 #include "core/strings.h"
-#include "dist/scale.h"
 #include "kiln/checkpoint.h"
 #include "kiln/error.h"
 #include "kiln/log.h"

@@ -1,4 +1,6 @@
 // The profile rung: run the schedule with a Profiler attached, analyse the windows, decide.
+#include "kiln/profile.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -7,7 +9,7 @@
 #include "core/strings.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
-#include "kiln/profile.h"
+#include "kiln/rungs.h"
 
 namespace kiln {
 namespace {
