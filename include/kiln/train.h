@@ -1,16 +1,20 @@
 // The training core: optimizer, learning-rate schedule and the Trainer's step loop.
 //
 // One optimizer step = grad_accum_steps micro-batches of (data -> forward -> backward), then
-// gradient clipping on the global norm, the non-finite guard, and the optimizer update.
-// Rungs plug in through TrainerHook (profiler scopes, gradient all-reduce, checkpoints); the
-// Trainer does not know which command drives it.
+// gradient clipping on the global norm, the non-finite guard, and the optimizer update, all on
+// the device; the host reads the results back every train.metrics_every steps. The Trainer owns
+// the whole training state (TrainState) and the one step loop every rung uses; rungs and
+// components plug in through TrainerHook (profiler scopes, gradient all-reduce, checkpoints,
+// metrics) and do not reach into its parts. The Trainer does not know which command drives it.
 #pragma once
 
 #include <torch/types.h>
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,54 +30,115 @@ class Run;
 
 using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 
+// ---- options: the [optim] and [train] sections, parsed once -----------------------------------
+
+/// The [optim] section (docs/config.md), parsed once; the step loop reads no string keys.
+struct OptimOptions {
+  enum class Kind { kAdamW, kSGD };
+  Kind kind = Kind::kAdamW;
+  double lr = 1e-3;
+  double weight_decay = 0;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;  // AdamW
+  double momentum = 0;                            // SGD
+  bool nesterov = false;                          // SGD
+  bool fused = true;
+  bool cosine = false;  // optim.schedule: cosine decay after warmup, else constant
+  int64_t warmup_steps = 0;
+  double min_lr_ratio = 0.1;
+  static OptimOptions from_config(const Config& config);
+};
+
+/// The [train] section and the [run] keys the step loop needs, parsed once.
+struct TrainOptions {
+  enum class NonFinite { kAbort, kSkip };
+  enum class Progress { kAuto, kBar, kLog, kOff };
+  int64_t steps = 1000;
+  int64_t batch_size = 32;
+  int grad_accum_steps = 1;
+  double clip_grad_norm = 1.0;  // 0: no clipping
+  int64_t eval_every = 100;     // 0: only at the end of fit()
+  int64_t eval_batches = 8;
+  NonFinite nonfinite = NonFinite::kAbort;
+  int64_t max_skipped_steps = 10;
+  int64_t metrics_every = 1;  // steps between device read-backs (see Trainer::train_step)
+  int64_t log_every = 10;     // run.log_every
+  Progress progress = Progress::kAuto;
+  static TrainOptions from_config(const Config& config);
+};
+
+// ---- optimizer and schedule --------------------------------------------------------------------
+
 /// AdamW (decoupled weight decay) or SGD (L2 weight decay, as torch.optim.SGD), with the same
-/// math as PyTorch's. Weight decay applies to parameters with >= 2 dimensions only.
-/// fused = true uses ATen's _fused_adamw_ / _fused_sgd_ kernels. Not thread-safe.
+/// math as PyTorch's: each parameter has its own step count, advanced only on steps where it has
+/// a gradient (a parameter without one is skipped, as torch.optim does). Weight decay applies to
+/// parameters with >= 2 dimensions only. fused = true uses ATen's _fused_adamw_ / _fused_sgd_
+/// kernels; false, the single-tensor reference path of torch.optim. Not thread-safe.
 class Optimizer {
  public:
+  Optimizer(const OptimOptions& options, NamedTensors parameters);
   Optimizer(const Config& config, NamedTensors parameters);
-  /// Updates every parameter that has a gradient, at learning rate `lr`.
-  void step(double lr);
+  /// Updates every parameter that has a gradient, at learning rate `lr`. `found_nonfinite`, when
+  /// defined, is a 0-dim float tensor on the parameters' device: where it is nonzero, nothing
+  /// changes (no parameter, moment or step count). The fused kernels read it on the device (no
+  /// host synchronisation); the reference path reads it on the host.
+  void step(double lr, const torch::Tensor& found_nonfinite = {});
   /// Drops all gradients (sets them undefined, like zero_grad(set_to_none=True)).
   void zero_grad();
-  /// Steps taken so far.
+  /// step() calls so far (skipped ones included).
   int64_t steps_taken() const { return steps_taken_; }
-  /// Every state tensor by name ("<param>.exp_avg", "<param>.exp_avg_sq", "<param>.momentum");
-  /// the tensors alias the live state (for checkpointing). Created lazily on the first step.
+  /// Every moment tensor by name ("<param>.exp_avg", "<param>.exp_avg_sq", "<param>.momentum");
+  /// the tensors alias the live state (for checkpointing). Created lazily on the first call.
   NamedTensors state();
-  /// Restores state written by state() and the step count. Throws UserError on a mismatch.
+  /// Each parameter's step count, "<param>.step": 0-dim float32 tensors on the parameters'
+  /// device, aliasing the live counts (torch.optim's state["step"]).
+  NamedTensors step_counts();
+  /// Restores state written by state(); every parameter's step count and steps_taken() become
+  /// `steps_taken`. Throws UserError on a mismatch (another optim.name, another model).
   void load_state(const NamedTensors& state, int64_t steps_taken);
+  /// Sets steps_taken() alone (restoring a TrainState whose step counts are restored as tensors).
+  void set_steps_taken(int64_t steps_taken) { steps_taken_ = steps_taken; }
   const NamedTensors& parameters() const { return parameters_; }
+  const OptimOptions& options() const { return options_; }
 
  private:
   void ensure_state();
-  std::string name_;
-  double weight_decay_, beta1_, beta2_, eps_, momentum_;
-  bool nesterov_, fused_;
+  void step_adamw(const std::vector<size_t>& members, double lr, double weight_decay,
+                  const torch::Tensor& found_nonfinite);
+  void step_sgd(const std::vector<size_t>& members, double lr, double weight_decay,
+                const torch::Tensor& found_nonfinite);
+  OptimOptions options_;
   NamedTensors parameters_;
   std::vector<bool> decays_;  // per parameter: weight decay applies
   std::vector<torch::Tensor> exp_avg_, exp_avg_sq_, momentum_buffer_, step_tensor_;
   int64_t steps_taken_ = 0;
 };
 
-/// Learning rate at optimizer step `step` (0-based): linear warmup from 0 over optim.warmup_steps,
-/// then constant, or cosine decay to optim.lr * optim.min_lr_ratio at train.steps.
+/// Learning rate at optimizer step `step` (0-based): linear warmup from 0 over warmup_steps,
+/// then constant, or cosine decay to lr * min_lr_ratio at `total_steps`. Pure.
+double learning_rate(const OptimOptions& options, int64_t total_steps, int64_t step);
+/// The same from a config (optim.*, train.steps).
 double learning_rate(const Config& config, int64_t step);
+
+// ---- phases and hooks --------------------------------------------------------------------------
 
 enum class Phase { kDataWait, kForward, kBackward, kComm, kOptimizer, kCheckpoint, kEval };
 /// "data_wait", "forward", "backward", "comm", "optimizer", "checkpoint", "eval".
 const char* phase_name(Phase phase);
 
+/// One optimizer step as the host sees it. The loss, grad norm and non-finite flag stay on the
+/// device and are read back only on steps that sync (`synced`): every train.metrics_every steps,
+/// the last step of fit(), and before a checkpoint captures the state.
 struct StepStats {
-  int64_t step = 0;  // 1-based number of the optimizer step just completed
-  double loss = 0;   // mean training loss over the step's micro-batches
-  double lr = 0;
-  double grad_norm = 0;          // global gradient norm before clipping
-  double step_seconds = 0;       // wall time of the whole step
+  int64_t step = 0;              // 1-based number of the optimizer step just completed
+  double lr = 0;                 // learning rate used
+  double step_seconds = 0;       // wall time of the whole step (host; the device may lag)
   double data_wait_seconds = 0;  // time blocked waiting for batches
   int64_t samples = 0;           // samples in the step, all processes
   int64_t tokens = 0;            // tokens in the step, all processes (0 for classification)
-  bool skipped = false;          // a non-finite step skipped under train.nonfinite = "skip"
+  bool synced = false;           // the fields below were read back from the device
+  double loss = std::numeric_limits<double>::quiet_NaN();       // mean loss over the micro-batches
+  double grad_norm = std::numeric_limits<double>::quiet_NaN();  // global norm before clipping
+  bool skipped = false;  // a non-finite step skipped under train.nonfinite = "skip"
 };
 
 struct EvalStats {
@@ -84,21 +149,73 @@ struct EvalStats {
 
 class Trainer;
 
-/// A rung's plug into the step loop. Every method runs on the training thread, in the order
-/// listed; the defaults do nothing. Hooks run in the order they were added.
+/// A rung's or component's plug into the step loop. Every method runs on the training thread;
+/// the defaults do nothing; hooks run in the order they were added. The order within fit():
+///
+///   on_train_begin
+///   per step:  on_step_begin
+///              per micro-step: on_micro_step_begin, [data_wait] [forward] [backward]
+///              on_gradients_ready            (before clipping: e.g. DDP waits for all-reduce)
+///              [comm] (loss mean over ranks) [optimizer]
+///              on_step_end                   (StepStats; loss etc. only when synced)
+///              -- or, when the step throws: on_step_failed, then the exception propagates
+///   on_eval    after each evaluation (every train.eval_every steps and at the end of fit)
+///   on_train_end                             (not called when a step threw)
+///
+/// [phase] is a pair on_phase_begin / on_phase_end. Phases nest and are always closed: when a
+/// step throws inside a phase, its on_phase_end runs before on_step_failed (a hook that throws
+/// from on_phase_end while another exception unwinds is ignored).
 class TrainerHook {
  public:
   virtual ~TrainerHook() = default;
   virtual void on_train_begin(Trainer&) {}
-  virtual void on_step_begin(Trainer&, int64_t /*step*/) {}
+  virtual void on_step_begin(Trainer&, int64_t /*step: completed steps so far*/) {}
   virtual void on_micro_step_begin(Trainer&, int /*micro_step*/, bool /*last*/) {}
   virtual void on_phase_begin(Trainer&, Phase) {}
   virtual void on_phase_end(Trainer&, Phase) {}
-  /// After the last backward of a step, before clipping (e.g. wait for gradient all-reduce).
   virtual void on_gradients_ready(Trainer&) {}
   virtual void on_step_end(Trainer&, const StepStats&) {}
+  virtual void on_step_failed(Trainer&, int64_t /*step: 1-based number of the failed step*/) {}
+  virtual void on_eval(Trainer&, const EvalStats&) {}
   virtual void on_train_end(Trainer&) {}
 };
+
+/// Marks a phase for every hook for the lifetime of the scope (RAII: closed on exceptions too).
+class PhaseScope {
+ public:
+  PhaseScope(Trainer& trainer, Phase phase);
+  ~PhaseScope();
+  PhaseScope(const PhaseScope&) = delete;
+  PhaseScope& operator=(const PhaseScope&) = delete;
+
+ private:
+  Trainer& trainer_;
+  Phase phase_;
+  int uncaught_;
+};
+
+// ---- the training state ------------------------------------------------------------------------
+
+/// Everything a run needs to continue bitwise where it stopped, as one value (torchtitan's
+/// Stateful, in one place). Tensors alias the live state: capturing copies nothing (an async
+/// checkpointer stages them before the next optimizer step), and Trainer::load_state copies into
+/// the live tensors only where the given ones are other tensors.
+struct TrainState {
+  int64_t step = 0;               // completed optimizer steps
+  int64_t skipped_steps = 0;      // steps skipped by the non-finite guard
+  int64_t optimizer_steps = 0;    // Optimizer::steps_taken()
+  LoaderPosition loader;          // this rank's next batch
+  int64_t batch_size = 0;         // what `loader` counts in: samples per batch per rank,
+  int world_size = 1;             //   ranks,
+  int64_t batches_per_epoch = 0;  //  and global batches per epoch
+  NamedTensors model;             // parameters and buffers (named_parameters/named_buffers)
+  NamedTensors optimizer;         // Optimizer::state() then Optimizer::step_counts()
+  NamedTensors rng;               // generator states of this process: "cpu", "cuda-<d>"
+  nlohmann::json lr_schedule;     // the schedule's settings and next_lr (data only)
+  nlohmann::json grad_scaler;     // null until mixed precision adds a loss scaler
+};
+
+// ---- the trainer -------------------------------------------------------------------------------
 
 struct TrainerOptions {
   torch::Device device = torch::kCPU;
@@ -112,8 +229,8 @@ struct TrainerOptions {
 
 struct TrainSummary {
   int64_t steps = 0;
-  double first_loss = 0;
-  double last_loss = 0;
+  double first_loss = 0;  // first synced step's loss
+  double last_loss = 0;   // last step's loss (the last step always syncs)
   EvalStats final_eval;
   double seconds = 0;
   double samples_per_second = 0;
@@ -130,42 +247,81 @@ class Trainer {
 
   void add_hook(std::shared_ptr<TrainerHook> hook);
 
-  /// One optimizer step. Throws TrainingError on a non-finite loss or gradient (policy abort,
-  /// or too many skipped steps), naming the step.
-  StepStats train_step();
+  /// One optimizer step: grad_accum_steps x (data -> forward -> backward), then clipping and the
+  /// optimizer update, all on the device; a non-finite loss or gradient makes the update a no-op
+  /// there (no host round trip). Every train.metrics_every steps (and when `sync` is true) the
+  /// loss, grad norm and non-finite counters are read back; then a non-finite step throws
+  /// TrainingError naming it (train.nonfinite = "abort", or more than train.max_skipped_steps
+  /// skipped) or is logged as skipped. Between syncs a step never waits for the device.
+  StepStats train_step(bool sync = false);
   /// One optimizer step on the given micro-batches (one per accumulation step, on any device)
-  /// instead of the loader's. Used to replay exact batches (peer comparison, tests).
+  /// instead of the loader's; always syncs. Used to replay exact batches (peer, tests).
   StepStats train_step_on(const std::vector<Batch>& micro_batches);
+  /// Takes the next training batch from the loader (as train_step would). For tools that record
+  /// the batch stream and replay it with train_step_on (peer export).
+  Batch next_batch();
+  /// `count` steps through train_step (the last one syncs), each seen by every hook. The one
+  /// loop the rungs share; throws what train_step throws.
+  void run_steps(int64_t count);
   /// Mean loss (and accuracy) over the first train.eval_batches batches of the validation set.
+  /// Calls the hooks' on_eval.
   EvalStats evaluate();
-  /// Steps until step() == total_steps; evaluates every train.eval_every steps and at the end;
-  /// shows progress; appends metrics to `run` when given.
+  /// Steps until step() == total_steps; evaluates every train.eval_every steps and at the end.
+  /// With a run: metrics records and the progress display (hooks added for the call).
   TrainSummary fit(int64_t total_steps, Run* run);
 
+  /// The full training state (syncs the device counters first); tensors alias the live ones.
+  TrainState state();
+  /// Restores a state from state() of this or an equal Trainer (the same model, optimizer and
+  /// world; loader positions at another world size are converted by the caller). Throws
+  /// UserError naming the mismatching tensor.
+  void load_state(const TrainState& state);
+
   int64_t step() const { return step_; }
+  int64_t skipped_steps() const { return skipped_steps_; }
   const Config& config() const { return *config_; }
+  const TrainOptions& train_options() const { return train_options_; }
   Model& model() { return *model_; }
   std::shared_ptr<Model> model_ptr() { return model_; }
   Optimizer& optimizer() { return *optimizer_; }
-  Loader& loader() { return *loader_; }
+  /// Global batches per epoch of the training data at this world size.
+  int64_t batches_per_epoch() const;
+  /// Stops the loader's background workers for the scope (the profiler enables and disables
+  /// Kineto with no other thread running ops). Training thread only.
+  class PausedData {
+   public:
+    explicit PausedData(Trainer& trainer);
+    ~PausedData();
+    PausedData(const PausedData&) = delete;
+    PausedData& operator=(const PausedData&) = delete;
+
+   private:
+    Loader& loader_;
+  };
   const Datasets& data() const { return data_; }
   const TrainerOptions& options() const { return options_; }
-  /// Sets the completed-step counter (checkpoint resume).
-  void set_step(int64_t step) { step_ = step; }
-  int64_t skipped_steps() const { return skipped_steps_; }
-  /// Sets the skipped-step counter (checkpoint resume).
-  void set_skipped_steps(int64_t skipped) { skipped_steps_ = skipped; }
 
-  /// Marks a phase for every hook (profiler scopes, timers). Components call these around their
-  /// own work, e.g. a checkpointer around its staging (Phase::kCheckpoint), DDP around waiting
-  /// for all-reduce (Phase::kComm). Begin/end pairs must nest.
+  /// Marks a phase for every hook (profiler scopes, timers). Prefer PhaseScope. Components call
+  /// these around their own work, e.g. a checkpointer around its staging (Phase::kCheckpoint),
+  /// DDP around waiting for all-reduce (Phase::kComm). Begin/end pairs must nest.
   void phase_begin(Phase phase);
   void phase_end(Phase phase);
 
  private:
-  StepStats run_step(int micro_steps, const std::function<Batch(int)>& next_batch);
+  /// The device part of a step: micro-batches through forward and backward, the gradient hooks,
+  /// the loss mean over ranks, clipping, the optimizer. Returns [loss, grad_norm, nonfinite] on
+  /// the device. A compiled or captured step replaces this function alone.
+  torch::Tensor device_step(int micro_steps, const std::function<Batch(int)>& next_batch,
+                            StepStats& stats);
+  StepStats run_step(int micro_steps, const std::function<Batch(int)>& next_batch, bool sync);
+  /// Reads the device counters back and applies the non-finite policy to the steps since the
+  /// last sync. Throws TrainingError.
+  void sync_counters(StepStats* stats, const torch::Tensor& step_values);
+  template <class Call>
+  void for_each_hook(Call call);
 
   std::unique_ptr<Config> config_;
+  TrainOptions train_options_;
   std::shared_ptr<Model> model_;
   Datasets data_;
   TrainerOptions options_;
@@ -174,8 +330,37 @@ class Trainer {
   std::unique_ptr<Sampler> val_sampler_;
   std::vector<std::shared_ptr<TrainerHook>> hooks_;
   int64_t step_ = 0;
-  int64_t skipped_steps_ = 0;
+  int64_t skipped_steps_ = 0;  // as of the last sync
+  // On the device, since the last sync: non-finite steps, and the first one's number (0: none).
+  torch::Tensor nonfinite_since_sync_, first_nonfinite_step_;
 };
+
+// ---- hooks kiln provides -----------------------------------------------------------------------
+
+/// Appends one metrics record per synced step (and, with `record_evals`, one per evaluation) to a
+/// run's metrics file: step_record()'s fields plus whatever `annotate` adds.
+class MetricsHook : public TrainerHook {
+ public:
+  explicit MetricsHook(Run& run, std::function<void(nlohmann::json&)> annotate = nullptr,
+                       bool record_evals = true);
+  void on_step_end(Trainer&, const StepStats& stats) override;
+  void on_eval(Trainer& trainer, const EvalStats& eval) override;
+
+ private:
+  Run& run_;
+  std::function<void(nlohmann::json&)> annotate_;
+  bool record_evals_;
+};
+
+/// Every step's StepStats, kept in order (also those before a step that threw).
+class StepLog : public TrainerHook {
+ public:
+  void on_step_end(Trainer&, const StepStats& stats) override { steps.push_back(stats); }
+  std::vector<StepStats> steps;
+};
+
+/// One metrics.jsonl record for a step (docs/training.md lists the fields).
+nlohmann::json step_record(const StepStats& stats);
 
 /// Applies run.threads, run.deterministic and the global seed to this process.
 void apply_runtime_settings(const Config& config);

@@ -1,10 +1,7 @@
 // The checkpoint's view of a Trainer: capturing and restoring the full training state, the
 // periodic checkpointer hook, and `kiln train --resume`.
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/Context.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <torch/cuda.h>
 
 #include <optional>
 
@@ -21,30 +18,8 @@ namespace {
 
 using nlohmann::json;
 
-std::string cpu_rng_name(int rank) {
-  return "rng/rank-" + std::to_string(rank) + "/cpu";
-}
-std::string cuda_rng_name(int rank, int device) {
-  return "rng/rank-" + std::to_string(rank) + "/cuda-" + std::to_string(device);
-}
-
-int cuda_device_count() {
-  return torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
-}
-
-at::Generator cuda_generator(int device) {
-  return at::globalContext().defaultGenerator(
-      at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
-}
-
-torch::Tensor generator_state(at::Generator generator) {
-  std::lock_guard lock(generator.mutex());
-  return generator.get_state();
-}
-
-void set_generator_state(at::Generator generator, const torch::Tensor& state) {
-  std::lock_guard lock(generator.mutex());
-  generator.set_state(state);
+std::string rng_name(int rank, const std::string& generator) {
+  return "rng/rank-" + std::to_string(rank) + "/" + generator;
 }
 
 // A rank's own tensor (its RNG state): "sharded" with one piece, so each rank's copy is kept.
@@ -54,38 +29,12 @@ StateTensor own_tensor(std::string name, torch::Tensor tensor) {
   return StateTensor(std::move(name), std::move(tensor), shape, zeros);
 }
 
-// Model parameters and buffers, and optimizer state: the live tensors (load writes into them).
-// For saving, buffers are copied now: a forward pass may update them (batch-norm statistics)
-// before a background save has staged them; parameters and optimizer state change only in the
-// optimizer step, which the CheckpointHook fences.
-std::vector<StateTensor> model_and_optimizer(Trainer& trainer, bool copy_buffers) {
-  torch::NoGradGuard no_grad;
-  std::vector<StateTensor> tensors;
-  for (const auto& item : trainer.model().named_parameters())
-    tensors.push_back({"model/" + item.key(), item.value()});
-  for (const auto& item : trainer.model().named_buffers()) {
-    tensors.push_back({"model/" + item.key(), copy_buffers ? item.value().clone() : item.value()});
-  }
-  for (const auto& [name, tensor] : trainer.optimizer().state())
-    tensors.push_back({"optim/" + name, tensor});
-  return tensors;
-}
-
-json lr_schedule_state(const Config& config, int64_t step) {
-  return {{"kind", "function of the step (kiln::learning_rate)"},
-          {"schedule", config.get_string("optim.schedule")},
-          {"peak_lr", config.get_float("optim.lr")},
-          {"warmup_steps", config.get_int("optim.warmup_steps")},
-          {"min_lr_ratio", config.get_float("optim.min_lr_ratio")},
-          {"total_steps", config.get_int("train.steps")},
-          {"next_lr", learning_rate(config, step)}};
-}
-
-// The loader position for this rank: the saved one at the same world size and batch size, else the
-// saved global position converted (samples consumed in the epoch are kept).
-LoaderPosition resume_position(Trainer& trainer, const CheckpointIndex& index, int rank) {
-  const int world = trainer.options().world_size;
-  const int64_t batch_size = trainer.loader().options().batch_size;
+// The loader position for this rank in the trainer's terms (`live`): the saved one at the same
+// world size and batch size, else the saved global position converted (samples consumed in the
+// epoch are kept).
+LoaderPosition resume_position(const TrainState& live, const CheckpointIndex& index, int rank) {
+  const int world = live.world_size;
+  const int64_t batch_size = live.batch_size;
   const json& saved = index.ranks.at(static_cast<size_t>(index.world_size == world ? rank : 0));
   if (!saved.contains("loader"))
     throw UserError("checkpoint has no loader position (not a training checkpoint)");
@@ -103,10 +52,12 @@ LoaderPosition resume_position(Trainer& trainer, const CheckpointIndex& index, i
         consumed, position.epoch, saved_world, saved_batch_size, world, batch_size));
   }
   position.batch = consumed / global_batch;
-  if (position.batch >= trainer.loader().sampler().batches_per_epoch()) {
-    position = {position.epoch + 1, 0};
-  }
+  if (position.batch >= live.batches_per_epoch) position = {position.epoch + 1, 0};
   return position;
+}
+
+bool is_step_count(const std::string& name) {
+  return name.ends_with(".step");
 }
 
 // Loads one checkpoint into the trainer. Throws UserError on every rank when any rank fails (every
@@ -123,35 +74,42 @@ LoadResult restore_from(Trainer& trainer, Communicator& comm,
   }
   ckpt::agree(comm, error);
   const int rank = comm.rank();
-  std::vector<StateTensor> targets;
-  // RNG states: this rank's, when the saving world had this rank and the generator matches.
-  std::vector<std::pair<at::Generator, size_t>> generators;
-  auto add_rng = [&](const std::string& name, at::Generator generator) {
-    const TensorInfo* info = index.find(name);
-    torch::Tensor current = generator_state(generator);
-    if (!info ||
-        info->shape != std::vector<int64_t>(current.sizes().begin(), current.sizes().end())) {
-      log::warn("checkpoint: " + step_dir.string() + " has no " + name +
-                "; that generator keeps its seeded state");
-      return;
-    }
-    generators.emplace_back(generator, targets.size());
-    targets.push_back(own_tensor(name, torch::empty_like(current)));
-  };
 
-  // Everything the training state needs is checked before any tensor is loaded.
-  const json& state = index.training_state;
-  int64_t step = 0, optimizer_steps = 0, skipped_steps = 0;
-  LoaderPosition position;
+  // Everything the training state needs is checked before any tensor is loaded. The targets
+  // alias the trainer's live tensors (the load writes into them); RNG states load into fresh
+  // tensors that load_state then applies.
+  const json& saved = index.training_state;
+  TrainState state;
+  std::vector<StateTensor> targets;
+  std::vector<std::pair<size_t, size_t>> rng_targets;  // (state.rng index, targets index)
+  bool saved_step_counts = true;                       // format 1 checkpoints have none
   try {
-    targets = model_and_optimizer(trainer, /*copy_buffers=*/false);
-    add_rng(cpu_rng_name(rank), at::detail::getDefaultCPUGenerator());
-    for (int d = 0; d < cuda_device_count(); ++d)
-      add_rng(cuda_rng_name(rank, d), cuda_generator(d));
-    step = state.at("step").get<int64_t>();
-    optimizer_steps = state.at("optimizer_steps").get<int64_t>();
-    skipped_steps = state.value("skipped_steps", int64_t{0});
-    position = resume_position(trainer, index, rank);
+    state = trainer.state();
+    for (const auto& [name, tensor] : state.model) targets.push_back({"model/" + name, tensor});
+    for (const auto& [name, tensor] : state.optimizer) {
+      if (is_step_count(name) && !index.find("optim/" + name)) {
+        saved_step_counts = false;
+        continue;
+      }
+      targets.push_back({"optim/" + name, tensor});
+    }
+    for (size_t k = 0; k < state.rng.size(); ++k) {
+      const std::string name = rng_name(rank, state.rng[k].first);
+      const torch::Tensor& current = state.rng[k].second;
+      const TensorInfo* info = index.find(name);
+      if (!info ||
+          info->shape != std::vector<int64_t>(current.sizes().begin(), current.sizes().end())) {
+        log::warn("checkpoint: " + step_dir.string() + " has no " + name +
+                  "; that generator keeps its seeded state");
+        continue;
+      }
+      rng_targets.emplace_back(k, targets.size());
+      targets.push_back(own_tensor(name, torch::empty_like(current)));
+    }
+    state.step = saved.at("step").get<int64_t>();
+    state.optimizer_steps = saved.at("optimizer_steps").get<int64_t>();
+    state.skipped_steps = saved.value("skipped_steps", int64_t{0});
+    state.loader = resume_position(state, index, rank);
   } catch (const json::exception& e) {
     error = step_dir.string() + ": training_state is incomplete (" + one_line_error(e) + ")";
   } catch (const std::exception& e) {
@@ -161,37 +119,41 @@ LoadResult restore_from(Trainer& trainer, Communicator& comm,
 
   LoadResult result = load_checkpoint(step_dir, targets, comm);
   try {
-    trainer.optimizer().load_state(trainer.optimizer().state(), optimizer_steps);
-    trainer.set_step(step);
-    trainer.set_skipped_steps(skipped_steps);
-    trainer.loader().seek(position);
-    for (const auto& [generator, k] : generators) set_generator_state(generator, targets[k].tensor);
+    torch::NoGradGuard no_grad;
+    for (const auto& [k, t] : rng_targets) state.rng[k].second = targets[t].tensor;
+    if (!saved_step_counts) {  // format 1: one count for every parameter, as it then was
+      for (auto& [name, tensor] : state.optimizer) {
+        if (is_step_count(name)) tensor.fill_(static_cast<double>(state.optimizer_steps));
+      }
+    }
+    trainer.load_state(state);
   } catch (const std::exception& e) {
     error = step_dir.string() + ": restoring the loaded state failed: " + one_line_error(e);
   }
   ckpt::agree(comm, error);
 
   const Config& config = trainer.config();
-  const std::string saved_hash = state.contains("config_hash") && state["config_hash"].is_string()
-                                     ? state["config_hash"].get<std::string>()
+  const std::string saved_hash = saved.contains("config_hash") && saved["config_hash"].is_string()
+                                     ? saved["config_hash"].get<std::string>()
                                      : "?";
   if (saved_hash != config.hash()) {
     log::warn("checkpoint: " + step_dir.string() + " was saved with another config (hash " +
               saved_hash + ", now " + config.hash() + ")");
   }
-  const json* saved_lr = state.contains("lr_schedule") && state["lr_schedule"].is_object() &&
-                                 state["lr_schedule"].contains("next_lr") &&
-                                 state["lr_schedule"]["next_lr"].is_number()
-                             ? &state["lr_schedule"]["next_lr"]
+  const json* saved_lr = saved.contains("lr_schedule") && saved["lr_schedule"].is_object() &&
+                                 saved["lr_schedule"].contains("next_lr") &&
+                                 saved["lr_schedule"]["next_lr"].is_number()
+                             ? &saved["lr_schedule"]["next_lr"]
                              : nullptr;
-  if (saved_lr && saved_lr->get<double>() != learning_rate(config, step)) {
+  const double next_lr = learning_rate(config, state.step);
+  if (saved_lr && saved_lr->get<double>() != next_lr) {
     log::warn(fmt::format(
         "checkpoint: the learning-rate schedule changed: step {} had lr {} when saved, the config "
         "now gives {}",
-        step + 1, saved_lr->get<double>(), learning_rate(config, step)));
+        state.step + 1, saved_lr->get<double>(), next_lr));
   }
-  log::info(fmt::format("resumed from {} at step {} (epoch {}, batch {})", step_dir.string(), step,
-                        position.epoch, position.batch));
+  log::info(fmt::format("resumed from {} at step {} (epoch {}, batch {})", step_dir.string(),
+                        state.step, state.loader.epoch, state.loader.batch));
   return result;
 }
 
@@ -255,40 +217,50 @@ SaveRequest capture_training_state(Trainer& trainer, Communicator& comm,
                                    const std::filesystem::path& manifest) {
   const Config& config = trainer.config();
   const int rank = comm.rank();
+  TrainState state = trainer.state();
   SaveRequest request;
-  request.step = trainer.step();
-  request.tensors = model_and_optimizer(trainer, /*copy_buffers=*/true);
-  request.tensors.push_back(
-      own_tensor(cpu_rng_name(rank), generator_state(at::detail::getDefaultCPUGenerator())));
-  json cuda = nullptr;
-  if (const int devices = cuda_device_count(); devices > 0) {
-    cuda = json::array();
-    for (int d = 0; d < devices; ++d) {
-      request.tensors.push_back(
-          own_tensor(cuda_rng_name(rank, d), generator_state(cuda_generator(d))));
-      cuda.push_back(cuda_rng_name(rank, d));
+  request.step = state.step;
+  // Parameters and optimizer state change only in the optimizer step, which the CheckpointHook
+  // fences; buffers are copied now: a forward pass may update them (batch-norm statistics)
+  // before a background save has staged them.
+  const size_t buffers = trainer.model().named_buffers().size();
+  const size_t parameters = state.model.size() - buffers;
+  for (size_t k = 0; k < state.model.size(); ++k) {
+    const auto& [name, tensor] = state.model[k];
+    torch::NoGradGuard no_grad;
+    request.tensors.push_back({"model/" + name, k < parameters ? tensor : tensor.clone()});
+  }
+  for (const auto& [name, tensor] : state.optimizer)
+    request.tensors.push_back({"optim/" + name, tensor});
+  json rng = {{"cpu", nullptr}, {"cuda", nullptr}};
+  for (const auto& [name, tensor] : state.rng) {
+    request.tensors.push_back(own_tensor(rng_name(rank, name), tensor));
+    if (name == "cpu") {
+      rng["cpu"] = rng_name(rank, name);
+    } else {
+      if (rng["cuda"].is_null()) rng["cuda"] = json::array();
+      rng["cuda"].push_back(rng_name(rank, name));
     }
   }
-  const LoaderPosition position = trainer.loader().position();
   request.rank_state = {{"rank", rank},
                         {"loader",
-                         {{"epoch", position.epoch},
-                          {"batch", position.batch},
-                          {"batch_size", trainer.loader().options().batch_size},
-                          {"world_size", trainer.options().world_size},
-                          {"batches_per_epoch", trainer.loader().sampler().batches_per_epoch()}}},
-                        {"rng", {{"cpu", cpu_rng_name(rank)}, {"cuda", cuda}}}};
+                         {{"epoch", state.loader.epoch},
+                          {"batch", state.loader.batch},
+                          {"batch_size", state.batch_size},
+                          {"world_size", state.world_size},
+                          {"batches_per_epoch", state.batches_per_epoch}}},
+                        {"rng", std::move(rng)}};
   json manifest_pointer = {{"path", manifest.string()}, {"xxh3", nullptr}};
   std::error_code ec;
   if (!manifest.empty() && std::filesystem::is_regular_file(manifest, ec)) {
     manifest_pointer["xxh3"] = hex64(hash_file(manifest));
   }
-  request.training_state = {{"step", trainer.step()},
-                            {"epoch", position.epoch},
-                            {"optimizer_steps", trainer.optimizer().steps_taken()},
-                            {"skipped_steps", trainer.skipped_steps()},
-                            {"lr_schedule", lr_schedule_state(config, trainer.step())},
-                            {"grad_scaler", nullptr},
+  request.training_state = {{"step", state.step},
+                            {"epoch", state.loader.epoch},
+                            {"optimizer_steps", state.optimizer_steps},
+                            {"skipped_steps", state.skipped_steps},
+                            {"lr_schedule", state.lr_schedule},
+                            {"grad_scaler", state.grad_scaler},
                             {"config_hash", config.hash()},
                             {"run_manifest", std::move(manifest_pointer)},
                             {"model", trainer.model().architecture()},
@@ -345,38 +317,25 @@ void CheckpointHook::on_train_begin(Trainer& trainer) {
 
 void CheckpointHook::on_gradients_ready(Trainer& trainer) {
   if (!checkpointer_.in_flight()) return;
-  trainer.phase_begin(Phase::kCheckpoint);
+  PhaseScope phase(trainer, Phase::kCheckpoint);
   checkpointer_.wait_for_staging();  // the optimizer step is about to change the saved tensors
-  trainer.phase_end(Phase::kCheckpoint);
 }
 
 void CheckpointHook::on_step_end(Trainer& trainer, const StepStats&) {
-  trainer.phase_begin(Phase::kCheckpoint);
-  try {
-    checkpointer_.poll();
+  PhaseScope phase(trainer, Phase::kCheckpoint);
+  checkpointer_.poll();
+  check();
+  if (every_steps_ > 0 && trainer.step() % every_steps_ == 0) {
+    save(trainer);
     check();
-    if (every_steps_ > 0 && trainer.step() % every_steps_ == 0) {
-      save(trainer);
-      check();
-    }
-  } catch (...) {
-    trainer.phase_end(Phase::kCheckpoint);
-    throw;
   }
-  trainer.phase_end(Phase::kCheckpoint);
 }
 
 void CheckpointHook::on_train_end(Trainer& trainer) {
-  trainer.phase_begin(Phase::kCheckpoint);
-  try {
-    if (save_final_ && every_steps_ > 0 && last_saved_step_ != trainer.step()) save(trainer);
-    checkpointer_.wait();
-    check();
-  } catch (...) {
-    trainer.phase_end(Phase::kCheckpoint);
-    throw;
-  }
-  trainer.phase_end(Phase::kCheckpoint);
+  PhaseScope phase(trainer, Phase::kCheckpoint);
+  if (save_final_ && every_steps_ > 0 && last_saved_step_ != trainer.step()) save(trainer);
+  checkpointer_.wait();
+  check();
 }
 
 bool check_train_start(const Config& config, const std::string& resume) {

@@ -236,21 +236,21 @@ Datasets make_text(const Config& config, int64_t vocab_limit) {
 
 TokenBuffer map_token_file(const std::string& path, const std::string& format_key,
                            std::string* format_used) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
+  FileDescriptor fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) {
     throw UserError("token file " + path + " cannot be opened: " + std::strerror(errno) +
                     "; check data.path / data.val_path");
   }
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
+  if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
     throw UserError("token file " + path +
                     " is not a regular file; point data.path / data.val_path at a .bin file");
   }
   const int64_t size = st.st_size;
-  void* map = size > 0 ? ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_PRIVATE, fd, 0)
-                       : nullptr;
-  ::close(fd);
+  void* map = size > 0
+                  ? ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_PRIVATE, fd.get(), 0)
+                  : nullptr;
+  fd.close();  // the mapping keeps the file
   if (size > 0 && map == MAP_FAILED) throw UserError("token file " + path + " cannot be mapped");
   std::shared_ptr<const void> owner(map, [size](const void* p) {
     if (p) ::munmap(const_cast<void*>(p), static_cast<size_t>(size));

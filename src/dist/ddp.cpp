@@ -213,9 +213,6 @@ std::shared_ptr<DataParallel> DataParallel::attach(Trainer& trainer,
       torch::autograd::impl::set_post_acc_grad_hooks(raw->parameters[k],
                                                      std::make_unique<GradientReadyHook>(raw, k));
     }
-    // The same initial weights everywhere, but each rank's own random stream (dropout, ...).
-    torch::manual_seed(static_cast<uint64_t>(trainer.config().get_int("run.seed")) +
-                       static_cast<uint64_t>(raw->comm->rank()));
     trainer.add_hook(hook);
     std::string sizes;
     for (int64_t b : hook->bucket_bytes())
@@ -248,33 +245,28 @@ void DataParallel::on_gradients_ready(Trainer& trainer) {
   State& s = *state_;
   if (!s.synchronizing) return;
   s.synchronizing = false;
-  trainer.phase_begin(Phase::kComm);
-  try {
-    // Parameters whose hook did not fire on this micro-step: one that received gradient only on
-    // earlier micro-steps (accumulation) contributes that gradient; one with no gradient on this
-    // rank at all contributes zeros.
-    for (size_t k = 0; k < s.parameters.size(); ++k) {
-      if (s.gradient_ready[k]) continue;
-      const auto& slot = s.slots[k];
-      torch::Tensor part = s.buckets[slot.bucket].buffer.narrow(0, slot.offset, slot.numel);
-      const torch::Tensor& grad = s.parameters[k].grad();
-      if (grad.defined()) {
-        part.view(grad.sizes()).copy_(grad);
-      } else {
-        part.zero_();
-      }
-      s.gradient_ready[k] = 1;
-      ++s.buckets[slot.bucket].ready;
+  PhaseScope phase(trainer, Phase::kComm);
+  // Parameters whose hook did not fire on this micro-step: one that received gradient only on
+  // earlier micro-steps (accumulation) contributes that gradient; one with no gradient on this
+  // rank at all contributes zeros.
+  for (size_t k = 0; k < s.parameters.size(); ++k) {
+    if (s.gradient_ready[k]) continue;
+    const auto& slot = s.slots[k];
+    torch::Tensor part = s.buckets[slot.bucket].buffer.narrow(0, slot.offset, slot.numel);
+    const torch::Tensor& grad = s.parameters[k].grad();
+    if (grad.defined()) {
+      part.view(grad.sizes()).copy_(grad);
+    } else {
+      part.zero_();
     }
-    s.launch_ready_buckets();
-    for (auto& bucket : s.buckets) {
-      bucket.pending->wait();
-      bucket.pending.reset();
-      bucket.buffer.div_(static_cast<double>(s.world_size));
-    }
-  } catch (...) {
-    trainer.phase_end(Phase::kComm);
-    throw;
+    s.gradient_ready[k] = 1;
+    ++s.buckets[slot.bucket].ready;
+  }
+  s.launch_ready_buckets();
+  for (auto& bucket : s.buckets) {
+    bucket.pending->wait();
+    bucket.pending.reset();
+    bucket.buffer.div_(static_cast<double>(s.world_size));
   }
   for (size_t k = 0; k < s.parameters.size(); ++k) {
     const auto& slot = s.slots[k];
@@ -282,7 +274,6 @@ void DataParallel::on_gradients_ready(Trainer& trainer) {
                                          .buffer.narrow(0, slot.offset, slot.numel)
                                          .view(s.parameters[k].sizes());
   }
-  trainer.phase_end(Phase::kComm);
 }
 
 }  // namespace kiln

@@ -30,7 +30,7 @@ nlohmann::json export_for_peer(const Config& config, int64_t steps,
   NamedTensors batch_tensors;
   for (int64_t k = 0; k < steps; ++k) {
     for (int64_t m = 0; m < accum; ++m) {
-      Batch batch = trainer.loader().next();
+      Batch batch = trainer.next_batch();
       batch_tensors.emplace_back(fmt::format("step{}.micro{}.inputs", k, m), batch.inputs);
       batch_tensors.emplace_back(fmt::format("step{}.micro{}.targets", k, m), batch.targets);
       batches[static_cast<size_t>(k)].push_back(std::move(batch));

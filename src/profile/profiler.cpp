@@ -42,22 +42,6 @@ int64_t unix_time_ns() {
       .count();
 }
 
-// Pauses the loader's workers for the lifetime of the guard.
-class PausedWorkers {
- public:
-  explicit PausedWorkers(Loader* loader) : loader_(loader) {
-    if (loader_) loader_->pause_workers();
-  }
-  ~PausedWorkers() {
-    if (loader_) loader_->resume_workers();
-  }
-  PausedWorkers(const PausedWorkers&) = delete;
-  PausedWorkers& operator=(const PausedWorkers&) = delete;
-
- private:
-  Loader* loader_;
-};
-
 }  // namespace
 
 struct Profiler::Capture {
@@ -172,7 +156,7 @@ void Profiler::finish(Trainer& trainer) {
 }
 
 void Profiler::start_recording(Trainer& trainer) {
-  PausedWorkers paused(&trainer.loader());
+  Trainer::PausedData paused(trainer);
   try {
     kineto::enableProfiler(capture_->config, capture_->activities);
   } catch (const c10::Error& e) {
@@ -190,7 +174,7 @@ void Profiler::stop_recording(Trainer& trainer, bool save) {
   if (!recording_) {
     // Prepared but never started (a warm-up that ends without recording): Kineto has no
     // "unprepare", so start and stop an empty window, as torch.profiler does.
-    PausedWorkers paused(&trainer.loader());
+    Trainer::PausedData paused(trainer);
     kineto::enableProfiler(capture_->config, capture_->activities);
     (void)kineto::disableProfiler();
     prepared_ = false;
@@ -199,7 +183,7 @@ void Profiler::stop_recording(Trainer& trainer, bool save) {
   if (options_.cuda) torch::cuda::synchronize();
   std::unique_ptr<kineto::ProfilerResult> result;
   {
-    PausedWorkers paused(&trainer.loader());
+    Trainer::PausedData paused(trainer);
     result = kineto::disableProfiler();
   }
   recording_ = false;

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "core/files.h"
 #include "kiln/config.h"
 #include "kiln/error.h"
 #include "kiln/profile.h"
@@ -83,11 +84,11 @@ void check_trace_directory(const std::filesystem::path& dir) {
   // Prove it: create, write and remove a probe file (permission bits alone say little as root
   // or on read-only mounts).
   const std::filesystem::path probe = dir / fmt::format(".kiln-probe-{}", ::getpid());
-  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail(std::strerror(errno));
-  const bool wrote = ::write(fd, "x", 1) == 1;
+  FileDescriptor fd(::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (!fd.valid()) fail(std::strerror(errno));
+  const bool wrote = ::write(fd.get(), "x", 1) == 1;
   const int saved_errno = errno;
-  ::close(fd);
+  fd.close();
   ::unlink(probe.c_str());
   if (!wrote) fail(std::strerror(saved_errno));
 }

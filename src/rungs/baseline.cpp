@@ -9,7 +9,6 @@
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/rungs.h"
-#include "train/step_record.h"
 
 namespace kiln {
 namespace {
@@ -44,36 +43,44 @@ RungResult run_baseline(Session& session) {
   log::info(fmt::format("baseline: {} warm-up + {} measured steps, eager, one process on {}",
                         warmup, measured, session.device.str()));
   const EvalStats initial_eval = trainer.evaluate();
-  std::vector<double> losses, step_seconds, wait_seconds;
-  int64_t samples = 0, tokens = 0;
+  // The shared step loop; the hooks record every step and its metrics record.
+  auto log_hook = std::make_shared<StepLog>();
+  bool measuring = false, peak_memory_step = false;
+  trainer.add_hook(log_hook);
+  trainer.add_hook(std::make_shared<MetricsHook>(
+      *session.run,
+      [&](json& record) {
+        record["measured"] = measuring;
+        if (peak_memory_step) record["peak_memory_step"] = true;
+      },
+      /*record_evals=*/false));
   std::string failure;
   PeakMemory peak;
   EvalStats final_eval;
   try {
-    for (int64_t k = 0; k < warmup + measured; ++k) {
-      StepStats s = trainer.train_step();
-      losses.push_back(s.loss);
-      if (k >= warmup) {
-        step_seconds.push_back(s.step_seconds);
-        wait_seconds.push_back(s.data_wait_seconds);
-        samples += s.samples;
-        tokens += s.tokens;
-      }
-      json record = step_record(s);
-      record["measured"] = k >= warmup;
-      session.run->append_metrics(record);
-    }
+    trainer.run_steps(warmup);
+    measuring = true;
+    trainer.run_steps(measured);
+    measuring = false;
     // Peak memory of one full optimizer step (data, forward, backward, optimizer), not timed.
     reset_peak_memory(session.device);
-    StepStats s = trainer.train_step();
+    peak_memory_step = true;
+    trainer.run_steps(1);
     peak = read_peak_memory(session.device);
-    json record = step_record(s);
-    record["measured"] = false;
-    record["peak_memory_step"] = true;
-    session.run->append_metrics(record);
     final_eval = trainer.evaluate();
   } catch (const TrainingError& e) {
     failure = e.what();
+  }
+  std::vector<double> losses, step_seconds, wait_seconds;
+  int64_t samples = 0, tokens = 0;
+  const auto& steps = log_hook->steps;
+  for (size_t k = 0; k < steps.size() && k < static_cast<size_t>(warmup + measured); ++k) {
+    if (steps[k].synced) losses.push_back(steps[k].loss);
+    if (k < static_cast<size_t>(warmup)) continue;
+    step_seconds.push_back(steps[k].step_seconds);
+    wait_seconds.push_back(steps[k].data_wait_seconds);
+    samples += steps[k].samples;
+    tokens += steps[k].tokens;
   }
   if (!failure.empty()) {
     result.verdict = failure;

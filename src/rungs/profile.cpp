@@ -53,18 +53,18 @@ RungResult run_profile(Session& session, std::string* tables) {
       "traces in {}",
       total_steps, schedule.skip_first, schedule.repeat, schedule.wait, schedule.warmup,
       schedule.active, session.device.str(), options.dir.string()));
-  std::vector<double> losses;
+  auto log_hook = std::make_shared<StepLog>();
+  trainer.add_hook(log_hook);
+  trainer.add_hook(std::make_shared<MetricsHook>(
+      *session.run,
+      [&](json& record) {
+        // The profiler action after the step, as the Profiler hook (added first) left it.
+        record["profiler"] = profiler_action_name(profiler->current_action());
+      },
+      /*record_evals=*/false));
   std::string failure;
   try {
-    for (int64_t k = 0; k < total_steps; ++k) {
-      const StepStats s = trainer.train_step();
-      losses.push_back(s.loss);
-      session.run->append_metrics({{"step", s.step},
-                                   {"loss", s.loss},
-                                   {"step_seconds", s.step_seconds},
-                                   {"data_wait_seconds", s.data_wait_seconds},
-                                   {"profiler", profiler_action_name(profiler->current_action())}});
-    }
+    trainer.run_steps(total_steps);
     profiler->finish(trainer);
   } catch (const TrainingError& e) {
     failure = e.what();
@@ -72,6 +72,10 @@ RungResult run_profile(Session& session, std::string* tables) {
       profiler->finish(trainer);
     } catch (...) {
     }
+  }
+  std::vector<double> losses;
+  for (const auto& s : log_hook->steps) {
+    if (s.synced) losses.push_back(s.loss);
   }
   if (!failure.empty()) {
     result.verdict = failure;

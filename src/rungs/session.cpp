@@ -53,6 +53,9 @@ std::unique_ptr<Session> open_session(const Config& config, const SessionOptions
       std::make_unique<Trainer>(config, std::move(model), std::move(data), trainer_options);
   if (world_size > 1) {  // DDP: broadcast rank 0's weights, average gradients during backward
     DataParallel::attach(*session->trainer, session->comm, data_parallel_options(config));
+    // The same initial weights everywhere, but each rank's own random stream (dropout, ...).
+    torch::manual_seed(static_cast<uint64_t>(config.get_int("run.seed")) +
+                       static_cast<uint64_t>(rank));
   }
   log::info("run directory " + session->run->dir().string() + " | " +
             model_id["architecture"].get<std::string>() + " with " +

@@ -144,7 +144,7 @@ TEST(CkptResume, DdpStateReshardsTwoRanksToOneAndConvertsTheLoaderPosition) {
   EXPECT_EQ(trainer->optimizer().steps_taken(), 3);
   EXPECT_TRUE(bitwise_equal(parameters_of(*trainer), saved));
   // World 2 at batch 3 of 4 consumed 3 x 32 x 2 = 192 samples: world 1 resumes at batch 6 of 8.
-  EXPECT_EQ(trainer->loader().position(), (LoaderPosition{0, 6}));
+  EXPECT_EQ(trainer->state().loader, (LoaderPosition{0, 6}));
   trainer->train_step();  // and trains on
 }
 
@@ -170,7 +170,7 @@ TEST(CkptResume, DdpStateReshardsOneRankToTwo) {
       throw std::runtime_error("parameters differ");
     if (trainer->optimizer().steps_taken() != 4) throw std::runtime_error("optimizer steps differ");
     // World 1 at batch 4 consumed 128 samples = 2 global batches of 2 x 32.
-    if (!(trainer->loader().position() == LoaderPosition{0, 2}))
+    if (!(trainer->state().loader == LoaderPosition{0, 2}))
       throw std::runtime_error("loader position");
     trainer->train_step();
   });
@@ -306,6 +306,26 @@ TEST(CkptResume, AutoWithoutCheckpointsStartsFreshAndBadPathsAreOneLineErrors) {
               ::testing::StartsWith("kiln: error: --resume " + (dir / "nowhere").string() +
                                     ": no such checkpoint"));
   EXPECT_THAT(r.err, ::testing::Not(HasSubstr("terminate")));
+}
+
+// A checkpoint written by format version 1 (kiln at 4d9eb90, before the Trainer owned its state
+// and each parameter had its own step count) still loads: resumed at step 3, the next losses equal
+// the ones that version's uninterrupted run logged, bit for bit.
+TEST(CkptResume, AVersion1CheckpointLoadsAndContinuesAsItsOwnRunDid) {
+  TempDir dir;
+  const auto fixture = source_dir() / "tests/ckpt/fixtures/v1";
+  ASSERT_EQ(
+      run_kiln_args({"train", (fixture / "config.toml").string(), "--set",
+                     "run.dir=" + dir.path().string(), "--resume", (fixture / "step-3").string()},
+                    dir / "v1.log"),
+      0)
+      << slurp(dir / "v1.log");
+  const nlohmann::json expected = nlohmann::json::parse(slurp(fixture / "expected.json"));
+  const auto losses = read_step_losses(dir / "v1-fixture" / "metrics.jsonl");
+  ASSERT_EQ(losses.size(), 3u) << slurp(dir / "v1.log");
+  for (const auto& [step, loss] : losses) {
+    EXPECT_EQ(loss, expected["losses"][std::to_string(step)].get<double>()) << "step " << step;
+  }
 }
 
 }  // namespace

@@ -1,0 +1,65 @@
+// The [optim] and [train] sections parsed once into OptimOptions and TrainOptions, and the
+// learning-rate schedule.
+#include <cmath>
+#include <numbers>
+
+#include "kiln/config.h"
+#include "kiln/train.h"
+
+namespace kiln {
+
+OptimOptions OptimOptions::from_config(const Config& config) {
+  OptimOptions o;
+  o.kind = config.get_string("optim.name") == "sgd" ? Kind::kSGD : Kind::kAdamW;
+  o.lr = config.get_float("optim.lr");
+  o.weight_decay = config.get_float("optim.weight_decay");
+  o.beta1 = config.get_float("optim.beta1");
+  o.beta2 = config.get_float("optim.beta2");
+  o.eps = config.get_float("optim.eps");
+  o.momentum = config.get_float("optim.momentum");
+  o.nesterov = config.get_bool("optim.nesterov");
+  o.fused = config.get_bool("optim.fused");
+  o.cosine = config.get_string("optim.schedule") == "cosine";
+  o.warmup_steps = config.get_int("optim.warmup_steps");
+  o.min_lr_ratio = config.get_float("optim.min_lr_ratio");
+  return o;
+}
+
+TrainOptions TrainOptions::from_config(const Config& config) {
+  TrainOptions o;
+  o.steps = config.get_int("train.steps");
+  o.batch_size = config.get_int("train.batch_size");
+  o.grad_accum_steps = static_cast<int>(config.get_int("train.grad_accum_steps"));
+  o.clip_grad_norm = config.get_float("train.clip_grad_norm");
+  o.eval_every = config.get_int("train.eval_every");
+  o.eval_batches = config.get_int("train.eval_batches");
+  o.nonfinite =
+      config.get_string("train.nonfinite") == "skip" ? NonFinite::kSkip : NonFinite::kAbort;
+  o.max_skipped_steps = config.get_int("train.max_skipped_steps");
+  o.metrics_every = config.get_int("train.metrics_every");
+  o.log_every = config.get_int("run.log_every");
+  const std::string& progress = config.get_string("run.progress");
+  o.progress = progress == "bar"   ? Progress::kBar
+               : progress == "log" ? Progress::kLog
+               : progress == "off" ? Progress::kOff
+                                   : Progress::kAuto;
+  return o;
+}
+
+double learning_rate(const OptimOptions& o, int64_t total_steps, int64_t step) {
+  const double peak = o.lr;
+  if (step < o.warmup_steps) {
+    return peak * static_cast<double>(step + 1) / static_cast<double>(o.warmup_steps);
+  }
+  if (!o.cosine) return peak;
+  const double span = static_cast<double>(std::max<int64_t>(1, total_steps - o.warmup_steps));
+  const double progress = std::min(1.0, static_cast<double>(step - o.warmup_steps) / span);
+  const double floor = peak * o.min_lr_ratio;
+  return floor + 0.5 * (1.0 + std::cos(std::numbers::pi * progress)) * (peak - floor);
+}
+
+double learning_rate(const Config& config, int64_t step) {
+  return learning_rate(OptimOptions::from_config(config), config.get_int("train.steps"), step);
+}
+
+}  // namespace kiln
