@@ -12,12 +12,15 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
 namespace kiln {
+
+class FileDescriptor;  // src/core/files.h
 
 struct SafetensorsEntry {
   std::string name;
@@ -89,7 +92,7 @@ class SafetensorsReader {
 
  private:
   std::filesystem::path path_;
-  int fd_ = -1;
+  std::unique_ptr<FileDescriptor> fd_;  // open for the object's whole life
   uint64_t size_bytes_ = 0;
   SafetensorsHeader header_;
 };

@@ -113,10 +113,11 @@ void read_pieces(const SafetensorsReader& reader, const std::vector<Piece>& piec
       }
     }
   };
-  std::vector<std::thread> threads;
-  for (size_t t = 1; t < std::min(kReadThreads, pieces.size()); ++t) threads.emplace_back(work);
-  work();
-  for (auto& thread : threads) thread.join();
+  {
+    std::vector<std::jthread> helpers;  // joined at the end of this block
+    for (size_t t = 1; t < std::min(kReadThreads, pieces.size()); ++t) helpers.emplace_back(work);
+    work();
+  }
   if (error) std::rethrow_exception(error);
 }
 

@@ -243,28 +243,24 @@ SafetensorsReader::SafetensorsReader(const std::filesystem::path& path) : path_(
   // The header is read through its own descriptor; then the file is opened for the data and its
   // size checked again, so a file replaced in between is caught.
   header_ = read_safetensors_header(path);
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd_ < 0) throw UserError("cannot open " + path.string() + ": " + errno_text());
+  FileDescriptor fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) throw UserError("cannot open " + path.string() + ": " + errno_text());
+  fd_ = std::make_unique<FileDescriptor>(std::move(fd));  // closed however the constructor ends
   struct stat st {};
-  if (::fstat(fd_, &st) != 0) {
-    const std::string why = errno_text();
-    ::close(fd_);
-    throw UserError("cannot stat " + path.string() + ": " + why);
+  if (::fstat(fd_->get(), &st) != 0) {
+    throw UserError("cannot stat " + path.string() + ": " + errno_text());
   }
   size_bytes_ = static_cast<uint64_t>(st.st_size);
   const uint64_t described =
       header_.data_start + (header_.tensors.empty() ? 0 : header_.tensors.back().end);
   if (size_bytes_ != described) {
-    ::close(fd_);
     throw UserError(path.string() + ": file is " + std::to_string(size_bytes_) +
                     " bytes but its header describes " + std::to_string(described) +
                     "; it changed while being opened");
   }
 }
 
-SafetensorsReader::~SafetensorsReader() {
-  if (fd_ >= 0) ::close(fd_);
-}
+SafetensorsReader::~SafetensorsReader() = default;
 
 const SafetensorsEntry* SafetensorsReader::find(std::string_view name) const {
   for (const auto& entry : header_.tensors) {
@@ -281,7 +277,7 @@ void SafetensorsReader::read(const SafetensorsEntry& entry, uint64_t offset, uin
                     std::to_string(offset) + " falls outside tensor '" + entry.name + "' (" +
                     std::to_string(size) + " bytes)");
   }
-  read_exact(fd_, out, bytes, header_.data_start + entry.begin + offset, path_.string());
+  read_exact(fd_->get(), out, bytes, header_.data_start + entry.begin + offset, path_.string());
 }
 
 void SafetensorsReader::read_raw(uint64_t offset, uint64_t bytes, void* out) const {
@@ -290,7 +286,7 @@ void SafetensorsReader::read_raw(uint64_t offset, uint64_t bytes, void* out) con
                     std::to_string(offset) + " is past the end of the file (" +
                     std::to_string(size_bytes_) + " bytes)");
   }
-  read_exact(fd_, out, bytes, offset, path_.string());
+  read_exact(fd_->get(), out, bytes, offset, path_.string());
 }
 
 }  // namespace kiln

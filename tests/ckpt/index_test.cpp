@@ -1,10 +1,12 @@
-// index.json validation (hostile paths, bad chunks, checksums) and a bounded randomized test of
-// the index and safetensors parsers: any input either parses or throws UserError, never crashes.
+// index.json validation (hostile paths, bad chunks, checksums) and a randomized test of the index
+// and safetensors parsers (a fixed number of cases, each from its own fixed seed): any input
+// either parses or throws UserError, never crashes.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <random>
 
 #include "ckpt/ckpt_helpers.h"
@@ -124,8 +126,13 @@ TEST(CkptIndex, HeaderThatDisagreesWithTheIndexIsCaught) {
               ::testing::ThrowsMessage<UserError>(HasSubstr("has no tensor 'model/w'")));
 }
 
-// Random edits of valid inputs for a bounded time: byte flips, truncations, insertions, and
-// structured JSON edits (numbers replaced by extremes, keys dropped, types swapped).
+// Random edits of valid inputs: byte flips, truncations, insertions, and structured JSON edits
+// (numbers replaced by extremes, keys dropped, types swapped). kFuzzCases cases (about 3 s on a
+// 2-core build machine), case k drawn from seed kFuzzSeed + k, so a failure names the case and
+// seed and KILN_FUZZ_CASE=k replays that case alone.
+constexpr int64_t kFuzzCases = 40000;
+constexpr uint64_t kFuzzSeed = 20241129;
+
 TEST(CkptFuzz, ParsersRejectOrAcceptButNeverCrash) {
   TempDir dir;
   const json index = make_checkpoint(dir.path());
@@ -136,7 +143,7 @@ TEST(CkptFuzz, ParsersRejectOrAcceptButNeverCrash) {
     std::memcpy(&n, file_bytes.data(), 8);
     return n;
   }();
-  std::mt19937_64 rng(20241129);
+  std::mt19937_64 rng;
   const json extremes =
       json::array({-1, 0, 1, 18446744073709551615ull, 9223372036854775807ll, 1e308, "x", nullptr,
                    json::array(), json::object(), true, "../x", "/abs", 2147483648ull,
@@ -177,10 +184,19 @@ TEST(CkptFuzz, ParsersRejectOrAcceptButNeverCrash) {
       j = extremes[rng() % extremes.size()];
     }
   };
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  int64_t first = 0, last = kFuzzCases;  // [first, last)
+  if (const char* replay = std::getenv("KILN_FUZZ_CASE")) {
+    first = std::stoll(replay);
+    last = first + 1;
+  }
   int64_t cases = 0, accepted = 0;
-  while (std::chrono::steady_clock::now() < deadline) {
+  for (int64_t c = first; c < last && !::testing::Test::HasFailure(); ++c) {
+    const uint64_t seed = kFuzzSeed + static_cast<uint64_t>(c);
+    rng.seed(seed);
     ++cases;
+    SCOPED_TRACE("fuzz case " + std::to_string(c) + " of " + std::to_string(kFuzzCases) +
+                 ", seed " + std::to_string(seed) + " (replay: KILN_FUZZ_CASE=" +
+                 std::to_string(c) + " kiln_tests --gtest_filter=CkptFuzz.*)");
     // index.json: raw byte edits (caught by JSON or the checksum) and checksummed structural edits.
     std::string text;
     if (rng() % 2) {
@@ -194,6 +210,8 @@ TEST(CkptFuzz, ParsersRejectOrAcceptButNeverCrash) {
       parse_checkpoint_index(text, "fuzz");
       ++accepted;
     } catch (const UserError&) {
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "index: not a UserError: " << e.what();
     }
     // safetensors: edits anywhere, or inside the header only.
     std::string bytes = file_bytes;
@@ -224,10 +242,13 @@ TEST(CkptFuzz, ParsersRejectOrAcceptButNeverCrash) {
         ASSERT_EQ(need, static_cast<unsigned __int128>(entry.end - entry.begin)) << entry.name;
       }
     } catch (const UserError&) {
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "safetensors: not a UserError: " << e.what();
     }
   }
-  std::cout << "[ fuzz ] " << cases << " cases, " << accepted << " accepted\n";
-  EXPECT_GT(cases, 100);
+  std::cout << "[ fuzz ] " << cases << " cases (seeds " << kFuzzSeed + first << ".."
+            << kFuzzSeed + last - 1 << "), " << accepted << " accepted\n";
+  EXPECT_EQ(cases, last - first);
 }
 
 }  // namespace
