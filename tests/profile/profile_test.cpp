@@ -721,7 +721,7 @@ TEST(Profiler, LadderRunsProfileRightAfterBaseline) {
   // The profile rung explains the baseline's numbers, so it runs next, with nothing between.
   std::string order;
   for (const auto& name : names) order += (order.empty() ? "" : ", ") + name;
-  EXPECT_EQ(profile, baseline + 1) << "ladder order: " << order;
+  EXPECT_EQ(profile - baseline, 1) << "ladder order: " << order;
 }
 
 }  // namespace
