@@ -12,6 +12,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <string>
@@ -115,5 +116,41 @@ class DataParallel : public TrainerHook {
   explicit DataParallel(std::unique_ptr<State> state);
   std::unique_ptr<State> state_;
 };
+
+// ---- launching local ranks under torchrun -------------------------------------------------------
+
+/// A kiln subcommand to run as local ranks under torchrun, as a run of its own.
+struct TorchrunJob {
+  std::string command;   // the kiln subcommand every rank runs ("scale")
+  int processes = 1;     // torchrun --nproc-per-node
+  std::string run_name;  // the ranks' run.name: they write into <run dir>/<run_name>/
+  // Outputs of an earlier launch, removed once <run dir>/<run_name>/ exists and before torchrun
+  // starts, so that they are never read as this launch's.
+  std::vector<std::filesystem::path> stale_outputs;
+};
+
+/// What a torchrun launch left behind.
+struct TorchrunOutcome {
+  int status = 0;                 // torchrun's exit status, or 128 + the signal that ended it
+  std::filesystem::path run_dir;  // <run dir>/<run_name>/: the ranks' manifest, logs and outputs
+};
+
+/// The torchrun executable: dist.torchrun when set; else the first `torchrun` on PATH; else
+/// .venv/bin/torchrun one directory above, then next to, the kiln executable. Throws UserError
+/// when dist.torchrun is set but is not an executable file, or when none is found (the message
+/// names dist.torchrun as the fix).
+std::filesystem::path find_torchrun(const Config& config);
+
+/// Runs `<torchrun> --standalone --nproc-per-node=<job.processes> --no-python <kiln> <job.command>
+/// <launch config> --quiet` from this process (which is not itself a rank) and waits for it; the
+/// children inherit stdout and stderr, and the command line is logged. The ranks load `config`,
+/// resolved, with run.dir = run_directory(config) and run.name = job.run_name, written to
+/// <run dir>/<run_name>/<command>-launch.toml: they are a run of their own and the caller's run
+/// directory keeps its files. job.stale_outputs are removed before the launch. Returns torchrun's
+/// status whatever it is (a failed rank is not an exception here); reading what the ranks wrote is
+/// the caller's job. Throws UserError when <run dir>/<run_name>/ cannot be created (naming
+/// run.dir), the launch config cannot be written, a stale output cannot be removed, torchrun is not
+/// found (find_torchrun) or the kiln executable cannot be located or started.
+TorchrunOutcome launch_with_torchrun(const Config& config, const TorchrunJob& job);
 
 }  // namespace kiln

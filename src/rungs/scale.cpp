@@ -1,9 +1,8 @@
 // The scale rung: data-parallel throughput against a single-process baseline, and where the time
-// goes (compute against communication). See scale.h for the procedure, docs/scale.md for
+// goes (compute against communication). See kiln/rungs.h for the procedure, docs/scale.md for
 // scale.json.
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -13,11 +12,11 @@
 
 #include "core/clock.h"
 #include "core/files.h"
-#include "core/process.h"
 #include "core/strings.h"
 #include "kiln/dist.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
+#include "kiln/run.h"
 #include "kiln/rungs.h"
 
 namespace kiln {
@@ -119,44 +118,320 @@ RungResult result_from_json(const json& numbers) {
   return result;
 }
 
-// ---- launching torchrun from a single process (the ladder)
-// ----------------------------------------
+// ---- measurement ---------------------------------------------------------------------------
 
-bool is_executable(const std::filesystem::path& path) {
-  std::error_code ec;
-  return !path.empty() && ::access(path.c_str(), X_OK) == 0 &&
-         std::filesystem::is_regular_file(path, ec);
+// Step 1: rank 0 measures one process alone while the others wait; every rank gets its numbers.
+Baseline measure_baseline(Session& session, int64_t warmup, int64_t baseline_steps) {
+  Baseline baseline;
+  if (baseline_steps <= 0) return baseline;
+  const Config& config = session.config;
+  Communicator& comm = *session.comm;
+  log::info(
+      fmt::format("scale: single-process baseline on rank 0 ({} + up to {} steps); the other "
+                  "ranks wait",
+                  warmup, baseline_steps));
+  if (comm.rank() == 0) {
+    baseline = measure_single_process(config, session.device, warmup, baseline_steps,
+                                      0.5 * config.get_float("dist.timeout_seconds"));
+  }
+  comm.barrier();
+  const json mine = comm.rank() == 0 ? json{{"sps", baseline.samples_per_second},
+                                            {"median", baseline.median_step_seconds},
+                                            {"steps", baseline.steps},
+                                            {"note", baseline.note}}
+                                     : json();
+  const json from_rank0 = json::parse(comm.all_gather_bytes(mine.dump())[0]);
+  baseline.measured = true;
+  baseline.samples_per_second = from_rank0["sps"].get<double>();
+  baseline.median_step_seconds = from_rank0["median"].get<double>();
+  baseline.steps = from_rank0["steps"].get<int64_t>();
+  baseline.note = from_rank0["note"].get<std::string>();
+  return baseline;
 }
 
-std::filesystem::path find_torchrun(const Config& config) {
-  const std::string& configured = config.get_string("dist.torchrun");
-  if (!configured.empty()) {
-    if (!is_executable(configured)) {
-      throw UserError("dist.torchrun = \"" + configured +
-                      "\" is not an executable file; point it at "
-                      "torchrun (it comes with the torch package: <venv>/bin/torchrun)");
+// What this rank's data-parallel steps measured.
+struct StepMeasurement {
+  std::vector<double> losses;        // warm-up and measured steps
+  std::vector<double> step_seconds;  // measured steps
+  int64_t samples = 0;               // this rank's samples in the measured steps
+  std::string failure;               // the TrainingError that ended the steps early, if any
+  double cpu_seconds = 0;            // process CPU time over the measured steps
+  CommunicationStats before, after;  // the process group's counters around the measured steps
+  std::map<Phase, double> phase_seconds;
+
+  double phase(Phase p) const {
+    auto it = phase_seconds.find(p);
+    return it == phase_seconds.end() ? 0.0 : it->second;
+  }
+};
+
+// Step 2, the step loop: `warmup` steps, then `measured` steps timed per phase by a PhaseTimer and
+// logged to metrics.jsonl. A TrainingError ends them (StepMeasurement::failure); a
+// CommunicationError propagates.
+StepMeasurement run_measured_steps(Session& session, int64_t warmup, int64_t measured) {
+  Trainer& trainer = *session.trainer;
+  Communicator& comm = *session.comm;
+  const int world = comm.world_size();
+  auto timer = std::make_shared<PhaseTimer>();
+  trainer.add_hook(timer);
+  StepMeasurement m;
+  try {
+    for (int64_t k = 0; k < warmup; ++k) m.losses.push_back(trainer.train_step().loss);
+    m.before = comm.stats();
+    timer->measuring = true;
+    const double cpu_begin = process_cpu_seconds();
+    for (int64_t k = 0; k < measured; ++k) {
+      StepStats s = trainer.train_step();
+      m.losses.push_back(s.loss);
+      m.step_seconds.push_back(s.step_seconds);
+      m.samples += s.samples / world;  // s.samples counts every rank
+      session.run->append_metrics({{"step", s.step},
+                                   {"loss", s.loss},
+                                   {"lr", s.lr},
+                                   {"grad_norm", s.grad_norm},
+                                   {"step_seconds", s.step_seconds},
+                                   {"data_wait_seconds", s.data_wait_seconds},
+                                   {"measured", true}});
     }
-    return configured;
+    timer->measuring = false;
+    m.cpu_seconds = process_cpu_seconds() - cpu_begin;
+    m.after = comm.stats();
+  } catch (const CommunicationError&) {
+    throw;
+  } catch (const TrainingError& e) {
+    m.failure = e.what();
   }
-  if (const char* path = std::getenv("PATH")) {
-    std::string_view rest(path);
-    while (!rest.empty()) {
-      const size_t colon = rest.find(':');
-      const std::filesystem::path candidate =
-          std::filesystem::path(rest.substr(0, colon)) / "torchrun";
-      if (is_executable(candidate)) return candidate;
-      rest = colon == std::string_view::npos ? std::string_view() : rest.substr(colon + 1);
-    }
-  }
-  const auto exe_dir = kiln_executable().parent_path();
-  for (const auto& candidate :
-       {exe_dir.parent_path() / ".venv/bin/torchrun", exe_dir / ".venv/bin/torchrun"}) {
-    if (is_executable(candidate)) return candidate;
-  }
-  throw UserError(
-      "the scale rung needs torchrun (it comes with the torch package) and found none "
-      "on PATH or in .venv/bin next to the build; set dist.torchrun = \"/path/to/torchrun\"");
+  m.phase_seconds = timer->seconds;
+  return m;
 }
+
+// ---- the report ------------------------------------------------------------------------------
+
+// This rank's numbers (scale.json's per_rank entry).
+json rank_numbers(const Communicator& comm, const StepMeasurement& m, int64_t seq_len) {
+  const double seconds = std::accumulate(m.step_seconds.begin(), m.step_seconds.end(), 0.0);
+  const double compute =
+      m.phase(Phase::kForward) + m.phase(Phase::kBackward) + m.phase(Phase::kOptimizer);
+  const json comm_delta = stats_delta(m.before, m.after);
+  const double busy = comm_delta["busy_seconds"].get<double>();
+  json mine = {
+      {"rank", comm.rank()},
+      {"local_rank", comm.local_rank()},
+      {"samples", m.samples},
+      {"seconds", seconds},
+      {"cpu_seconds", m.cpu_seconds},
+      {"samples_per_second", seconds > 0 ? static_cast<double>(m.samples) / seconds : 0.0},
+      {"step_seconds",
+       {{"median", percentile(m.step_seconds, 0.5)},
+        {"p10", percentile(m.step_seconds, 0.1)},
+        {"p90", percentile(m.step_seconds, 0.9)}}},
+      {"phase_seconds",
+       {{"data_wait", m.phase(Phase::kDataWait)},
+        {"forward", m.phase(Phase::kForward)},
+        {"backward", m.phase(Phase::kBackward)},
+        {"comm_exposed", m.phase(Phase::kComm)},
+        {"optimizer", m.phase(Phase::kOptimizer)}}},
+      {"compute_seconds", compute},
+      {"comm", comm_delta},
+      {"comm_overlapped_share",
+       busy > 0 ? std::clamp(1.0 - m.phase(Phase::kComm) / busy, 0.0, 1.0) : 0.0},
+  };
+  if (seq_len > 0)
+    mine["tokens_per_second"] =
+        mine["samples_per_second"].get<double>() * static_cast<double>(seq_len);
+  return mine;
+}
+
+// scale.json's "global": the job's throughput (total samples over the slowest rank's time) and
+// the per-step compute and communication, averaged over ranks.
+json global_numbers(const json& per_rank, int world, int64_t measured, int64_t seq_len,
+                    double median_step) {
+  int64_t total_samples = 0;
+  double slowest = 0, compute_sum = 0, busy_sum = 0, exposed_sum = 0, seconds_sum = 0;
+  for (const auto& r : per_rank) {
+    total_samples += r["samples"].get<int64_t>();
+    slowest = std::max(slowest, r["seconds"].get<double>());
+    compute_sum += r["compute_seconds"].get<double>();
+    busy_sum += r["comm"]["busy_seconds"].get<double>();
+    exposed_sum += r["phase_seconds"]["comm_exposed"].get<double>();
+    seconds_sum += r["seconds"].get<double>();
+  }
+  const double global_sps = slowest > 0 ? static_cast<double>(total_samples) / slowest : 0;
+  const double rank_steps = static_cast<double>(world * std::max<int64_t>(1, measured));
+  return {{"samples_per_second", global_sps},
+          {"tokens_per_second",
+           seq_len > 0 ? json(global_sps * static_cast<double>(seq_len)) : json(nullptr)},
+          {"median_step_seconds", median_step},
+          {"compute_seconds_per_step", compute_sum / rank_steps},
+          {"comm_busy_seconds_per_step", busy_sum / rank_steps},
+          {"comm_exposed_seconds_per_step", exposed_sum / rank_steps},
+          {"comm_exposed_share_of_step", seconds_sum > 0 ? exposed_sum / seconds_sum : 0.0}};
+}
+
+json baseline_numbers(const Baseline& baseline) {
+  return {{"method",
+           "rank 0 alone, a fresh copy of the job with the same per-process batch, threads and "
+           "device, no communication; the other ranks idle in a barrier"},
+          {"samples_per_second", baseline.samples_per_second},
+          {"median_step_seconds", baseline.median_step_seconds},
+          {"steps", baseline.steps},
+          {"note", baseline.note}};
+}
+
+// Everything the report is made of, gathered from every rank.
+struct ScaleOutcome {
+  int world = 1;
+  int64_t warmup = 0, measured = 0, seq_len = 0;
+  Baseline baseline;
+  StepMeasurement steps;
+  json per_rank;
+  std::vector<std::string> hashes;  // every rank's weights hash
+
+  bool in_sync() const {
+    return std::all_of(hashes.begin(), hashes.end(), [&](const auto& h) { return h == hashes[0]; });
+  }
+  bool have_baseline() const { return baseline.measured && baseline.samples_per_second > 0; }
+};
+
+// scale.json without passed, verdict and table (see docs/scale.md).
+json scale_numbers(const Session& session, const ScaleOutcome& o) {
+  const Config& config = session.config;
+  const json global = global_numbers(o.per_rank, o.world, o.measured, o.seq_len,
+                                     percentile(o.steps.step_seconds, 0.5));
+  const double global_sps = global["samples_per_second"].get<double>();
+  const bool have_baseline = o.have_baseline();
+  const double efficiency =
+      have_baseline ? global_sps / (o.world * o.baseline.samples_per_second) : 0;
+  const DataParallelOptions buckets = data_parallel_options(config);
+  return {
+      {"world_size", o.world},
+      {"backend", session.comm->backend_name()},
+      {"device", session.device.str()},
+      {"threads_per_process", at::get_num_threads()},
+      {"batch_size_per_process", config.get_int("train.batch_size")},
+      {"grad_accum_steps", config.get_int("train.grad_accum_steps")},
+      {"global_batch_samples",
+       config.get_int("train.batch_size") * config.get_int("train.grad_accum_steps") * o.world},
+      {"seq_len", o.seq_len},
+      {"warmup_steps", o.warmup},
+      {"measured_steps", o.measured},
+      {"bucket_cap_bytes",
+       {{"first", buckets.first_bucket_bytes}, {"other", buckets.bucket_bytes}}},
+      {"global", global},
+      {"baseline", have_baseline ? baseline_numbers(o.baseline) : json(nullptr)},
+      {"scaling_efficiency", have_baseline ? json(efficiency) : json(nullptr)},
+      {"speedup", have_baseline ? json(global_sps / o.baseline.samples_per_second) : json(nullptr)},
+      {"replicas_in_sync", o.in_sync()},
+      {"weights_hash", o.hashes[0]},
+      {"losses", o.steps.losses},
+      {"per_rank", o.per_rank},
+  };
+}
+
+// The gate: the first problem, or an empty list when it passed.
+std::vector<std::string> gate_problems(const Config& config, const ScaleOutcome& o,
+                                       const json& numbers) {
+  const StepMeasurement& m = o.steps;
+  const bool finite = m.failure.empty() && std::all_of(m.losses.begin(), m.losses.end(),
+                                                       [](double l) { return std::isfinite(l); });
+  const double min_efficiency = config.get_float("dist.min_scaling_efficiency");
+  std::vector<std::string> problems;
+  if (!finite) problems.push_back(m.failure.empty() ? "non-finite loss" : m.failure);
+  if (!o.in_sync())
+    problems.push_back(
+        "the replicas' weights differ after training (gradients were not averaged identically)");
+  if (o.have_baseline()) {
+    const double efficiency = numbers["scaling_efficiency"].get<double>();
+    if (efficiency < min_efficiency) {
+      problems.push_back(
+          fmt::format("scaling efficiency {:.1f}% is below dist.min_scaling_efficiency {:.1f}%",
+                      100 * efficiency, 100 * min_efficiency));
+    }
+  }
+  return problems;
+}
+
+// Throughput in tokens/s for token models (seq_len > 0), else samples/s.
+struct ThroughputUnit {
+  std::string name;
+  double per_sample;
+  explicit ThroughputUnit(int64_t seq_len)
+      : name(seq_len > 0 ? "tokens/s" : "samples/s"),
+        per_sample(seq_len > 0 ? static_cast<double>(seq_len) : 1.0) {}
+};
+
+std::string scale_verdict(const ScaleOutcome& o, const json& numbers,
+                          const std::vector<std::string>& problems) {
+  if (!problems.empty()) return problems.front();
+  const ThroughputUnit unit(o.seq_len);
+  const double global_sps = numbers["global"]["samples_per_second"].get<double>();
+  return fmt::format(
+      "{} ranks in sync, {:.0f} {}{}", o.world, global_sps * unit.per_sample, unit.name,
+      o.have_baseline() ? fmt::format(", {:.0f}% scaling efficiency",
+                                      100 * numbers["scaling_efficiency"].get<double>())
+                        : "");
+}
+
+std::vector<std::pair<std::string, std::string>> scale_table(const Session& session,
+                                                             const ScaleOutcome& o,
+                                                             const json& numbers) {
+  const ThroughputUnit unit(o.seq_len);
+  const json& global = numbers["global"];
+  const double global_sps = global["samples_per_second"].get<double>();
+  std::vector<std::pair<std::string, std::string>> t;
+  t.emplace_back("processes",
+                 fmt::format("{} x {} ({}, {} thread(s) each)", o.world, session.device.str(),
+                             session.comm->backend_name(), at::get_num_threads()));
+  t.emplace_back("global throughput",
+                 fmt::format("{:.0f} {}", global_sps * unit.per_sample, unit.name));
+  std::string per_rank_line;
+  for (const auto& r : o.per_rank) {
+    per_rank_line += fmt::format("{}{:.0f}", per_rank_line.empty() ? "" : ", ",
+                                 r["samples_per_second"].get<double>() * unit.per_sample);
+  }
+  t.emplace_back("per-rank throughput", per_rank_line + " " + unit.name);
+  t.emplace_back("single process",
+                 o.have_baseline()
+                     ? fmt::format("{:.0f} {} (rank 0 alone)",
+                                   o.baseline.samples_per_second * unit.per_sample, unit.name)
+                     : std::string("not measured"));
+  t.emplace_back("scaling efficiency",
+                 o.have_baseline() ? fmt::format("{:.1f}% (speedup {:.2f}x on {} processes)",
+                                                 100 * numbers["scaling_efficiency"].get<double>(),
+                                                 numbers["speedup"].get<double>(), o.world)
+                                   : std::string("n/a"));
+  t.emplace_back("step time", fmt::format("median {:.2f} ms",
+                                          1e3 * global["median_step_seconds"].get<double>()));
+  t.emplace_back("compute vs comm",
+                 fmt::format("compute {:.2f} ms/step, all-reduce in flight {:.2f} ms/step, exposed "
+                             "{:.2f} ms/step ({:.1f}% of step)",
+                             1e3 * global["compute_seconds_per_step"].get<double>(),
+                             1e3 * global["comm_busy_seconds_per_step"].get<double>(),
+                             1e3 * global["comm_exposed_seconds_per_step"].get<double>(),
+                             100 * global["comm_exposed_share_of_step"].get<double>()));
+  t.emplace_back("replicas",
+                 o.in_sync() ? "in sync (weights " + o.hashes[0] + ")" : std::string("DIFFER"));
+  return t;
+}
+
+RungResult scale_result(const Session& session, const ScaleOutcome& o) {
+  json numbers = scale_numbers(session, o);
+  const std::vector<std::string> problems = gate_problems(session.config, o, numbers);
+  RungResult result;
+  result.rung = "scale";
+  result.passed = problems.empty();
+  result.verdict = scale_verdict(o, numbers, problems);
+  result.table = scale_table(session, o, numbers);
+  numbers["passed"] = result.passed;
+  numbers["verdict"] = result.verdict;
+  json table = json::array();
+  for (const auto& [k, v] : result.table) table.push_back({k, v});
+  numbers["table"] = table;
+  result.numbers = numbers;
+  return result;
+}
+
+// ---- launching the ranks from a single process (the ladder) -------------------------------------
 
 // The ranks' scale.json, or a UserError naming the file and the fix.
 json read_scale_json(const std::filesystem::path& path) {
@@ -169,50 +444,19 @@ json read_scale_json(const std::filesystem::path& path) {
   return numbers;
 }
 
-// Runs the rung under `torchrun --standalone` and reads back what rank 0 wrote. The ranks are
-// their own run (manifest, config.toml, metrics.jsonl, train.log) in <run dir>/scale/, so the
-// caller's run directory (the ladder's) keeps its files; <run dir>/scale.json is a copy of theirs.
-RungResult launch_with_torchrun(const Config& config, int processes) {
+// Runs the rung under torchrun (launch_with_torchrun, the ranks' run in <run dir>/scale/) and
+// reads back what rank 0 wrote; <run dir>/scale.json is a copy of theirs.
+RungResult launch_scale_ranks(const Config& config, int processes) {
   const std::filesystem::path run_dir = run_directory(config);
-  const std::filesystem::path ranks_dir = run_dir / "scale";
-  std::error_code ec;
-  std::filesystem::create_directories(ranks_dir, ec);
-  if (ec) {
-    throw UserError(fmt::format("cannot create {} for the scale rung's ranks: {}; check run.dir",
-                                ranks_dir.string(), ec.message()));
-  }
-  // The children load the resolved config, told to write into <run dir>/scale/.
-  Config child = config;
-  child.set("run.dir", run_dir.string());
-  child.set("run.name", std::string("scale"));
-  const auto launch_config = ranks_dir / "scale-launch.toml";
-  write_file_atomic(launch_config, child.to_toml(false));
-  const auto ranks_json = ranks_dir / "scale.json";
+  const auto ranks_json = run_dir / "scale" / "scale.json";
   const auto scale_json = run_dir / "scale.json";
-  for (const auto& stale : {ranks_json, scale_json}) {
-    std::filesystem::remove(stale, ec);
-    if (ec) {
-      throw UserError(fmt::format("cannot remove the previous {}: {}; delete it and rerun",
-                                  stale.string(), ec.message()));
-    }
-  }
-
-  const std::vector<std::string> argv = {find_torchrun(config).string(),
-                                         "--standalone",
-                                         fmt::format("--nproc-per-node={}", processes),
-                                         "--no-python",
-                                         kiln_executable().string(),
-                                         "scale",
-                                         launch_config.string(),
-                                         "--quiet"};
-  std::string line;
-  for (const auto& a : argv) line += (line.empty() ? "" : " ") + a;
-  log::info("scale: launching " + line);
-  const int status = wait_process(spawn_process(argv));
-  const bool wrote = std::filesystem::exists(ranks_json, ec);
-  if (wrote) {
+  const TorchrunOutcome launched = launch_with_torchrun(
+      config, TorchrunJob{"scale", processes, "scale", {ranks_json, scale_json}});
+  const int status = launched.status;
+  std::error_code ec;
+  if (std::filesystem::exists(ranks_json, ec)) {
     json numbers = read_scale_json(ranks_json);
-    numbers["ranks_run_dir"] = ranks_dir.string();
+    numbers["ranks_run_dir"] = launched.run_dir.string();
     RungResult result = result_from_json(numbers);
     if (status != 0 && status != kExitGateFailed) {
       result.passed = false;
@@ -229,11 +473,11 @@ RungResult launch_with_torchrun(const Config& config, int processes) {
   result.verdict = fmt::format(
       "torchrun exited with status {} and wrote no scale.json; see the ranks' "
       "errors above and {}",
-      status, (ranks_dir / "train.log").string());
+      status, (launched.run_dir / "train.log").string());
   result.numbers = {{"passed", false},
                     {"verdict", result.verdict},
                     {"torchrun_status", status},
-                    {"ranks_run_dir", ranks_dir.string()}};
+                    {"ranks_run_dir", launched.run_dir.string()}};
   write_file_atomic(scale_json, result.numbers.dump(2) + "\n");
   return result;
 }
@@ -241,247 +485,41 @@ RungResult launch_with_torchrun(const Config& config, int processes) {
 }  // namespace
 
 RungResult run_scale(Session& session) {
-  Trainer& trainer = *session.trainer;
   const Config& config = session.config;
   Communicator& comm = *session.comm;
-  const int rank = comm.rank(), world = comm.world_size();
-  const int64_t warmup = config.get_int("dist.scale_warmup_steps");
-  const int64_t measured = config.get_int("dist.scale_steps");
-  const int64_t baseline_steps = world > 1 ? config.get_int("dist.scale_baseline_steps") : 0;
-  const int64_t seq_len = trainer.data().train->tokens_per_sample();
-  RungResult result;
-  result.rung = "scale";
+  ScaleOutcome o;
+  o.world = comm.world_size();
+  o.warmup = config.get_int("dist.scale_warmup_steps");
+  o.measured = config.get_int("dist.scale_steps");
+  o.seq_len = session.trainer->data().train->tokens_per_sample();
+  const int64_t baseline_steps = o.world > 1 ? config.get_int("dist.scale_baseline_steps") : 0;
 
   // 1. The single-process baseline: rank 0 alone, the others waiting in a barrier.
-  Baseline baseline;
-  if (baseline_steps > 0) {
-    log::info(
-        fmt::format("scale: single-process baseline on rank 0 ({} + up to {} steps); the other "
-                    "ranks wait",
-                    warmup, baseline_steps));
-    if (rank == 0) {
-      baseline = measure_single_process(config, session.device, warmup, baseline_steps,
-                                        0.5 * config.get_float("dist.timeout_seconds"));
-    }
-    comm.barrier();
-    const json mine = rank == 0 ? json{{"sps", baseline.samples_per_second},
-                                       {"median", baseline.median_step_seconds},
-                                       {"steps", baseline.steps},
-                                       {"note", baseline.note}}
-                                : json();
-    const json from_rank0 = json::parse(comm.all_gather_bytes(mine.dump())[0]);
-    baseline.measured = true;
-    baseline.samples_per_second = from_rank0["sps"].get<double>();
-    baseline.median_step_seconds = from_rank0["median"].get<double>();
-    baseline.steps = from_rank0["steps"].get<int64_t>();
-    baseline.note = from_rank0["note"].get<std::string>();
-  }
+  o.baseline = measure_baseline(session, o.warmup, baseline_steps);
 
   // 2. Data-parallel steps.
   log::info(fmt::format(
       "scale: {} ranks ({}), {} warm-up + {} measured steps, {} samples per rank per "
       "micro-batch",
-      world, comm.backend_name(), warmup, measured, config.get_int("train.batch_size")));
-  auto timer = std::make_shared<PhaseTimer>();
-  trainer.add_hook(timer);
-  std::vector<double> losses, step_seconds;
-  int64_t samples = 0;
-  std::string failure;
-  double cpu_begin = 0, cpu_seconds = 0;
-  CommunicationStats before, after;
-  try {
-    for (int64_t k = 0; k < warmup; ++k) losses.push_back(trainer.train_step().loss);
-    before = comm.stats();
-    timer->measuring = true;
-    cpu_begin = process_cpu_seconds();
-    for (int64_t k = 0; k < measured; ++k) {
-      StepStats s = trainer.train_step();
-      losses.push_back(s.loss);
-      step_seconds.push_back(s.step_seconds);
-      samples += s.samples / world;  // s.samples counts every rank
-      session.run->append_metrics({{"step", s.step},
-                                   {"loss", s.loss},
-                                   {"lr", s.lr},
-                                   {"grad_norm", s.grad_norm},
-                                   {"step_seconds", s.step_seconds},
-                                   {"data_wait_seconds", s.data_wait_seconds},
-                                   {"measured", true}});
-    }
-    timer->measuring = false;
-    cpu_seconds = process_cpu_seconds() - cpu_begin;
-    after = comm.stats();
-  } catch (const CommunicationError&) {
-    throw;
-  } catch (const TrainingError& e) {
-    failure = e.what();
-  }
+      o.world, comm.backend_name(), o.warmup, o.measured, config.get_int("train.batch_size")));
+  o.steps = run_measured_steps(session, o.warmup, o.measured);
 
-  // 3. The replicas must still agree bit for bit.
-  const std::vector<std::string> hashes = comm.all_gather_bytes(weights_hash(trainer.model()));
-  const bool in_sync =
-      std::all_of(hashes.begin(), hashes.end(), [&](const auto& h) { return h == hashes[0]; });
+  // 3. The replicas must still agree bit for bit; every rank gathers every rank's numbers (each
+  // needs the same verdict).
+  o.hashes = comm.all_gather_bytes(weights_hash(session.trainer->model()));
+  o.per_rank = json::array();
+  for (const auto& text : comm.all_gather_bytes(rank_numbers(comm, o.steps, o.seq_len).dump()))
+    o.per_rank.push_back(json::parse(text));
 
-  // Per-rank numbers, gathered on every rank (each needs the same verdict).
-  const double seconds = std::accumulate(step_seconds.begin(), step_seconds.end(), 0.0);
-  auto phase = [&](Phase p) { return timer->seconds.count(p) ? timer->seconds[p] : 0.0; };
-  const double compute =
-      phase(Phase::kForward) + phase(Phase::kBackward) + phase(Phase::kOptimizer);
-  const json comm_delta = stats_delta(before, after);
-  const double busy = comm_delta["busy_seconds"].get<double>();
-  json mine = {
-      {"rank", rank},
-      {"local_rank", comm.local_rank()},
-      {"samples", samples},
-      {"seconds", seconds},
-      {"cpu_seconds", cpu_seconds},
-      {"samples_per_second", seconds > 0 ? static_cast<double>(samples) / seconds : 0.0},
-      {"step_seconds",
-       {{"median", percentile(step_seconds, 0.5)},
-        {"p10", percentile(step_seconds, 0.1)},
-        {"p90", percentile(step_seconds, 0.9)}}},
-      {"phase_seconds",
-       {{"data_wait", phase(Phase::kDataWait)},
-        {"forward", phase(Phase::kForward)},
-        {"backward", phase(Phase::kBackward)},
-        {"comm_exposed", phase(Phase::kComm)},
-        {"optimizer", phase(Phase::kOptimizer)}}},
-      {"compute_seconds", compute},
-      {"comm", comm_delta},
-      {"comm_overlapped_share",
-       busy > 0 ? std::clamp(1.0 - phase(Phase::kComm) / busy, 0.0, 1.0) : 0.0},
-  };
-  if (seq_len > 0)
-    mine["tokens_per_second"] =
-        mine["samples_per_second"].get<double>() * static_cast<double>(seq_len);
-  json per_rank = json::array();
-  for (const auto& text : comm.all_gather_bytes(mine.dump())) per_rank.push_back(json::parse(text));
-
-  int64_t total_samples = 0;
-  double slowest = 0, compute_sum = 0, busy_sum = 0, exposed_sum = 0, seconds_sum = 0;
-  for (const auto& r : per_rank) {
-    total_samples += r["samples"].get<int64_t>();
-    slowest = std::max(slowest, r["seconds"].get<double>());
-    compute_sum += r["compute_seconds"].get<double>();
-    busy_sum += r["comm"]["busy_seconds"].get<double>();
-    exposed_sum += r["phase_seconds"]["comm_exposed"].get<double>();
-    seconds_sum += r["seconds"].get<double>();
-  }
-  const double global_sps = slowest > 0 ? static_cast<double>(total_samples) / slowest : 0;
-  const bool have_baseline = baseline.measured && baseline.samples_per_second > 0;
-  const double efficiency = have_baseline ? global_sps / (world * baseline.samples_per_second) : 0;
-  const double min_efficiency = config.get_float("dist.min_scaling_efficiency");
-  const bool finite = failure.empty() && std::all_of(losses.begin(), losses.end(),
-                                                     [](double l) { return std::isfinite(l); });
-  const double median_step = percentile(step_seconds, 0.5);
-  const DataParallelOptions buckets = data_parallel_options(config);
-
-  json numbers = {
-      {"world_size", world},
-      {"backend", comm.backend_name()},
-      {"device", session.device.str()},
-      {"threads_per_process", at::get_num_threads()},
-      {"batch_size_per_process", config.get_int("train.batch_size")},
-      {"grad_accum_steps", config.get_int("train.grad_accum_steps")},
-      {"global_batch_samples",
-       config.get_int("train.batch_size") * config.get_int("train.grad_accum_steps") * world},
-      {"seq_len", seq_len},
-      {"warmup_steps", warmup},
-      {"measured_steps", measured},
-      {"bucket_cap_bytes",
-       {{"first", buckets.first_bucket_bytes}, {"other", buckets.bucket_bytes}}},
-      {"global",
-       {{"samples_per_second", global_sps},
-        {"tokens_per_second",
-         seq_len > 0 ? json(global_sps * static_cast<double>(seq_len)) : json(nullptr)},
-        {"median_step_seconds", median_step},
-        {"compute_seconds_per_step",
-         compute_sum / static_cast<double>(world * std::max<int64_t>(1, measured))},
-        {"comm_busy_seconds_per_step",
-         busy_sum / static_cast<double>(world * std::max<int64_t>(1, measured))},
-        {"comm_exposed_seconds_per_step",
-         exposed_sum / static_cast<double>(world * std::max<int64_t>(1, measured))},
-        {"comm_exposed_share_of_step", seconds_sum > 0 ? exposed_sum / seconds_sum : 0.0}}},
-      {"baseline", have_baseline ? json{{"method",
-                                         "rank 0 alone, a fresh copy of the job with the same "
-                                         "per-process batch, threads and device, no "
-                                         "communication; the other ranks idle in a barrier"},
-                                        {"samples_per_second", baseline.samples_per_second},
-                                        {"median_step_seconds", baseline.median_step_seconds},
-                                        {"steps", baseline.steps},
-                                        {"note", baseline.note}}
-                                 : json(nullptr)},
-      {"scaling_efficiency", have_baseline ? json(efficiency) : json(nullptr)},
-      {"speedup", have_baseline ? json(global_sps / baseline.samples_per_second) : json(nullptr)},
-      {"replicas_in_sync", in_sync},
-      {"weights_hash", hashes[0]},
-      {"losses", losses},
-      {"per_rank", per_rank},
-  };
-
-  std::vector<std::string> problems;
-  if (!finite) problems.push_back(failure.empty() ? "non-finite loss" : failure);
-  if (!in_sync)
-    problems.push_back(
-        "the replicas' weights differ after training (gradients were not averaged identically)");
-  if (have_baseline && efficiency < min_efficiency) {
-    problems.push_back(
-        fmt::format("scaling efficiency {:.1f}% is below dist.min_scaling_efficiency {:.1f}%",
-                    100 * efficiency, 100 * min_efficiency));
-  }
-  const std::string unit = seq_len > 0 ? "tokens/s" : "samples/s";
-  const double per_sample = seq_len > 0 ? static_cast<double>(seq_len) : 1.0;
-  result.passed = problems.empty();
-  result.verdict =
-      result.passed
-          ? fmt::format(
-                "{} ranks in sync, {:.0f} {}{}", world, global_sps * per_sample, unit,
-                have_baseline ? fmt::format(", {:.0f}% scaling efficiency", 100 * efficiency) : "")
-          : problems.front();
-
-  auto& t = result.table;
-  t.emplace_back("processes",
-                 fmt::format("{} x {} ({}, {} thread(s) each)", world, session.device.str(),
-                             comm.backend_name(), at::get_num_threads()));
-  t.emplace_back("global throughput", fmt::format("{:.0f} {}", global_sps * per_sample, unit));
-  std::string per_rank_line;
-  for (const auto& r : per_rank) {
-    per_rank_line += fmt::format("{}{:.0f}", per_rank_line.empty() ? "" : ", ",
-                                 r["samples_per_second"].get<double>() * per_sample);
-  }
-  t.emplace_back("per-rank throughput", per_rank_line + " " + unit);
-  t.emplace_back("single process", have_baseline
-                                       ? fmt::format("{:.0f} {} (rank 0 alone)",
-                                                     baseline.samples_per_second * per_sample, unit)
-                                       : std::string("not measured"));
-  t.emplace_back("scaling efficiency",
-                 have_baseline
-                     ? fmt::format("{:.1f}% (speedup {:.2f}x on {} processes)", 100 * efficiency,
-                                   global_sps / baseline.samples_per_second, world)
-                     : std::string("n/a"));
-  t.emplace_back("step time", fmt::format("median {:.2f} ms", 1e3 * median_step));
-  t.emplace_back("compute vs comm",
-                 fmt::format("compute {:.2f} ms/step, all-reduce in flight {:.2f} ms/step, exposed "
-                             "{:.2f} ms/step ({:.1f}% of step)",
-                             1e3 * numbers["global"]["compute_seconds_per_step"].get<double>(),
-                             1e3 * numbers["global"]["comm_busy_seconds_per_step"].get<double>(),
-                             1e3 * numbers["global"]["comm_exposed_seconds_per_step"].get<double>(),
-                             100 * numbers["global"]["comm_exposed_share_of_step"].get<double>()));
-  t.emplace_back("replicas",
-                 in_sync ? "in sync (weights " + hashes[0] + ")" : std::string("DIFFER"));
-  numbers["passed"] = result.passed;
-  numbers["verdict"] = result.verdict;
-  json table = json::array();
-  for (const auto& [k, v] : t) table.push_back({k, v});
-  numbers["table"] = table;
-  result.numbers = numbers;
-  session.run->write_json("scale.json", numbers);
+  RungResult result = scale_result(session, o);
+  session.run->write_json("scale.json", result.numbers);
   return result;
 }
 
 RungResult run_scale_rung(const Config& config, const SessionOptions& options) {
   auto comm = options.comm ? options.comm : process_communicator(config);
   const int processes = static_cast<int>(config.get_int("dist.scale_processes"));
-  if (comm->world_size() == 1 && processes > 1) return launch_with_torchrun(config, processes);
+  if (comm->world_size() == 1 && processes > 1) return launch_scale_ranks(config, processes);
   if (comm->world_size() == 1) {
     log::info(
         "scale: a world of one; start under torchrun, or set dist.scale_processes to launch it");
