@@ -1,7 +1,6 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
-#include "core/strings.h"
 
 namespace kiln::cli {
 
@@ -21,20 +20,11 @@ void add_config_command(CLI::App& app, Action& action) {
       return 0;
     };
   });
-  auto* keys = group->add_subcommand("keys", "print every key of the schema as a Markdown table");
+  auto* keys = group->add_subcommand(
+      "keys", "print every key and cross-key rule of the schema as Markdown tables");
   keys->callback([&action] {
     action = [] {
-      fmt::print("| key | type | default | allowed | meaning |\n|---|---|---|---|---|\n");
-      for (const auto& def : schema()) {
-        std::string allowed;
-        for (const auto& choice : def.choices) allowed += (allowed.empty() ? "" : ", ") + choice;
-        if (def.min || def.max) {
-          allowed = "[" + (def.min ? format_number(*def.min) : "-inf") + ", " +
-                    (def.max ? format_number(*def.max) : "inf") + "]";
-        }
-        fmt::print("| `{}` | {} | `{}` | {} | {} |\n", def.full_name(), type_name(def.type),
-                   value_to_toml(def.default_value), allowed, def.doc);
-      }
+      fmt::print("{}\n## Every cross-key rule\n\n{}", keys_markdown(), rules_markdown());
       return 0;
     };
   });

@@ -1,6 +1,7 @@
-// Building blocks of the config schema (src/core/schema.cpp). Each rung declares its own
-// section in its own folder (e.g. src/profile/schema.cpp defines profile_keys()); schema()
-// concatenates them in ladder order. Not public API.
+// Building blocks of the config schema. Each component declares its section next to its code
+// (src/<component>/schema.cpp defines one function below); src/rungs/schema.cpp, the top layer,
+// defines config_sections() from them in display order. Core only declares these functions and
+// never calls them. Not public API.
 #pragma once
 
 #include <limits>
@@ -20,15 +21,25 @@ KeyDef float_key(std::string section, std::string name, double def, double lo, d
                  std::string doc);
 KeyDef string_key(std::string section, std::string name, std::string def,
                   std::vector<std::string> choices, std::string doc);
+/// A table of per-name numbers (default: empty), each value in [lo, hi]; `names` lists the
+/// allowed names (empty = any name).
+KeyDef table_key(std::string section, std::string name, double lo, double hi,
+                 std::vector<std::string> names, std::string doc);
 
-// Sections owned by the rungs, each defined in its rung's folder.
-std::vector<KeyDef> profile_keys();     // src/profile/schema.cpp   [profile]
-std::vector<KeyDef> dist_keys();        // src/dist/schema.cpp      [dist]
-std::vector<KeyDef> checkpoint_keys();  // src/ckpt/schema.cpp      [checkpoint]
+/// Problems in a schema, one line each: a section or key declared twice, a key outside its
+/// section, a missing doc, a default of the wrong type or outside its range / choices, a rule
+/// without a description, check or example. Empty for a sound schema.
+std::vector<std::string> schema_problems(const ConfigSections& sections);
 
-// Cross-key checks that need a component's knowledge (a preset's shape), called by
-// Config::validate() so that `kiln config validate` and every command reject the same configs
-// before anything is written. Each throws UserError naming the keys and the fix.
-void check_model_keys(const Config& config);  // src/models/models.cpp
+// The sections, each defined next to its component's code.
+ConfigSection run_section();         // src/core/schema.cpp        [run]
+ConfigSection model_section();       // src/models/schema.cpp      [model]
+ConfigSection data_section();        // src/data/schema.cpp        [data]
+ConfigSection train_section();       // src/train/schema.cpp       [train]
+ConfigSection optim_section();       // src/train/schema.cpp       [optim]
+ConfigSection baseline_section();    // src/rungs/schema.cpp       [baseline]
+ConfigSection profile_section();     // src/profile/schema.cpp     [profile]
+ConfigSection dist_section();        // src/dist/schema.cpp        [dist]
+ConfigSection checkpoint_section();  // src/ckpt/schema.cpp        [checkpoint]
 
 }  // namespace kiln

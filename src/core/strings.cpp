@@ -1,6 +1,7 @@
 #include "core/strings.h"
 
 #include <c10/util/Exception.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <charconv>
@@ -55,6 +56,8 @@ std::string format_number(double value) {
 }
 
 std::string toml_quote(std::string_view text) {
+  // TOML basic strings may hold any Unicode except '"', '\\' and the control characters U+0000 to
+  // U+001F and U+007F, which must be escaped (tab may stay, but is escaped too for clarity).
   std::string out = "\"";
   for (char c : text) {
     switch (c) {
@@ -64,23 +67,29 @@ std::string toml_quote(std::string_view text) {
       case '\\':
         out += "\\\\";
         break;
-      case '\n':
-        out += "\\n";
+      case '\b':
+        out += "\\b";
         break;
       case '\t':
         out += "\\t";
         break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
       case '\r':
         out += "\\r";
         break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char escaped[8];
-          std::snprintf(escaped, sizeof(escaped), "\\u%04x", c);
-          out += escaped;
+      default: {
+        const auto byte = static_cast<unsigned char>(c);
+        if (byte < 0x20 || byte == 0x7f) {
+          out += fmt::format("\\u{:04X}", static_cast<unsigned>(byte));
         } else {
           out += c;
         }
+      }
     }
   }
   return out + "\"";

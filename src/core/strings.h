@@ -17,7 +17,8 @@ size_t edit_distance(std::string_view a, std::string_view b);
 std::string_view trim(std::string_view text);
 /// Shortest decimal text that round-trips a double ("0.001", "3e-04" style not used).
 std::string format_number(double value);
-/// A TOML basic string literal with escapes.
+/// A TOML basic string literal: `"`, `\` and the control characters U+0000-U+001F and U+007F
+/// escaped (short escapes where TOML has them, else \uXXXX); other bytes copied as they are.
 std::string toml_quote(std::string_view text);
 /// 16 lowercase hex digits.
 std::string hex64(uint64_t value);

@@ -3,47 +3,66 @@
 
 namespace kiln {
 
-std::vector<KeyDef> dist_keys() {
+ConfigSection dist_section() {
   return {
-      // Runtime ---------------------------------------------------------------------------------
-      string_key("dist", "launcher", "auto", {"auto", "torchrun", "slurm", "none"},
-                 "where rank and world size come from: auto = torchrun's variables when WORLD_SIZE "
-                 "is set, else Slurm's inside an srun step, else one process"),
-      string_key("dist", "backend", "auto", {"auto", "gloo", "nccl"},
-                 "collective backend: auto = nccl on CUDA, gloo on CPU"),
-      float_key("dist", "timeout_seconds", 300.0, 1.0, 1e6,
-                "rendezvous and collective timeout: a rank that dies or hangs makes the others "
-                "stop within this"),
-      string_key("dist", "master_addr", "", {},
-                 "host of rank 0's rendezvous store when MASTER_ADDR is unset (Slurm, manual "
-                 "launch); torchrun sets MASTER_ADDR itself"),
-      int_key("dist", "master_port", 29500, 1, 65535,
-              "port of the rendezvous store when MASTER_PORT is unset"),
-      // Data parallelism ------------------------------------------------------------------------
-      float_key("dist", "bucket_mb", 25.0, 0.0, 1e6,
-                "gradient all-reduce bucket size in MiB (DDP's bucket_cap_mb); a bucket's "
-                "all-reduce starts during backward as soon as its gradients are ready (0: one "
-                "bucket per parameter)"),
-      float_key("dist", "first_bucket_mb", 1.0, 0.0, 1e6,
-                "size of the first bucket (the last layers' gradients) in MiB, so communication "
-                "starts early in backward"),
-      // The scale rung ---------------------------------------------------------------------------
-      int_key("dist", "scale_processes", 0, 0, 4096,
+      "dist",
+      {
+          // Runtime
+          // ---------------------------------------------------------------------------------
+          string_key(
+              "dist", "launcher", "auto", {"auto", "torchrun", "slurm", "none"},
+              "where rank and world size come from: auto = torchrun's variables when WORLD_SIZE "
+              "is set, else Slurm's inside an srun step, else one process"),
+          string_key("dist", "backend", "auto", {"auto", "gloo", "nccl"},
+                     "collective backend: auto = nccl on CUDA, gloo on CPU"),
+          float_key("dist", "timeout_seconds", 300.0, 1.0, 1e6,
+                    "rendezvous and collective timeout: a rank that dies or hangs makes the others "
+                    "stop within this"),
+          string_key("dist", "master_addr", "", {},
+                     "host of rank 0's rendezvous store when MASTER_ADDR is unset (Slurm, manual "
+                     "launch); torchrun sets MASTER_ADDR itself"),
+          int_key("dist", "master_port", 29500, 1, 65535,
+                  "port of the rendezvous store when MASTER_PORT is unset"),
+          // Data parallelism
+          // ------------------------------------------------------------------------
+          float_key("dist", "bucket_mb", 25.0, 0.0, 1e6,
+                    "gradient all-reduce bucket size in MiB (DDP's bucket_cap_mb); a bucket's "
+                    "all-reduce starts during backward as soon as its gradients are ready (0: one "
+                    "bucket per parameter)"),
+          float_key(
+              "dist", "first_bucket_mb", 1.0, 0.0, 1e6,
+              "size of the first bucket (the last layers' gradients) in MiB, so communication "
+              "starts early in backward"),
+          // The scale rung
+          // ---------------------------------------------------------------------------
+          int_key(
+              "dist", "scale_processes", 0, 0, 4096,
               "scale rung outside torchrun (the ladder, `kiln scale`): launch torchrun "
               "--standalone with this many processes on this node; 0 = the ladder skips the rung"),
-      string_key("dist", "torchrun", "", {},
-                 "scale rung: path of torchrun (empty: PATH, then .venv/bin/torchrun next to the "
-                 "build directory)"),
-      int_key("dist", "scale_warmup_steps", 3, 0, 1e9,
-              "scale rung: distributed steps run before timing starts"),
-      int_key("dist", "scale_steps", 20, 2, 1e9, "scale rung: measured distributed steps"),
-      int_key("dist", "scale_baseline_steps", 10, 0, 1e9,
-              "scale rung: measured steps of the single-process baseline (rank 0 alone, the "
-              "others waiting); 0 = no baseline, no efficiency"),
-      float_key("dist", "min_scaling_efficiency", 0.0, 0.0, 10.0,
-                "scale rung gate: global throughput / (processes x single-process throughput) "
-                "must reach this"),
-  };
+          string_key(
+              "dist", "torchrun", "", {},
+              "scale rung: path of torchrun (empty: PATH, then .venv/bin/torchrun next to the "
+              "build directory)"),
+          int_key("dist", "scale_warmup_steps", 3, 0, 1e9,
+                  "scale rung: distributed steps run before timing starts"),
+          int_key("dist", "scale_steps", 20, 2, 1e9, "scale rung: measured distributed steps"),
+          int_key("dist", "scale_baseline_steps", 10, 0, 1e9,
+                  "scale rung: measured steps of the single-process baseline (rank 0 alone, the "
+                  "others waiting); 0 = no baseline, no efficiency"),
+          float_key("dist", "min_scaling_efficiency", 0.0, 0.0, 10.0,
+                    "scale rung gate: global throughput / (processes x single-process throughput) "
+                    "must reach this"),
+      },
+      {
+          {"dist.backend = \"nccl\" needs CUDA, so not run.device = \"cpu\"",
+           [](const Config& c) -> std::string {
+             if (c.get_string("dist.backend") != "nccl" || c.get_string("run.device") != "cpu")
+               return "";
+             return "dist.backend = \"nccl\" needs CUDA, but run.device = \"cpu\"; set "
+                    "dist.backend = \"gloo\" (or \"auto\") or run.device = \"cuda\"";
+           },
+           {"dist.backend=nccl", "run.device=cpu"}},
+      }};
 }
 
 }  // namespace kiln

@@ -10,10 +10,10 @@
 #include <cmath>
 #include <memory>
 
-#include "core/schema_sections.h"
 #include "core/strings.h"
 #include "kiln/config.h"
 #include "kiln/error.h"
+#include "models/internal.h"
 
 namespace kiln {
 namespace {
@@ -195,7 +195,7 @@ torch::Tensor Model::loss(const torch::Tensor& logits, const torch::Tensor& targ
   return F::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
 }
 
-GptConfig resolve_gpt_config(const Config& config) {
+GptConfig gpt_shape(const Config& config) {
   GptConfig out = preset(config.get_string("model.preset"));
   auto pick = [&](const char* key, int64_t& field) {
     if (int64_t v = config.get_int(key); v > 0) field = v;
@@ -206,6 +206,11 @@ GptConfig resolve_gpt_config(const Config& config) {
   pick("model.block_size", out.block_size);
   pick("model.vocab_size", out.vocab_size);
   out.init_std = config.get_float("model.init_std");
+  return out;
+}
+
+GptConfig resolve_gpt_config(const Config& config) {
+  const GptConfig out = gpt_shape(config);
   if (out.n_embd % out.n_head != 0) {
     throw UserError("model.n_embd = " + std::to_string(out.n_embd) +
                     " is not divisible by model.n_head = " + std::to_string(out.n_head) +
@@ -217,16 +222,6 @@ GptConfig resolve_gpt_config(const Config& config) {
                     "; lower data.seq_len or raise model.block_size");
   }
   return out;
-}
-
-void check_model_keys(const Config& config) {
-  if (config.get_string("model.name") != "gpt") return;
-  const GptConfig gpt = resolve_gpt_config(config);  // throws on shapes that cannot be built
-  if (config.get_string("data.name") == "text" && gpt.vocab_size < 256) {
-    throw UserError(
-        "model.vocab_size = " + std::to_string(gpt.vocab_size) +
-        " is smaller than the 256 byte values of data.name = \"text\"; set it to 256 or more");
-  }
 }
 
 std::shared_ptr<Model> make_model(const Config& config) {

@@ -78,6 +78,13 @@ TEST(Cli, ValidateRejectsWhatTrainingWouldAndTrainingWritesNothingFirst) {
                     dir.path().string() + " --set optim.name=sgd --set optim.nesterov=true");
   expect_one_line_error(r, 2, "optim.nesterov = true needs optim.momentum > 0");
   EXPECT_TRUE(std::filesystem::is_empty(dir.path())) << "a rejected config left a run directory";
+  // Nesterov with adamw (the default optimizer) used to pass validate and fail in train.
+  for (const std::string command : {"config validate", "train"}) {
+    auto r = run_kiln(command + " " + (source_dir() / "configs/mlp.toml").string() +
+                      " --set run.dir=" + dir.path().string() + " --set optim.nesterov=true");
+    expect_one_line_error(r, 2, "optim.nesterov = true needs optim.name = \"sgd\"");
+  }
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path())) << "a rejected config left a run directory";
 }
 
 TEST(Cli, NonUtf8NamesAndArgumentsAreRecordedNotFatal) {
