@@ -173,26 +173,19 @@ StepMeasurement run_measured_steps(Session& session, int64_t warmup, int64_t mea
   Communicator& comm = *session.comm;
   const int world = comm.world_size();
   auto timer = std::make_shared<PhaseTimer>();
+  auto log_hook = std::make_shared<StepLog>();
   trainer.add_hook(timer);
+  trainer.add_hook(log_hook);
   StepMeasurement m;
   try {
-    for (int64_t k = 0; k < warmup; ++k) m.losses.push_back(trainer.train_step().loss);
+    trainer.run_steps(warmup);
     m.before = comm.stats();
+    // Metrics records for the measured steps only.
+    trainer.add_hook(std::make_shared<MetricsHook>(
+        *session.run, [](json& record) { record["measured"] = true; }, /*record_evals=*/false));
     timer->measuring = true;
     const double cpu_begin = process_cpu_seconds();
-    for (int64_t k = 0; k < measured; ++k) {
-      StepStats s = trainer.train_step();
-      m.losses.push_back(s.loss);
-      m.step_seconds.push_back(s.step_seconds);
-      m.samples += s.samples / world;  // s.samples counts every rank
-      session.run->append_metrics({{"step", s.step},
-                                   {"loss", s.loss},
-                                   {"lr", s.lr},
-                                   {"grad_norm", s.grad_norm},
-                                   {"step_seconds", s.step_seconds},
-                                   {"data_wait_seconds", s.data_wait_seconds},
-                                   {"measured", true}});
-    }
+    trainer.run_steps(measured);
     timer->measuring = false;
     m.cpu_seconds = process_cpu_seconds() - cpu_begin;
     m.after = comm.stats();
@@ -200,6 +193,13 @@ StepMeasurement run_measured_steps(Session& session, int64_t warmup, int64_t mea
     throw;
   } catch (const TrainingError& e) {
     m.failure = e.what();
+  }
+  const auto& steps = log_hook->steps;
+  for (size_t k = 0; k < steps.size(); ++k) {
+    if (steps[k].synced) m.losses.push_back(steps[k].loss);
+    if (k < static_cast<size_t>(warmup)) continue;
+    m.step_seconds.push_back(steps[k].step_seconds);
+    m.samples += steps[k].samples / world;  // samples counts every rank
   }
   m.phase_seconds = timer->seconds;
   return m;

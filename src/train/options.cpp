@@ -10,7 +10,7 @@ namespace kiln {
 
 OptimOptions OptimOptions::from_config(const Config& config) {
   OptimOptions o;
-  o.kind = config.get_string("optim.name") == "sgd" ? Kind::kSGD : Kind::kAdamW;
+  o.kind = config.get_enum<Kind>("optim.name", {{"adamw", Kind::kAdamW}, {"sgd", Kind::kSGD}});
   o.lr = config.get_float("optim.lr");
   o.weight_decay = config.get_float("optim.weight_decay");
   o.beta1 = config.get_float("optim.beta1");
@@ -33,16 +33,15 @@ TrainOptions TrainOptions::from_config(const Config& config) {
   o.clip_grad_norm = config.get_float("train.clip_grad_norm");
   o.eval_every = config.get_int("train.eval_every");
   o.eval_batches = config.get_int("train.eval_batches");
-  o.nonfinite =
-      config.get_string("train.nonfinite") == "skip" ? NonFinite::kSkip : NonFinite::kAbort;
+  o.nonfinite = config.get_enum<NonFinite>(
+      "train.nonfinite", {{"abort", NonFinite::kAbort}, {"skip", NonFinite::kSkip}});
   o.max_skipped_steps = config.get_int("train.max_skipped_steps");
   o.metrics_every = config.get_int("train.metrics_every");
   o.log_every = config.get_int("run.log_every");
-  const std::string& progress = config.get_string("run.progress");
-  o.progress = progress == "bar"   ? Progress::kBar
-               : progress == "log" ? Progress::kLog
-               : progress == "off" ? Progress::kOff
-                                   : Progress::kAuto;
+  o.progress = config.get_enum<Progress>("run.progress", {{"auto", Progress::kAuto},
+                                                          {"bar", Progress::kBar},
+                                                          {"log", Progress::kLog},
+                                                          {"off", Progress::kOff}});
   return o;
 }
 
