@@ -140,7 +140,7 @@ class Loader {
   bool stopping_ = false;
   mutable std::mutex mutex_;
   std::condition_variable work_cv_, ready_cv_;
-  std::vector<std::thread> workers_;
+  std::vector<std::jthread> workers_;
 };
 
 }  // namespace kiln

@@ -85,8 +85,7 @@ void Loader::stop_workers() {
     stopping_ = true;
   }
   work_cv_.notify_all();
-  for (auto& worker : workers_) worker.join();
-  workers_.clear();
+  workers_.clear();  // jthreads: each joins as it is destroyed
 }
 
 Batch Loader::next() {

@@ -85,6 +85,41 @@ TEST(CkptResume, FreshProcessContinuesBitwiseInTheMiddleOfAnEpoch) {
   EXPECT_EQ(read_checkpoint_index(b).ranks[0]["loader"]["epoch"], 1);
 }
 
+// The same across processes with SGD momentum, gradient accumulation, the loader in the training
+// thread and the loss read back every 3 steps (the save at step 4 reads the device counters first).
+TEST(CkptResume, SgdMomentumWithAccumulationContinuesBitwiseInAFreshProcess) {
+  TempDir dir;
+  const std::vector<std::string> common = {
+      "train.steps=8",  "data.num_workers=0", "train.batch_size=16", "train.grad_accum_steps=2",
+      "optim.name=sgd", "optim.momentum=0.9", "optim.lr=0.05",       "train.metrics_every=3"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), common.begin(), common.end());
+    return extra;
+  };
+  ASSERT_EQ(
+      run_kiln_args(mlp_train_args(dir.path(), "straight", with({"checkpoint.every_steps=4"})),
+                    dir / "a.log"),
+      0)
+      << slurp(dir / "a.log");
+  const auto step4 = dir / "straight" / "checkpoints" / "step-4";
+  auto resume_args = mlp_train_args(dir.path(), "resumed", with({"checkpoint.every_steps=8"}));
+  resume_args.insert(resume_args.end(), {"--resume", step4.string()});
+  ASSERT_EQ(run_kiln_args(resume_args, dir / "b.log"), 0) << slurp(dir / "b.log");
+  const auto straight = read_step_losses(dir / "straight" / "metrics.jsonl");
+  const auto resumed = read_step_losses(dir / "resumed" / "metrics.jsonl");
+  ASSERT_FALSE(resumed.empty());
+  for (const auto& [step, loss] : resumed) {
+    ASSERT_TRUE(straight.count(step)) << "step " << step;
+    EXPECT_EQ(loss, straight.at(step)) << "step " << step;
+  }
+  const auto a = dir / "straight" / "checkpoints" / "step-8";
+  const auto b = dir / "resumed" / "checkpoints" / "step-8";
+  EXPECT_TRUE(bitwise_equal(read_checkpoint_tensors(a, "model/", true),
+                            read_checkpoint_tensors(b, "model/", true)));
+  EXPECT_TRUE(bitwise_equal(read_checkpoint_tensors(a, "optim/", true),
+                            read_checkpoint_tensors(b, "optim/", true)));
+}
+
 // A gradient-averaging hook: enough DDP to keep thread-backed replicas identical.
 class AverageGradients : public TrainerHook {
  public:
