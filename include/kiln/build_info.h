@@ -11,6 +11,8 @@ struct BuildInfo {
   const char* build_type;   // CMAKE_BUILD_TYPE
   const char* build_flags;  // C++ flags of that build type, plus LibTorch's
   const char* torch_dir;    // where CMake found LibTorch
+  const char* python;       // the Python whose torch LibTorch came from (KILN_PYTHON), or ""
+  const char* python_dir;   // <source>/python: the kiln_py package (compiling, model twins)
 };
 
 /// The build this process runs. Thread-safe; never fails.

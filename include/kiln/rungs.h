@@ -29,6 +29,16 @@ void print_rung(const RungResult& result);
 /// Gate: finite losses, loss falls by baseline.min_loss_drop, val loss beats its initial value.
 RungResult run_baseline(Session& session);
 
+/// Compile rung: eager against the compiled step (compile.backend, or "inductor" when that is
+/// "eager") in one process, from the same initial weights on the same batches: compile time
+/// (cold or cached cache), compile.warmup_steps untimed then compile.steps interleaved timed
+/// steps, the shape probe (compile.probe_seq_lens: recompiles and their reasons), peak memory of
+/// a step on each side. Writes <run dir>/compile.json. Gate: every step's loss and the final
+/// parameters agree within compile.tolerance, and no graph break under compile.fullgraph. The
+/// verdict keeps the compiled step at compile.min_speedup or more. Throws UserError (bad
+/// setup: Python, torch version, cache directory, an unbuilt backend).
+RungResult run_compile(Session& session);
+
 /// Profile rung: runs the schedule (skip_first + max(repeat, 1) cycles) on the session's
 /// Trainer with a Profiler attached, writes the traces, analyses them, decides the verdict and
 /// writes <run dir>/profile.json. Gate: every window was written and holds its steps, phases

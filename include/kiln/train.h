@@ -217,6 +217,20 @@ struct TrainState {
 
 // ---- the trainer -------------------------------------------------------------------------------
 
+/// A compiled forward+backward the step loop runs instead of eager autograd (kiln/compile.h
+/// builds one). Called on the training thread, inside the forward phase.
+class CompiledForwardBackward {
+ public:
+  virtual ~CompiledForwardBackward() = default;
+  /// Forward and backward of one micro-batch (already on the trainer's device): adds scale x each
+  /// parameter's gradient to its .grad (sets it when undefined) and returns scale x the loss, a
+  /// 0-dim tensor on the device. Returns an undefined tensor when this batch must run eager (a
+  /// shape over the recompile limit); the Trainer then runs its eager forward and backward.
+  /// Autograd's gradient hooks do not fire for a compiled micro-step (DDP reduces every bucket
+  /// in on_gradients_ready instead, without overlap).
+  virtual torch::Tensor forward_backward(const Batch& batch, double scale) = 0;
+};
+
 struct TrainerOptions {
   torch::Device device = torch::kCPU;
   int rank = 0;
@@ -300,6 +314,11 @@ class Trainer {
   };
   const Datasets& data() const { return data_; }
   const TrainerOptions& options() const { return options_; }
+  /// Runs forward+backward through `compiled` from the next micro-step on (null: eager again).
+  void set_compiled_step(std::shared_ptr<CompiledForwardBackward> compiled) {
+    compiled_ = std::move(compiled);
+  }
+  bool compiled() const { return compiled_ != nullptr; }
 
   /// Marks a phase for every hook (profiler scopes, timers). Prefer PhaseScope. Components call
   /// these around their own work, e.g. a checkpointer around its staging (Phase::kCheckpoint),
@@ -329,6 +348,7 @@ class Trainer {
   std::unique_ptr<Loader> loader_;
   std::unique_ptr<Sampler> val_sampler_;
   std::vector<std::shared_ptr<TrainerHook>> hooks_;
+  std::shared_ptr<CompiledForwardBackward> compiled_;
   int64_t step_ = 0;
   int64_t skipped_steps_ = 0;  // as of the last sync
   // On the device, since the last sync: non-finite steps, and the first one's number (0: none).

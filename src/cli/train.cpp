@@ -3,6 +3,7 @@
 #include "cli/commands.h"
 #include "core/strings.h"
 #include "kiln/checkpoint.h"
+#include "kiln/compile.h"
 #include "kiln/session.h"
 
 namespace kiln::cli {
@@ -23,11 +24,13 @@ void add_train_command(CLI::App& app, Action& action) {
       // --resume is checked before the session opens: bad input writes nothing (metrics.jsonl
       // included), and a resumed run appends to its metrics.jsonl.
       const bool continues = check_train_start(config, *resume);
+      check_compile_start(config);  // compile.backend: Python, torch, cache
       auto session =
           open_session(config, SessionOptions{.argv = process_argv(), .append_metrics = continues});
       auto checkpointing =
           attach_checkpointing(*session->trainer, *session->comm, session->run->dir(),
                                *resume);  // --resume, [checkpoint]
+      auto compiled = attach_compiled_step(*session->trainer, config);  // [compile]
       TrainSummary s = session->trainer->fit(config.get_int("train.steps"), session->run.get());
       const bool tokens = s.tokens_per_second > 0;
       fmt::print(
@@ -38,6 +41,12 @@ void add_train_command(CLI::App& app, Action& action) {
               : "",
           tokens ? s.tokens_per_second : s.samples_per_second, tokens ? "tokens/s" : "samples/s");
       if (s.skipped_steps > 0) fmt::print("skipped {} non-finite steps\n", s.skipped_steps);
+      if (compiled) {
+        const CompileReport& report = compiled->report();
+        fmt::print("compiled step: {}, {} graph(s), {} recompile(s){}\n", report.backend,
+                   report.graphs.size(), report.recompiles.size(),
+                   report.fallback_to_eager ? ", graph breaks: ran eager" : "");
+      }
       fmt::print("run directory: {}\n", session->run->dir().string());
       return 0;
     };

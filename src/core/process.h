@@ -23,6 +23,9 @@ pid_t spawn_process(const std::vector<std::string>& argv, const std::filesystem:
 /// throws UserError if the child cannot be waited for.
 int wait_process(pid_t pid);
 
+/// The CPU's model name from /proc/cpuinfo ("unknown" when it cannot be read).
+std::string cpu_model();
+
 /// This machine's host name ("unknown" when it cannot be read).
 std::string hostname();
 

@@ -28,18 +28,6 @@ namespace {
 
 using nlohmann::json;
 
-std::string cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      size_t colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
-    }
-  }
-  return "unknown";
-}
-
 json os_info() {
   struct utsname u {};
   if (::uname(&u) != 0) return "unknown";

@@ -25,8 +25,12 @@ namespace F = torch::nn::functional;
 
 class Mlp final : public Model {
  public:
-  Mlp(int64_t input_dim, int64_t hidden_dim, int64_t num_classes, at::Generator& generator)
-      : input_dim_(input_dim), hidden_dim_(hidden_dim), num_classes_(num_classes) {
+  Mlp(int64_t input_dim, int64_t hidden_dim, int64_t num_classes, bool data_dependent_branch,
+      at::Generator& generator)
+      : input_dim_(input_dim),
+        hidden_dim_(hidden_dim),
+        num_classes_(num_classes),
+        data_dependent_branch_(data_dependent_branch) {
     fc1_ = register_module("fc1", nn::Linear(input_dim, hidden_dim));
     fc2_ = register_module("fc2", nn::Linear(hidden_dim, num_classes));
     torch::NoGradGuard no_grad;
@@ -38,11 +42,19 @@ class Mlp final : public Model {
     }
   }
   torch::Tensor forward(const torch::Tensor& inputs) override {
-    return fc2_->forward(torch::relu(fc1_->forward(inputs)));  // [B, C]
+    auto hidden = fc1_->forward(inputs);
+    // The test model for graph breaks: a branch on the data (a host sync), as `if x.sum() > 0`.
+    if (data_dependent_branch_ && !(inputs.sum().item<double>() > 0)) {
+      return fc2_->forward(torch::tanh(hidden));
+    }
+    return fc2_->forward(torch::relu(hidden));  // [B, C]
   }
   std::string architecture() const override { return "mlp"; }
   nlohmann::json describe() const override {
-    return {{"input_dim", input_dim_}, {"hidden_dim", hidden_dim_}, {"num_classes", num_classes_}};
+    nlohmann::json out = {
+        {"input_dim", input_dim_}, {"hidden_dim", hidden_dim_}, {"num_classes", num_classes_}};
+    if (data_dependent_branch_) out["data_dependent_branch"] = true;
+    return out;
   }
   double train_flops_per_sample(int64_t) const override {
     return 6.0 * static_cast<double>(parameter_count(*this));
@@ -50,6 +62,7 @@ class Mlp final : public Model {
 
  private:
   int64_t input_dim_, hidden_dim_, num_classes_;
+  bool data_dependent_branch_;
   nn::Linear fc1_{nullptr}, fc2_{nullptr};
 };
 
@@ -230,7 +243,8 @@ std::shared_ptr<Model> make_model(const Config& config) {
   if (config.get_string("model.name") == "mlp") {
     return std::make_shared<Mlp>(config.get_int("model.input_dim"),
                                  config.get_int("model.hidden_dim"),
-                                 config.get_int("model.num_classes"), generator);
+                                 config.get_int("model.num_classes"),
+                                 config.get_bool("model.data_dependent_branch"), generator);
   }
   return std::make_shared<Gpt>(resolve_gpt_config(config), generator);
 }

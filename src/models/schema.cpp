@@ -24,6 +24,9 @@ ConfigSection model_section() {
           int_key("model", "input_dim", 100, 1, 1e7, "mlp: input features"),
           int_key("model", "hidden_dim", 256, 1, 1e7, "mlp: hidden units"),
           int_key("model", "num_classes", 10, 2, 1e7, "mlp: output classes"),
+          bool_key("model", "data_dependent_branch", false,
+                   "mlp: a test model for graph breaks: relu when the batch's inputs sum > 0, "
+                   "else tanh (a host sync each step)"),
           string_key("model", "preset", "tiny", {"tiny", "small", "gpt2-124m"},
                      "gpt: size preset (tiny ~1M, small ~10M, gpt2-124m)"),
           int_key("model", "n_layer", 0, 0, 1000, "gpt: transformer blocks (0 = preset)"),

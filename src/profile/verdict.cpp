@@ -180,7 +180,8 @@ Verdict decide_bottleneck(const TraceAnalysis& analysis, const VerdictThresholds
     a.push_back(
         context.cuda
             ? "capture the step as a CUDA graph to remove per-kernel launch cost (not in kiln yet)"
-            : "fuse small operators: a compiled step skips per-call dispatch (not in kiln yet)");
+            : "fuse small operators: a compiled step skips per-call dispatch (the compile rung: "
+              "kiln compile with compile.backend = \"inductor\")");
     a.push_back(
         "prefer fused kernels: optim.fused = true, fused attention, fewer elementwise passes");
   } else {
@@ -203,10 +204,10 @@ Verdict decide_bottleneck(const TraceAnalysis& analysis, const VerdictThresholds
         "the math dominates: compare achieved FLOP/s with the device peak (baseline rung, MFU)");
     a.push_back(
         context.cuda
-            ? "bf16 autocast / TF32 matmuls, and fusing the elementwise operators (not in kiln "
-              "yet)"
-            : "fuse the elementwise operators around the matmuls (a compiled step; not in kiln "
-              "yet)");
+            ? "bf16 autocast / TF32 matmuls (not in kiln yet), and fusing the elementwise "
+              "operators (the compile rung: kiln compile with compile.backend = \"inductor\")"
+            : "fuse the elementwise operators around the matmuls (the compile rung: kiln compile "
+              "with compile.backend = \"inductor\")");
     a.push_back(fmt::format(
         "spread the work: more ranks with data parallelism (the scale rung, "
         "dist.scale_processes){}",

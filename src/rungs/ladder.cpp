@@ -3,6 +3,7 @@
 #include "core/files.h"
 #include "core/strings.h"
 #include "kiln/checkpoint.h"
+#include "kiln/compile.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/profile.h"
@@ -44,6 +45,13 @@ const std::vector<Rung>& ladder_rungs() {
          auto session = open_session(config, options);
          return run_baseline(*session);
        }},
+      // Between baseline and profile, when a compiled step is asked for (compile.backend).
+      {"compile", [](const Config& config) { return config.get_string("compile.backend") != "eager"; },
+       [](const Config& config, const SessionOptions& options) {
+         check_compile_start(config);
+         auto session = open_session(config, options);
+         return run_compile(*session);
+       }},
       {"profile", [](const Config&) { return true; },
        [](const Config& config, const SessionOptions& options) {
          auto session = open_session(config, options);
@@ -66,6 +74,7 @@ std::vector<RungResult> run_ladder(const Config& config, const SessionOptions& o
   std::vector<std::string> skipped;
   bool stopped = false;
   std::exception_ptr error;
+  check_compile_start(config);  // a compile rung's bad setup stops the ladder before any rung
   for (const auto& rung : ladder_rungs()) {
     if (!rung.enabled(config)) continue;
     if (stopped) {

@@ -24,7 +24,8 @@ ConfigSection baseline_section() {
 const ConfigSections& config_sections() {
   static const ConfigSections sections = {
       run_section(),      model_section(),   data_section(), train_section(),      optim_section(),
-      baseline_section(), profile_section(), dist_section(), checkpoint_section(),
+      baseline_section(), compile_section(), profile_section(), dist_section(),
+      checkpoint_section(),
   };
   return sections;
 }

@@ -215,14 +215,20 @@ torch::Tensor Trainer::device_step(int micro_steps, const std::function<Batch(in
     stats.samples += batch.samples() * options_.world_size;
     stats.tokens += data_.train->tokens_per_sample() * batch.samples() * options_.world_size;
     torch::Tensor loss;
-    {
+    if (compiled_) {  // forward and backward in one compiled call, marked as the forward phase
       PhaseScope phase(*this, Phase::kForward);
-      auto logits = model_->forward(batch.inputs);
-      loss = model_->loss(logits, batch.targets) / static_cast<double>(micro_steps);
+      loss = compiled_->forward_backward(batch, 1.0 / static_cast<double>(micro_steps));
     }
-    {
-      PhaseScope phase(*this, Phase::kBackward);
-      loss.backward();
+    if (!loss.defined()) {
+      {
+        PhaseScope phase(*this, Phase::kForward);
+        auto logits = model_->forward(batch.inputs);
+        loss = model_->loss(logits, batch.targets) / static_cast<double>(micro_steps);
+      }
+      {
+        PhaseScope phase(*this, Phase::kBackward);
+        loss.backward();
+      }
     }
     loss_sum += loss.detach();
   }

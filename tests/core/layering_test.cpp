@@ -24,7 +24,7 @@ const std::map<std::string, std::set<std::string>>& allowed() {
     t["models"] = {"core", "models"};
     t["data"] = {"core", "models", "data"};
     t["train"] = {"core", "comm", "models", "data", "train"};
-    for (const char* component : {"dist", "ckpt", "profile", "peer"}) {
+    for (const char* component : {"dist", "ckpt", "profile", "peer", "compile"}) {
       t[component] = {"core", "comm", "models", "data", "train", component};
     }
     t["peer"].insert("ckpt");  // the peer export writes safetensors
@@ -46,7 +46,7 @@ std::string public_header_component(const std::string& name) {
       {"run.h", "core"},        {"build_info.h", "core"}, {"comm.h", "comm"},
       {"models.h", "models"},   {"data.h", "data"},       {"train.h", "train"},
       {"dist.h", "dist"},       {"checkpoint.h", "ckpt"}, {"safetensors.h", "ckpt"},
-      {"profile.h", "profile"}, {"peer.h", "peer"},       {"session.h", "rungs"},
+      {"profile.h", "profile"}, {"peer.h", "peer"},       {"compile.h", "compile"},       {"session.h", "rungs"},
       {"rungs.h", "rungs"}};
   auto it = table.find(name);
   return it == table.end() ? "" : it->second;

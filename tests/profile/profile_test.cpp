@@ -577,8 +577,9 @@ TEST(Verdict, EachBottleneckWithTheNumbersThatDecidedIt) {
 }
 
 TEST(Verdict, ActionsNamingWhatKilnLacksSaySo) {
-  // kiln has no compile rung, FSDP, activation checkpointing, CUDA graphs or mixed precision yet:
-  // an action suggesting one must say it is not in kiln, never send the user to a missing rung.
+  // kiln has no FSDP, activation checkpointing, CUDA graphs or mixed precision yet: an action
+  // suggesting one must say it is not in kiln, never send the user to a missing rung. An action
+  // suggesting a compiled step points at the compile rung, which exists.
   VerdictThresholds t;
   TraceAnalysis full = analysis_with(0.05, 0.0, 500);
   full.memory = {{"backward", "cpu", 95e9, 10e9}};
@@ -591,12 +592,18 @@ TEST(Verdict, ActionsNamingWhatKilnLacksSaySo) {
       decide_bottleneck(analysis_with(0.05, 0.0, 500), t, {}),
       decide_bottleneck(analysis_with(0.05, 0.0, 500), t, VerdictContext{.cuda = true})};
   std::set<std::string> bottlenecks;
+  int compile_actions = 0;
   for (const auto& v : verdicts) {
     bottlenecks.insert(v.bottleneck);
     for (const auto& action : v.actions) {
-      EXPECT_THAT(action, ::testing::Not(HasSubstr("compile rung"))) << v.bottleneck;
       EXPECT_THAT(action, ::testing::Not(HasSubstr("(scale rung)"))) << v.bottleneck;
-      for (const char* missing : {"FSDP", "checkpointing", "compiled", "CUDA graph", "bf16"}) {
+      if (action.find("compiled step") != std::string::npos ||
+          action.find("fuse the") != std::string::npos ||
+          action.find("fuse small") != std::string::npos) {
+        EXPECT_THAT(action, HasSubstr("the compile rung: kiln compile")) << v.bottleneck;
+        ++compile_actions;
+      }
+      for (const char* missing : {"FSDP", "checkpointing", "CUDA graph", "bf16"}) {
         if (action.find(missing) != std::string::npos) {
           EXPECT_THAT(action, HasSubstr("not in kiln yet")) << v.bottleneck;
         }
@@ -604,6 +611,7 @@ TEST(Verdict, ActionsNamingWhatKilnLacksSaySo) {
     }
   }
   EXPECT_EQ(bottlenecks.size(), 5u);  // every verdict's actions were checked
+  EXPECT_GE(compile_actions, 2);      // host-bound and compute-bound point at the compile rung
 }
 
 // A dataset whose batches take `delay` to build: a loader that cannot keep up.
@@ -699,9 +707,9 @@ TEST(Verdict, AWideMlpWithBigBatchesIsComputeBound) {
 
 // ---- the ladder ---------------------------------------------------------------------------------
 
-TEST(Profiler, LadderRunsProfileRightAfterBaseline) {
+TEST(Profiler, LadderRunsCompileThenProfileRightAfterBaseline) {
   // The rungs kiln/rungs.h declares (each a run_* entry point); the ladder holds each once.
-  const std::set<std::string> declared = {"baseline", "profile", "scale", "checkpoint"};
+  const std::set<std::string> declared = {"baseline", "compile", "profile", "scale", "checkpoint"};
   std::vector<std::string> names;
   for (const auto& rung : ladder_rungs()) {
     EXPECT_TRUE(declared.count(rung.name)) << rung.name << " is not a rung kiln/rungs.h declares";
@@ -718,10 +726,18 @@ TEST(Profiler, LadderRunsProfileRightAfterBaseline) {
   auto profile = std::find(names.begin(), names.end(), "profile");
   ASSERT_NE(baseline, names.end()) << "the ladder has no baseline rung";
   ASSERT_NE(profile, names.end()) << "the ladder has no profile rung";
-  // The profile rung explains the baseline's numbers, so it runs next, with nothing between.
+  // The guide's order: baseline, compile (when a compiled step is asked for), then profile,
+  // which explains the step the user will run, with nothing else between.
   std::string order;
   for (const auto& name : names) order += (order.empty() ? "" : ", ") + name;
-  EXPECT_EQ(profile - baseline, 1) << "ladder order: " << order;
+  auto compile = std::find(names.begin(), names.end(), "compile");
+  EXPECT_EQ(compile - baseline, 1) << "ladder order: " << order;
+  EXPECT_EQ(profile - compile, 1) << "ladder order: " << order;
+  // The compile rung runs only when compile.backend asks for a compiled step.
+  TempDir dir;
+  const auto& compile_rung = ladder_rungs()[static_cast<size_t>(compile - names.begin())];
+  EXPECT_FALSE(compile_rung.enabled(mlp_config(dir.path())));
+  EXPECT_TRUE(compile_rung.enabled(mlp_config(dir.path(), {"compile.backend=inductor"})));
 }
 
 }  // namespace

@@ -1,0 +1,257 @@
+// The compiled step: the model's forward+backward compiled ahead of time by PyTorch's own
+// compiler (torch.export -> joint forward+backward graph -> AOTInductor package), loaded from C++
+// and run in the Trainer's step loop in place of eager autograd. Python runs only to build a
+// package (python/kiln_py/compile.py, a child process), never in the step loop.
+//
+// What is compiled, and what is not: the package computes the loss and every parameter's
+// gradient from (inputs, targets); clipping, the optimizer, DDP's all-reduce and everything else
+// stay kiln's eager code. Evaluation runs eager. The CUDA-graph backends are refused (not built
+// yet): see docs/compile.md.
+//
+// Packages are shared libraries: the one thing kiln loads from disk that executes code. kiln
+// loads only packages it built itself into compile.cache_dir, each checked against the xxh3 hash
+// recorded when it was built; anything else is rebuilt, never loaded.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kiln/train.h"
+
+namespace kiln {
+
+class Config;
+class Model;
+
+struct CompileOptions {
+  enum class Backend { kEager, kInductor, kCudaGraphs, kInductorCudaGraphs };
+  /// PyTorch's dynamic=None | True | False: auto specialises first and turns the dimension that
+  /// changed dynamic at the first recompile; dynamic exports symbolic batch and sequence
+  /// dimensions from the start; static specialises every shape.
+  enum class Dynamic { kAuto, kDynamic, kStatic };
+  Backend backend = Backend::kEager;
+  Dynamic dynamic = Dynamic::kAuto;
+  bool fullgraph = true;
+  int recompile_limit = 8;
+  std::vector<int64_t> probe_seq_lens;  // the rung's shape probe (resolved; may be empty)
+  double tolerance = 1e-4;
+  double min_speedup = 1.05;
+  int64_t warmup_steps = 3;
+  int64_t steps = 10;
+  std::filesystem::path cache_dir;  // resolved: compile.cache_dir, else the user's cache dir
+  std::string python;               // resolved: compile.python, $KILN_PYTHON, the build's python
+
+  /// Throws UserError for a bad key (e.g. compile.probe_seq_lens not a list of integers).
+  static CompileOptions from_config(const Config& config);
+};
+
+/// compile.probe_seq_lens: "" -> nullopt (data.seq_len/2 and /4), "none" -> no probe, else the
+/// comma-separated lengths. Throws UserError naming the key.
+std::optional<std::vector<int64_t>> parse_probe_seq_lens(const std::string& text);
+
+/// "eager", "inductor", "cudagraphs", "inductor+cudagraphs"; "auto", "dynamic", "static".
+const char* backend_name(CompileOptions::Backend backend);
+const char* dynamic_name(CompileOptions::Dynamic dynamic);
+
+// ---- shapes, graphs and recompiles (bookkeeping only; nothing here compiles) -------------------
+
+/// The shapes of one micro-batch.
+struct InputShapes {
+  std::vector<int64_t> inputs, targets;
+  bool operator==(const InputShapes&) const = default;
+  /// "inputs [4, 16], targets [4, 16]".
+  std::string str() const;
+  static InputShapes of(const Batch& batch);
+};
+
+/// A symbolic dimension of a dynamic graph: dimension `dim` of "inputs" or "targets", named
+/// `name` (dimensions with the same name are the same symbol), in [min, max].
+struct DynamicDim {
+  std::string tensor;
+  int dim = 0;
+  std::string name;
+  int64_t min = 2, max = 2;
+  bool operator==(const DynamicDim&) const = default;
+};
+
+/// The shapes one compiled graph accepts: `shapes`, except that each dynamic dimension may take
+/// any size in its range.
+struct GraphShape {
+  InputShapes shapes;
+  std::vector<DynamicDim> dynamic;
+  bool accepts(const InputShapes& candidate) const;
+  /// "inputs [4, s0], targets [4, s0] (s0 = seq in [2, 16])".
+  std::string str() const;
+  nlohmann::json to_json() const;
+};
+
+/// The dimensions that may become dynamic for a model, with their ranges: batch (dim 0 of both)
+/// in [2, 65536]; for token inputs ([B, T]) also seq (dim 1 of both) in [2, max_seq_len].
+std::vector<DynamicDim> dynamic_candidates(const InputShapes& shapes, int64_t max_seq_len);
+
+/// One recompile: a micro-batch whose shapes no graph accepted.
+struct Recompile {
+  InputShapes shapes;
+  std::string reason;  // "inputs dim 1 changed 16 -> 8 (seq)"
+  bool compiled = false;  // false: over compile.recompile_limit, the shape runs eager
+};
+
+/// Decides, for each new shape, whether a graph accepts it, a new graph must be compiled, or the
+/// shape runs eager (over the recompile limit), as torch.compile's guards and its
+/// recompile_limit do. Not thread-safe.
+class ShapeTracker {
+ public:
+  ShapeTracker(CompileOptions::Dynamic dynamic, int recompile_limit, int64_t max_seq_len);
+
+  struct Decision {
+    enum class Kind { kReuse, kCompile, kEager } kind = Kind::kReuse;
+    size_t graph = 0;      // kReuse: the graph that accepts the shapes
+    GraphShape shape;      // kCompile: the graph to build
+    std::string reason;    // kCompile after the first graph, kEager: why
+  };
+  /// What to do for `shapes`. Does not change the tracker.
+  Decision decide(const InputShapes& shapes) const;
+  /// Records a decision's outcome: a compiled graph (index = graphs().size() - 1) or a shape that
+  /// runs eager from now on.
+  void record(const InputShapes& shapes, const Decision& decision);
+
+  const std::vector<GraphShape>& graphs() const { return graphs_; }
+  const std::vector<Recompile>& recompiles() const { return recompiles_; }
+  /// Shapes that run eager because the limit was reached.
+  const std::vector<InputShapes>& eager_shapes() const { return eager_; }
+
+ private:
+  CompileOptions::Dynamic dynamic_;
+  int limit_;
+  int64_t max_seq_len_;
+  std::vector<GraphShape> graphs_;
+  std::vector<Recompile> recompiles_;
+  std::vector<InputShapes> eager_;
+};
+
+// ---- graph breaks ------------------------------------------------------------------------------
+
+struct GraphBreak {
+  std::string reason;
+  std::string where;  // "models.py:57 in forward"
+};
+
+/// One line per break: "graph break at models.py:57 in forward: <reason>".
+std::string describe_breaks(const std::vector<GraphBreak>& breaks);
+
+// ---- the package cache -------------------------------------------------------------------------
+
+/// What a package depends on. Two builds with equal fingerprints are interchangeable.
+struct Fingerprint {
+  nlohmann::json fields;  // torch version and git hash, device and arch, model, graph kind, shapes,
+                          // kiln version, the compile script's hash
+  /// xxh3-64 of the canonical JSON, 16 hex digits: the package's file name in the cache.
+  std::string key() const;
+};
+
+/// A directory of packages kiln built, each with a record <key>.json beside <key>.pt2 holding its
+/// fingerprint, its xxh3 hash and the compiler's report. Safe for several processes: a package
+/// and its record are published with atomic renames.
+class PackageCache {
+ public:
+  /// Creates the directory. Throws UserError naming compile.cache_dir when it cannot be written.
+  explicit PackageCache(std::filesystem::path dir);
+
+  struct Hit {
+    std::filesystem::path package;
+    nlohmann::json record;
+  };
+  /// The verified package for `fingerprint`, or nullopt with `why_not` set: "not built yet",
+  /// "its record is not JSON", "built for another fingerprint (<field> differs)", "its hash
+  /// differs from the one recorded (corrupt or changed)". A rejected entry is never loaded.
+  std::optional<Hit> find(const Fingerprint& fingerprint, std::string* why_not) const;
+  /// A fresh directory for a build's scratch files (spec, result, log), inside the cache.
+  std::filesystem::path scratch_dir(const Fingerprint& fingerprint) const;
+  /// Hashes `built` and publishes it as the fingerprint's package with its record.
+  Hit publish(const Fingerprint& fingerprint, const std::filesystem::path& built,
+              const nlohmann::json& report) const;
+  const std::filesystem::path& dir() const { return dir_; }
+
+ private:
+  std::filesystem::path dir_;
+};
+
+/// The Python that builds packages: its torch, checked against the LibTorch kiln was built with.
+struct CompilerPython {
+  std::string python;
+  std::filesystem::path package_dir;  // the directory holding kiln_py
+  std::string torch_version, torch_git, script_hash;
+  /// Runs `python` once (cached per process). Throws UserError naming compile.python and the fix
+  /// when Python or torch is missing or torch's version differs from LibTorch's.
+  static const CompilerPython& probe(const std::string& python);
+};
+
+/// The checks `kiln train`/`kiln compile` make before anything is written to the run directory:
+/// the backend is available on this device, Python and torch match, the cache is writable, the
+/// model has a Python twin, the combination (DDP, accumulation) is supported. Throws UserError.
+void check_compile_start(const Config& config);
+
+// ---- the compiled step -------------------------------------------------------------------------
+
+/// What compiling did, for reports and compile.json.
+struct CompileReport {
+  std::string backend;
+  std::string dynamic;
+  bool fallback_to_eager = false;  // graph breaks with fullgraph = false: every step runs eager
+  std::vector<GraphBreak> breaks;
+  struct Graph {
+    GraphShape shape;
+    bool cache_hit = false;
+    std::string cache_note;  // why the cache missed ("not built yet", "hash differs ...")
+    double build_seconds = 0;  // 0 on a hit
+    double load_seconds = 0;
+    std::string package;
+  };
+  std::vector<Graph> graphs;
+  std::vector<Recompile> recompiles;
+  int64_t eager_micro_steps = 0;  // micro-steps that ran eager over the recompile limit
+  nlohmann::json to_json() const;
+};
+
+/// The Trainer's compiled forward+backward (compile.backend = "inductor"). Builds or loads one
+/// package per graph shape on first use of that shape; binds the model's own parameter tensors
+/// to the package's constants by name without copying, so the optimizer's in-place updates are
+/// what the next step reads. Not thread-safe: the training thread only.
+class CompiledStep : public CompiledForwardBackward {
+ public:
+  /// Throws UserError (bad setup, see check_compile_start), TrainingError (graph breaks with
+  /// compile.fullgraph = true, listing every break).
+  CompiledStep(const Config& config, Model& model, torch::Device device);
+  ~CompiledStep() override;
+
+  torch::Tensor forward_backward(const Batch& batch, double scale) override;
+  /// Builds (or finds in the cache) the graph for `shapes` now, as the first step would.
+  void prepare(const InputShapes& shapes);
+  const CompileReport& report() const { return report_; }
+
+  struct Loaded;  // implementation detail (src/compile/compiled_step.cpp)
+
+ private:
+  size_t load_graph(const GraphShape& shape);
+
+  CompileOptions options_;
+  Model& model_;
+  torch::Device device_;
+  nlohmann::json model_json_;
+  std::vector<std::pair<std::string, torch::Tensor>> parameters_;
+  PackageCache cache_;
+  ShapeTracker tracker_;
+  std::vector<std::unique_ptr<Loaded>> loaded_;
+  CompileReport report_;
+};
+
+/// Attaches the compiled step to `trainer` when compile.backend is not "eager"; returns it (null
+/// for eager). Throws what CompiledStep's constructor throws.
+std::shared_ptr<CompiledStep> attach_compiled_step(Trainer& trainer, const Config& config);
+
+}  // namespace kiln

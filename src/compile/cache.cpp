@@ -1,0 +1,228 @@
+// The package cache and the Python that fills it. A package is a shared library, the one thing
+// kiln loads from disk that executes code: only packages kiln built into this cache are loaded,
+// each after its xxh3 hash matched the one recorded when it was built.
+#include <fmt/format.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <torch/headeronly/version.h>
+
+#include "core/files.h"
+#include "core/process.h"
+#include "core/strings.h"
+#include "kiln/build_info.h"
+#include "kiln/compile.h"
+#include "kiln/error.h"
+
+namespace kiln {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+// `python` as a path: as given when it names a file, else looked up on PATH.
+std::string resolve_program(const std::string& program) {
+  if (program.find('/') != std::string::npos) return program;
+  const char* path = std::getenv("PATH");
+  std::string_view rest = path ? path : "";
+  while (!rest.empty()) {
+    const size_t colon = rest.find(':');
+    const fs::path candidate = fs::path(std::string(rest.substr(0, colon))) / program;
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate.string();
+    if (colon == std::string_view::npos) break;
+    rest.remove_prefix(colon + 1);
+  }
+  return program;
+}
+
+fs::path python_package_dir() {
+  if (const char* env = std::getenv("KILN_PYTHON_DIR"); env && *env) return env;
+  const fs::path source = build_info().python_dir;
+  if (fs::exists(source / "kiln_py" / "compile.py")) return source;
+  std::error_code ec;
+  const fs::path installed = fs::read_symlink("/proc/self/exe", ec).parent_path().parent_path() /
+                             "share" / "kiln" / "python";
+  return installed;
+}
+
+std::string libtorch_version() {
+  return fmt::format("{}.{}.{}", TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH);
+}
+
+}  // namespace
+
+std::string Fingerprint::key() const {
+  const std::string text = fields.dump();
+  return hex64(XXH3_64bits(text.data(), text.size()));
+}
+
+PackageCache::PackageCache(fs::path dir) : dir_(std::move(dir)) {
+  std::error_code ec;
+  fs::create_directories(dir_, ec);
+  const fs::path probe = dir_ / fmt::format(".write-test.{}", ::getpid());
+  std::ofstream out(probe);
+  if (ec || !out) {
+    throw UserError(fmt::format(
+        "compile.cache_dir {} cannot be written{}; set compile.cache_dir to a writable directory",
+        dir_.string(), ec ? ": " + ec.message() : ""));
+  }
+  out.close();
+  fs::remove(probe, ec);
+}
+
+std::optional<PackageCache::Hit> PackageCache::find(const Fingerprint& fingerprint,
+                                                    std::string* why_not) const {
+  const std::string key = fingerprint.key();
+  const fs::path record_path = dir_ / (key + ".json");
+  const fs::path package = dir_ / (key + ".pt2");
+  auto miss = [&](std::string why) -> std::optional<Hit> {
+    if (why_not) *why_not = std::move(why);
+    return std::nullopt;
+  };
+  if (!fs::exists(record_path) || !fs::exists(package)) return miss("not built yet");
+  json record;
+  try {
+    record = json::parse(read_file(record_path));
+  } catch (const std::exception&) {
+    return miss("its record " + record_path.filename().string() + " is not JSON");
+  }
+  if (!record.contains("fingerprint") || record["fingerprint"] != fingerprint.fields) {
+    std::string field = "the record";
+    if (record.contains("fingerprint") && record["fingerprint"].is_object()) {
+      for (const auto& [name, value] : fingerprint.fields.items()) {
+        if (!record["fingerprint"].contains(name) || record["fingerprint"][name] != value) {
+          field = name;
+          break;
+        }
+      }
+    }
+    return miss("built for another fingerprint (" + field + " differs)");
+  }
+  try {
+    const std::string hash = hex64(hash_file(package));
+    if (record.value("xxh3", "") != hash) {
+      return miss(fmt::format("its hash {} differs from the one recorded ({}): corrupt or changed",
+                              hash, record.value("xxh3", "none")));
+    }
+  } catch (const UserError& e) {
+    return miss(std::string("it cannot be read: ") + e.what());
+  }
+  return Hit{package, record};
+}
+
+fs::path PackageCache::scratch_dir(const Fingerprint& fingerprint) const {
+  const fs::path dir = dir_ / fmt::format("build-{}-{}", fingerprint.key(), ::getpid());
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  fs::create_directories(dir, ec);
+  if (ec) {
+    throw UserError(fmt::format("cannot create {}: {}; set compile.cache_dir to a writable directory",
+                                dir.string(), ec.message()));
+  }
+  return dir;
+}
+
+PackageCache::Hit PackageCache::publish(const Fingerprint& fingerprint, const fs::path& built,
+                                        const json& report) const {
+  const std::string key = fingerprint.key();
+  const fs::path package = dir_ / (key + ".pt2");
+  const fs::path staged = dir_ / fmt::format("{}.pt2.tmp.{}", key, ::getpid());
+  std::error_code ec;
+  fs::copy_file(built, staged, fs::copy_options::overwrite_existing, ec);
+  if (ec) {
+    throw UserError(fmt::format("cannot write {}: {}; set compile.cache_dir to a writable directory",
+                                staged.string(), ec.message()));
+  }
+  json record = {{"fingerprint", fingerprint.fields},
+                 {"package", package.filename().string()},
+                 {"xxh3", hex64(hash_file(staged))},
+                 {"bytes", fs::file_size(staged)},
+                 {"report", report}};
+  // The package first, then its record: a record always names a complete package.
+  fs::rename(staged, package, ec);
+  if (ec) throw UserError(fmt::format("cannot publish {}: {}", package.string(), ec.message()));
+  write_file_atomic(dir_ / (key + ".json"), record.dump(2) + "\n");
+  return {package, record};
+}
+
+const CompilerPython& CompilerPython::probe(const std::string& python) {
+  static std::mutex mutex;
+  static std::map<std::string, CompilerPython> probed;
+  std::lock_guard lock(mutex);
+  if (auto it = probed.find(python); it != probed.end()) return it->second;
+
+  CompilerPython out;
+  out.python = resolve_program(python);
+  out.package_dir = python_package_dir();
+  const fs::path script = out.package_dir / "kiln_py" / "compile.py";
+  if (!fs::exists(script)) {
+    throw UserError(fmt::format(
+        "the compile step's Python package is missing ({} not found); set KILN_PYTHON_DIR to the "
+        "directory holding kiln_py (<kiln source>/python)",
+        script.string()));
+  }
+  // The script's hash is part of every fingerprint: a changed compiler rebuilds.
+  std::vector<fs::path> sources;
+  for (const auto& entry : fs::directory_iterator(out.package_dir / "kiln_py")) {
+    if (entry.path().extension() == ".py") sources.push_back(entry.path());
+  }
+  std::sort(sources.begin(), sources.end());
+  std::string all;
+  for (const fs::path& source : sources) all += source.filename().string() + read_file(source);
+  out.script_hash = hex64(XXH3_64bits(all.data(), all.size()));
+
+  const fs::path answer =
+      fs::temp_directory_path() / fmt::format("kiln-python-probe-{}.txt", ::getpid());
+  std::error_code ec;
+  fs::remove(answer, ec);
+  const std::string code =
+      "import sys\n"
+      "try:\n"
+      "    import torch\n"
+      "except Exception as e:\n"
+      "    print('no-torch', type(e).__name__, e)\n"
+      "    sys.exit(0)\n"
+      "print('torch', torch.__version__, torch.version.git_version)\n";
+  int status = 127;
+  try {
+    status = wait_process(spawn_process({out.python, "-c", code}, answer));
+  } catch (const UserError&) {
+  }
+  std::string text;
+  try {
+    text = read_file(answer);
+  } catch (const UserError&) {
+  }
+  fs::remove(answer, ec);
+  const std::string fix =
+      "set compile.python (or $KILN_PYTHON) to the Python whose torch kiln was built against, "
+      "e.g. <kiln source>/.venv/bin/python";
+  if (status != 0) {
+    throw UserError(fmt::format("cannot run Python '{}' to compile the step (exit {}); {}", python,
+                                status, fix));
+  }
+  const size_t line = text.rfind("torch ");
+  if (text.rfind("no-torch", 0) == 0 || line == std::string::npos) {
+    throw UserError(fmt::format("Python '{}' has no torch ({}); {}", python,
+                                std::string(trim(text)), fix));
+  }
+  std::istringstream words(text.substr(line + 6));
+  words >> out.torch_version >> out.torch_git;
+  const std::string release = out.torch_version.substr(0, out.torch_version.find('+'));
+  if (release != libtorch_version()) {
+    throw UserError(fmt::format(
+        "Python '{}' has torch {}, but kiln was built against LibTorch {}: a package compiled by "
+        "one cannot run on the other; {}",
+        python, out.torch_version, libtorch_version(), fix));
+  }
+  return probed.emplace(python, out).first->second;
+}
+
+}  // namespace kiln

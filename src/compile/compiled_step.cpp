@@ -1,0 +1,323 @@
+// The compiled step: builds (through python/kiln_py/compile.py) or finds in the cache one
+// AOTInductor package per graph shape, binds the model's parameters to its constants, and runs
+// forward+backward through it in the Trainer's step loop.
+#include <fmt/format.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+
+#include <algorithm>
+#include <map>
+
+#include "core/clock.h"
+#include "core/files.h"
+#include "core/process.h"
+#include "core/strings.h"
+#include "kiln/build_info.h"
+#include "kiln/compile.h"
+#include "kiln/config.h"
+#include "kiln/error.h"
+#include "kiln/log.h"
+#include "kiln/models.h"
+
+namespace kiln {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+struct CompiledStep::Loaded {
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader;
+  std::vector<size_t> gradient_of;  // output k + 1 is the gradient of parameters_[gradient_of[k]]
+};
+
+namespace {
+
+void refuse_unbuilt_backend(const CompileOptions& options) {
+  using B = CompileOptions::Backend;
+  if (options.backend == B::kCudaGraphs || options.backend == B::kInductorCudaGraphs) {
+    throw UserError(fmt::format(
+        "compile.backend = \"{}\": CUDA-graph capture is not built in kiln yet; use \"inductor\" "
+        "(AOTInductor) or \"eager\"",
+        backend_name(options.backend)));
+  }
+}
+
+int64_t max_seq_len(const Model& model) {
+  const json d = model.describe();
+  return d.contains("block_size") ? d["block_size"].get<int64_t>() : 0;
+}
+
+json model_json(const Model& model) {
+  json out = model.describe();
+  out["name"] = model.architecture();
+  return out;
+}
+
+// The last non-empty line of a log (the error a Python traceback ends with).
+std::string last_line(const fs::path& path) {
+  std::string text;
+  try {
+    text = read_file(path);
+  } catch (const UserError&) {
+    return "no log";
+  }
+  const std::string_view all = trim(text);
+  const size_t newline = all.rfind('\n');
+  return std::string(newline == std::string_view::npos ? all : all.substr(newline + 1));
+}
+
+std::string dtype_name(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kLong ? "int64" : "float32";
+}
+
+// What a graph's package depends on.
+Fingerprint fingerprint_of(const CompilerPython& python, const json& model, const GraphShape& shape,
+                           torch::Device device, const Batch* example) {
+  json fields = {
+      {"kiln", build_info().version},
+      {"torch", python.torch_version},
+      {"torch_git", python.torch_git},
+      {"compiler_script", python.script_hash},
+      {"device", device.is_cuda() ? "cuda" : "cpu"},
+      {"arch", cpu_model()},
+      {"model", model},
+      {"graph", "train"},
+      {"param_dtype", "float32"},
+      {"shape", shape.to_json()},
+  };
+  if (example) {
+    fields["input_dtypes"] = {dtype_name(example->inputs), dtype_name(example->targets)};
+  }
+  return {fields};
+}
+
+}  // namespace
+
+json CompileReport::to_json() const {
+  json graph_list = json::array();
+  for (const Graph& g : graphs) {
+    graph_list.push_back({{"shape", g.shape.str()},
+                          {"spec", g.shape.to_json()},
+                          {"cache_hit", g.cache_hit},
+                          {"cache_note", g.cache_note},
+                          {"build_seconds", g.build_seconds},
+                          {"load_seconds", g.load_seconds},
+                          {"package", g.package}});
+  }
+  json break_list = json::array();
+  for (const GraphBreak& b : breaks) break_list.push_back({{"reason", b.reason}, {"where", b.where}});
+  json recompile_list = json::array();
+  for (const Recompile& r : recompiles) {
+    recompile_list.push_back(
+        {{"shapes", r.shapes.str()}, {"reason", r.reason}, {"compiled", r.compiled}});
+  }
+  return {{"backend", backend},
+          {"dynamic", dynamic},
+          {"fallback_to_eager", fallback_to_eager},
+          {"graph_breaks", break_list},
+          {"graphs", graph_list},
+          {"recompiles", recompile_list},
+          {"eager_micro_steps", eager_micro_steps}};
+}
+
+CompiledStep::CompiledStep(const Config& config, Model& model, torch::Device device)
+    : options_(CompileOptions::from_config(config)),
+      model_(model),
+      device_(device),
+      model_json_(model_json(model)),
+      cache_(options_.cache_dir),
+      tracker_(options_.dynamic, options_.recompile_limit, max_seq_len(model)) {
+  refuse_unbuilt_backend(options_);
+  for (auto& item : model.named_parameters()) parameters_.emplace_back(item.key(), item.value());
+  for (auto& item : model.named_buffers()) {
+    throw UserError(fmt::format(
+        "compile.backend = \"{}\": the model has buffer {}, and compiled steps bind parameters "
+        "only; use compile.backend = \"eager\"",
+        backend_name(options_.backend), item.key()));
+  }
+  CompilerPython::probe(options_.python);  // fails early, naming compile.python
+  report_.backend = backend_name(options_.backend);
+  report_.dynamic = dynamic_name(options_.dynamic);
+}
+
+CompiledStep::~CompiledStep() = default;
+
+void CompiledStep::prepare(const InputShapes& shapes) {
+  using Kind = ShapeTracker::Decision::Kind;
+  if (report_.fallback_to_eager) return;
+  const ShapeTracker::Decision decision = tracker_.decide(shapes);
+  if (decision.kind == Kind::kReuse) return;
+  if (decision.kind == Kind::kEager) {
+    const auto& eager = tracker_.eager_shapes();
+    if (std::find(eager.begin(), eager.end(), shapes) == eager.end()) {
+      log::warn("compile: " + decision.reason);
+      tracker_.record(shapes, decision);
+      report_.recompiles = tracker_.recompiles();
+    }
+    return;
+  }
+  if (load_graph(decision.shape) == SIZE_MAX) return;  // breaks, fullgraph = false: eager
+  tracker_.record(shapes, decision);
+  report_.recompiles = tracker_.recompiles();
+  if (!decision.reason.empty()) log::info("compile: recompile: " + decision.reason);
+}
+
+torch::Tensor CompiledStep::forward_backward(const Batch& batch, double scale) {
+  const InputShapes shapes = InputShapes::of(batch);
+  prepare(shapes);
+  if (report_.fallback_to_eager) return {};
+  const ShapeTracker::Decision decision = tracker_.decide(shapes);
+  if (decision.kind != ShapeTracker::Decision::Kind::kReuse) {  // over the recompile limit
+    ++report_.eager_micro_steps;
+    return {};
+  }
+  Loaded& graph = *loaded_[decision.graph];
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> outputs =
+      graph.loader->run({batch.inputs.contiguous(), batch.targets.contiguous()});
+  for (size_t k = 0; k < graph.gradient_of.size(); ++k) {
+    torch::Tensor& param = parameters_[graph.gradient_of[k]].second;
+    torch::Tensor& gradient = outputs[k + 1];
+    if (!param.grad().defined()) {
+      param.mutable_grad() = scale == 1.0 ? gradient : gradient.mul(scale);
+    } else {
+      param.mutable_grad().add_(gradient, scale);
+    }
+  }
+  return scale == 1.0 ? outputs[0] : outputs[0].mul(scale);
+}
+
+size_t CompiledStep::load_graph(const GraphShape& shape) {
+  const CompilerPython& python = CompilerPython::probe(options_.python);
+  const Fingerprint fingerprint = fingerprint_of(python, model_json_, shape, device_, nullptr);
+  CompileReport::Graph entry;
+  entry.shape = shape;
+  std::string why_not;
+  std::optional<PackageCache::Hit> hit = cache_.find(fingerprint, &why_not);
+  entry.cache_hit = hit.has_value();
+  if (!hit) {
+    entry.cache_note = why_not;
+    log::info(fmt::format("compile: building the {} graph for {} with AOTInductor ({}; cache {}: {})",
+                          "forward+backward", shape.str(), python.torch_version,
+                          cache_.dir().string(), why_not));
+    const auto begin = SteadyClock::now();
+    const fs::path scratch = cache_.scratch_dir(fingerprint);
+    const bool tokens = model_json_.value("name", "") == "gpt";
+    json spec = {
+        {"model", model_json_},
+        {"graph", "train"},
+        {"inputs", {{"shape", shape.shapes.inputs}, {"dtype", tokens ? "int64" : "float32"}}},
+        {"targets", {{"shape", shape.shapes.targets}, {"dtype", "int64"}}},
+        {"dynamic", shape.to_json()["dynamic"]},
+        {"device", device_.is_cuda() ? "cuda" : "cpu"},
+        {"package", (scratch / "model.pt2").string()},
+        {"threads", at::get_num_threads()},
+    };
+    write_file_atomic(scratch / "spec.json", spec.dump(2) + "\n");
+    const std::string runner =
+        "import sys, runpy\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "sys.argv = ['kiln_py.compile'] + sys.argv[2:]\n"
+        "runpy.run_module('kiln_py.compile', run_name='__main__', alter_sys=True)\n";
+    const fs::path log_path = scratch / "compile.log";
+    const int status = wait_process(spawn_process(
+        {python.python, "-c", runner, python.package_dir.string(), "--spec",
+         (scratch / "spec.json").string(), "--result", (scratch / "result.json").string()},
+        log_path));
+    json result;
+    try {
+      result = json::parse(read_file(scratch / "result.json"));
+    } catch (const std::exception&) {
+      throw UserError(fmt::format(
+          "compiling the step failed (exit {}) without a result; see {} (it ends: {})", status,
+          log_path.string(), last_line(log_path)));
+    }
+    const std::string state = result.value("status", "error");
+    if (state == "graph_breaks") {
+      for (const auto& b : result.value("graph_breaks", json::array())) {
+        report_.breaks.push_back({b.value("reason", ""), b.value("where", "")});
+      }
+      const std::string list = describe_breaks(report_.breaks);
+      if (options_.fullgraph) {
+        throw TrainingError(fmt::format(
+            "compile.fullgraph = true and the step has {} graph break(s): {}; remove them from the "
+            "model, or set compile.fullgraph = false to run the step eager",
+            report_.breaks.size(), list));
+      }
+      log::warn(fmt::format("compile: {} graph break(s), so the step runs eager "
+                            "(compile.fullgraph = false): {}",
+                            report_.breaks.size(), list));
+      report_.fallback_to_eager = true;
+      return SIZE_MAX;
+    }
+    if (state != "ok" || status != 0) {
+      throw UserError(fmt::format("compiling the step failed: {} (log: {})",
+                                  result.value("error", "exit " + std::to_string(status)),
+                                  log_path.string()));
+    }
+    hit = cache_.publish(fingerprint, scratch / "model.pt2", result);
+    std::error_code ec;
+    fs::remove_all(scratch, ec);
+    entry.build_seconds = seconds_since(begin);
+  }
+  const auto load_begin = SteadyClock::now();
+  auto loaded = std::make_unique<Loaded>();
+  loaded->loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
+      hit->package.string(), "model", /*run_single_threaded=*/false, /*num_runners=*/1,
+      device_.is_cuda() ? device_.index() : static_cast<c10::DeviceIndex>(-1));
+  std::map<std::string, size_t> index;
+  for (size_t k = 0; k < parameters_.size(); ++k) index[parameters_[k].first] = k;
+  std::unordered_map<std::string, torch::Tensor> constants;
+  for (const std::string& name : loaded->loader->get_constant_fqns()) {
+    auto it = index.find(name);
+    if (it == index.end()) {
+      throw UserError(fmt::format("the compiled package {} has constant {}, which is not a "
+                                  "parameter of the model; remove it from compile.cache_dir",
+                                  hit->package.string(), name));
+    }
+    constants[name] = parameters_[it->second].second;
+  }
+  // The model's own tensors, not copies: the optimizer's in-place updates are what runs next.
+  loaded->loader->load_constants(constants, /*use_inactive=*/false, /*check_full_update=*/true,
+                                 /*user_managed=*/true);
+  const json& report = hit->record["report"];
+  for (const auto& name : report.value("parameters", json::array())) {
+    auto it = index.find(name.get<std::string>());
+    if (it == index.end()) {
+      throw UserError(fmt::format("the compiled package {} returns a gradient for {}, which is "
+                                  "not a parameter of the model; remove it from compile.cache_dir",
+                                  hit->package.string(), name.get<std::string>()));
+    }
+    loaded->gradient_of.push_back(it->second);
+  }
+  if (loaded->gradient_of.size() != parameters_.size()) {
+    throw UserError(fmt::format("the compiled package {} returns {} gradients for {} parameters; "
+                                "remove it from compile.cache_dir",
+                                hit->package.string(), loaded->gradient_of.size(),
+                                parameters_.size()));
+  }
+  entry.load_seconds = seconds_since(load_begin);
+  entry.package = hit->package.string();
+  log::info(fmt::format("compile: graph {} for {}: {} (load {:.2f} s)", loaded_.size(), shape.str(),
+                        entry.cache_hit ? "cached package" : fmt::format("built in {:.1f} s", entry.build_seconds),
+                        entry.load_seconds));
+  report_.graphs.push_back(std::move(entry));
+  loaded_.push_back(std::move(loaded));
+  return loaded_.size() - 1;
+}
+
+void check_compile_start(const Config& config) {
+  const CompileOptions options = CompileOptions::from_config(config);
+  if (options.backend == CompileOptions::Backend::kEager) return;
+  refuse_unbuilt_backend(options);
+  CompilerPython::probe(options.python);
+  PackageCache cache(options.cache_dir);
+}
+
+std::shared_ptr<CompiledStep> attach_compiled_step(Trainer& trainer, const Config& config) {
+  if (CompileOptions::from_config(config).backend == CompileOptions::Backend::kEager) return nullptr;
+  auto step = std::make_shared<CompiledStep>(config, trainer.model(), trainer.options().device);
+  trainer.set_compiled_step(step);
+  return step;
+}
+
+}  // namespace kiln

@@ -1,0 +1,174 @@
+// The compiled step end to end, through the CLI: AOTInductor packages built by python/kiln_py
+// and run from C++. Small models (an MLP, a one-layer GPT) keep each compile short; the tests
+// share one cache per build (KILN_TEST_COMPILE_CACHE) except where a cold cache is the point.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "kiln/run.h"
+#include "support/helpers.h"
+
+namespace kiln::testing {
+namespace {
+
+using nlohmann::json;
+
+std::string mlp_args(const std::filesystem::path& run_dir, const std::string& name) {
+  return (source_dir() / "configs/mlp.toml").string() + " --set run.dir=" + run_dir.string() +
+         " --set run.name=" + name +
+         " --set run.progress=off --set run.threads=1 --set model.hidden_dim=32"
+         " --set data.num_samples=512 --set data.val_samples=64 --set data.num_workers=0"
+         " --set train.batch_size=16 --set train.eval_every=0 --set train.eval_batches=1";
+}
+
+std::string shared_cache() {
+  const std::string dir = KILN_TEST_COMPILE_CACHE;
+  return " --set compile.cache_dir=" + dir;
+}
+
+json read_json(const std::filesystem::path& path) {
+  return json::parse(slurp(path));
+}
+
+TEST(CompiledStep, TheRungCompilesColdThenLoadsTheCachedPackage) {
+  TempDir dir;
+  const std::string args = "compile " + mlp_args(dir.path(), "c") +
+                           " --set compile.backend=inductor --set compile.warmup_steps=1"
+                           " --set compile.steps=4 --set compile.cache_dir=" +
+                           (dir / "cache").string();
+  const CommandResult cold = run_kiln(args);
+  ASSERT_EQ(cold.exit_code, 0) << cold.out << cold.err;
+  json first = read_json(dir / "c" / "compile.json");
+  EXPECT_EQ(first["cache"], "cold");
+  EXPECT_TRUE(first["passed"].get<bool>());
+  ASSERT_EQ(first["graphs"], 1);
+  EXPECT_FALSE(first["compile"]["graphs"][0]["cache_hit"].get<bool>());
+  EXPECT_EQ(first["compile"]["graphs"][0]["cache_note"], "not built yet");
+  EXPECT_GT(first["compile"]["graphs"][0]["build_seconds"].get<double>(), 0.0);
+  // Compiled and eager agree step by step (fp32, same kernels up to fusion order).
+  EXPECT_LE(first["numerics"]["max_relative_loss_difference"].get<double>(), 1e-4);
+  EXPECT_LE(first["numerics"]["max_relative_parameter_difference"].get<double>(), 1e-4);
+  EXPECT_EQ(first["numerics"]["compiled_losses"].size(), 5u);
+  EXPECT_GT(first["speedup"].get<double>(), 0.0);
+  const std::string verdict = first["verdict"];
+  EXPECT_TRUE(verdict.rfind("keep the compiled step", 0) == 0 || verdict.rfind("stay eager", 0) == 0)
+      << verdict;
+  EXPECT_NE(cold.out.find("compile — PASSED"), std::string::npos) << cold.out;
+
+  const CommandResult warm = run_kiln(args + " --set run.name=w");
+  ASSERT_EQ(warm.exit_code, 0) << warm.out << warm.err;
+  json second = read_json(dir / "w" / "compile.json");
+  EXPECT_EQ(second["cache"], "cached");
+  EXPECT_TRUE(second["compile"]["graphs"][0]["cache_hit"].get<bool>());
+  EXPECT_EQ(second["compile"]["graphs"][0]["package"], first["compile"]["graphs"][0]["package"]);
+
+  // A package whose bytes changed is rejected with the reason and rebuilt, never loaded.
+  const std::filesystem::path package = first["compile"]["graphs"][0]["package"].get<std::string>();
+  {
+    std::fstream f(package, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(100);
+    f.put('\x5a');
+  }
+  const CommandResult stale = run_kiln(args + " --set run.name=s");
+  ASSERT_EQ(stale.exit_code, 0) << stale.out << stale.err;
+  json third = read_json(dir / "s" / "compile.json");
+  EXPECT_EQ(third["cache"], "cold");
+  EXPECT_NE(third["compile"]["graphs"][0]["cache_note"].get<std::string>().find(
+                "differs from the one recorded"),
+            std::string::npos);
+}
+
+TEST(CompiledStep, TrainingWithAccumulationMatchesEagerTraining) {
+  TempDir dir;
+  const std::string common = mlp_args(dir.path(), "eager") +
+                             " --set train.steps=6 --set train.grad_accum_steps=2" + shared_cache();
+  const CommandResult eager = run_kiln("train " + common);
+  ASSERT_EQ(eager.exit_code, 0) << eager.err;
+  const CommandResult compiled =
+      run_kiln("train " + common + " --set run.name=compiled --set compile.backend=inductor");
+  ASSERT_EQ(compiled.exit_code, 0) << compiled.out << compiled.err;
+  EXPECT_NE(compiled.out.find("compiled step: inductor, 1 graph(s), 0 recompile(s)"),
+            std::string::npos)
+      << compiled.out;
+  const auto a = read_step_losses(dir / "eager" / "metrics.jsonl");
+  const auto b = read_step_losses(dir / "compiled" / "metrics.jsonl");
+  ASSERT_EQ(a.size(), 6u);
+  ASSERT_EQ(b.size(), 6u);
+  for (const auto& [step, loss] : a) {
+    EXPECT_NEAR(b.at(step), loss, 1e-5 * std::abs(loss)) << "step " << step;
+  }
+}
+
+TEST(CompiledStep, ADynamicGraphServesTheProbesShorterSequences) {
+  TempDir dir;
+  const CommandResult r = run_kiln(
+      "compile " + (source_dir() / "configs/gpt-tiny.toml").string() + " --set run.dir=" +
+      dir.path().string() +
+      " --set run.name=g --set run.progress=off --set run.threads=1 --set model.n_layer=1"
+      " --set model.n_embd=32 --set model.n_head=2 --set model.block_size=16"
+      " --set data.seq_len=16 --set train.batch_size=4 --set data.num_workers=0"
+      " --set compile.backend=inductor --set compile.dynamic=dynamic --set compile.warmup_steps=1"
+      " --set compile.steps=3 --set compile.probe_seq_lens=8,4" + shared_cache());
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  json j = read_json(dir / "g" / "compile.json");
+  EXPECT_EQ(j["dynamic"], "dynamic");
+  EXPECT_EQ(j["graphs"], 1);
+  EXPECT_TRUE(j["recompiles"].empty()) << j["recompiles"];
+  ASSERT_EQ(j["probe"].size(), 2u);
+  for (const auto& p : j["probe"]) {
+    EXPECT_FALSE(p["new_graph"].get<bool>()) << p;
+    EXPECT_NEAR(p["loss_compiled"].get<double>(), p["loss_eager"].get<double>(),
+                1e-4 * p["loss_eager"].get<double>());
+  }
+  EXPECT_NE(j["compile"]["graphs"][0]["shape"].get<std::string>().find("seq in [2, 16]"),
+            std::string::npos);
+  EXPECT_TRUE(j["passed"].get<bool>()) << j["verdict"];
+}
+
+TEST(CompiledStep, ADataDependentBranchIsAGraphBreakNamedWithItsPlace) {
+  TempDir dir;
+  const std::string args = "compile " + mlp_args(dir.path(), "full") +
+                           " --set model.data_dependent_branch=true"
+                           " --set compile.backend=inductor" + shared_cache();
+  const CommandResult full = run_kiln(args);
+  EXPECT_EQ(full.exit_code, 3) << full.out << full.err;
+  EXPECT_NE(full.err.find("compile.fullgraph = true and the step has 1 graph break(s): graph "
+                          "break at models.py:"),
+            std::string::npos)
+      << full.err;
+  json j = read_json(dir / "full" / "compile.json");
+  ASSERT_EQ(j["compile"]["graph_breaks"].size(), 1u);
+  EXPECT_NE(j["compile"]["graph_breaks"][0]["where"].get<std::string>().find("models.py:"),
+            std::string::npos);
+
+  const CommandResult eager = run_kiln(args + " --set run.name=fallback --set compile.fullgraph=false");
+  ASSERT_EQ(eager.exit_code, 0) << eager.out << eager.err;
+  json f = read_json(dir / "fallback" / "compile.json");
+  EXPECT_TRUE(f["compile"]["fallback_to_eager"].get<bool>());
+  EXPECT_EQ(f["verdict"].get<std::string>().rfind("stay eager: the step has 1 graph break(s)", 0), 0u)
+      << f["verdict"];
+}
+
+TEST(CompiledStep, BadSetupIsOneLineExitTwoAndWritesNothing) {
+  TempDir dir;
+  write_text(dir / "file", "x");
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--set compile.backend=inductor --set compile.python=" + (dir / "nope").string(),
+       "cannot run Python"},
+      {"--set compile.backend=cudagraphs", "CUDA-graph capture is not built in kiln yet"},
+      {"--set compile.backend=inductor --set compile.cache_dir=" + (dir / "file" / "c").string(),
+       "compile.cache_dir"},
+  };
+  for (const auto& [set, message] : cases) {
+    for (const char* command : {"train ", "compile "}) {
+      const CommandResult r = run_kiln(command + mlp_args(dir.path(), "bad") + " " + set);
+      EXPECT_EQ(r.exit_code, 2) << command << set << r.err;
+      EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
+      EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+      EXPECT_FALSE(std::filesystem::exists(dir / "bad")) << command << set;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kiln::testing
