@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""kiln's compiled step against Python's torch.compile, side by side, same run.
+
+    .venv/bin/python bench/compile/run.py --kiln build/kiln --config configs/gpt-tiny.toml \
+        --set run.threads=2 --result bench/results/compile-gpt-tiny.json
+
+Four step times, same model, batch shape, optimizer and thread count:
+  kiln eager and kiln inductor: `kiln compile` (the compile rung: AOTInductor forward+backward
+      package loaded from C++, eager and compiled steps interleaved in one process), first with a
+      cold package cache, then again with the cache warm;
+  Python eager and Python torch.compile (inductor, default mode): the twin model from
+      python/kiln_py, AdamW as kiln's, batches preloaded, eager and compiled steps interleaved.
+Repeated --repeats times, alternating kiln and Python; the medians of the per-repeat medians and
+their ratios are reported (lower is faster for the numerator). Compile times: kiln cold and
+cached (package build or load), Python's first compiled iteration.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, os.path.join(ROOT, "bench", "peer"))
+
+import torch  # noqa: E402
+
+from kiln_py.models import from_config, loss as model_loss  # noqa: E402
+from peer import make_optimizer  # noqa: E402
+
+
+def sets(overrides):
+    out = []
+    for o in overrides:
+        out += ["--set", o]
+    return out
+
+
+def resolved_config(kiln, config, overrides, work):
+    out = os.path.join(work, "export")
+    subprocess.run([kiln, "peer", "export", config, "--steps", "1", "--out", out] +
+                   sets(overrides + [f"run.dir={work}/runs", "run.name=export"]),
+                   check=True, stdout=subprocess.DEVNULL)
+    with open(os.path.join(out, "config.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def kiln_side(kiln, config, overrides, work, name, cache, warmup, steps):
+    run = [kiln, "compile", config] + sets(overrides + [
+        f"run.dir={work}/runs", f"run.name={name}", "run.progress=off",
+        "compile.backend=inductor", "compile.probe_seq_lens=none", f"compile.cache_dir={cache}",
+        f"compile.warmup_steps={warmup}", f"compile.steps={steps}"])
+    subprocess.run(run, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(os.path.join(work, "runs", name, "compile.json")) as f:
+        return json.load(f)
+
+
+def python_side(cfg, warmup, steps):
+    torch.manual_seed(cfg["run"]["seed"])
+    threads = cfg["run"]["threads"]
+    if threads > 0:
+        torch.set_num_threads(threads)
+    batch = cfg["train"]["batch_size"]
+    m = cfg["model"]
+    if m["name"] == "gpt":
+        vocab = from_config(m).transformer.wte.weight.shape[0]
+        inputs = torch.randint(0, vocab, (batch, cfg["data"]["seq_len"]))
+        targets = torch.randint(0, vocab, (batch, cfg["data"]["seq_len"]))
+    else:
+        inputs = torch.randn(batch, m["input_dim"])
+        targets = torch.randint(0, m["num_classes"], (batch,))
+    clip = cfg["train"]["clip_grad_norm"]
+
+    def side(compiled):
+        model = from_config(m)
+        model.train()
+        fn = torch.compile(model) if compiled else model
+        optimizer = make_optimizer(model, cfg["optim"])
+        params = list(model.parameters())
+
+        def step():
+            begin = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = model_loss(fn(inputs), targets)
+            loss.backward()
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, clip)
+            optimizer.step()
+            loss.item()
+            return time.perf_counter() - begin
+        return step
+
+    eager, compiled = side(False), side(True)
+    first_compiled = compiled()  # torch.compile's first iteration: tracing and Inductor
+    for _ in range(warmup):
+        eager()
+        compiled()
+    eager_s, compiled_s = [], []
+    for _ in range(steps):
+        eager_s.append(eager())
+        compiled_s.append(compiled())
+    return statistics.median(eager_s), statistics.median(compiled_s), first_compiled
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kiln", required=True)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per side per repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--result", help="write the comparison as JSON here")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="kiln-compile-bench-") as work:
+        cfg = resolved_config(args.kiln, args.config, args.overrides, work)
+        cache = os.path.join(work, "cache")  # cold for the first kiln run, warm afterwards
+        kiln_runs, py_runs = [], []
+        for r in range(args.repeats):
+            kiln_runs.append(kiln_side(args.kiln, args.config, args.overrides, work, f"k{r}", cache,
+                                       args.warmup, args.steps))
+            py_runs.append(python_side(cfg, args.warmup, args.steps))
+            k = kiln_runs[-1]
+            print(f"repeat {r + 1}: kiln eager {1e3 * k['eager']['median_seconds']:.2f} ms, "
+                  f"kiln inductor {1e3 * k['compiled']['median_seconds']:.2f} ms "
+                  f"(compile {k['compile_seconds']:.1f} s, {k['cache']}); python eager "
+                  f"{1e3 * py_runs[-1][0]:.2f} ms, torch.compile {1e3 * py_runs[-1][1]:.2f} ms "
+                  f"(first iteration {py_runs[-1][2]:.1f} s)", flush=True)
+
+    med = statistics.median
+    kiln_eager = med(k["eager"]["median_seconds"] for k in kiln_runs)
+    kiln_compiled = med(k["compiled"]["median_seconds"] for k in kiln_runs)
+    py_eager = med(p[0] for p in py_runs)
+    py_compiled = med(p[1] for p in py_runs)
+    result = {
+        "config": args.config, "overrides": args.overrides, "model": cfg["model"],
+        "batch_size": cfg["train"]["batch_size"],
+        "seq_len": cfg["data"]["seq_len"] if cfg["model"]["name"] == "gpt" else None,
+        "threads": torch.get_num_threads(), "repeats": args.repeats, "warmup": args.warmup,
+        "timed_steps": args.steps,
+        "median_step_seconds": {"kiln_eager": kiln_eager, "kiln_inductor": kiln_compiled,
+                                "python_eager": py_eager, "python_torch_compile": py_compiled},
+        "ratios": {"kiln_inductor_over_python_torch_compile": kiln_compiled / py_compiled,
+                   "kiln_inductor_over_kiln_eager": kiln_compiled / kiln_eager,
+                   "kiln_eager_over_python_eager": kiln_eager / py_eager,
+                   "python_torch_compile_over_python_eager": py_compiled / py_eager},
+        "compile_seconds": {"kiln_cold": kiln_runs[0]["compile_seconds"],
+                            "kiln_cached": [k["compile_seconds"] for k in kiln_runs[1:]],
+                            "python_first_iteration": [p[2] for p in py_runs]},
+        "kiln_numerics": [k["numerics"]["max_relative_loss_difference"] for k in kiln_runs],
+        "kiln_verdicts": [k["verdict"] for k in kiln_runs],
+        "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+        "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    for key, value in result["ratios"].items():
+        print(f"{key}: {value:.3f}")
+    if args.result:
+        with open(args.result, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
