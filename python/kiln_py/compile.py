@@ -21,6 +21,7 @@ import re
 import sys
 import time
 import traceback
+import warnings
 
 import torch
 
@@ -372,6 +373,8 @@ def write_result(path, result):
 
 
 def main(argv=None):
+    # torch.export's own use of a deprecated pytree API, printed on every export: noise in kiln's log.
+    warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--spec", required=True, help="the compile spec kiln wrote (JSON)")
     parser.add_argument("--result", required=True, help="write the result here (JSON)")
