@@ -2,10 +2,11 @@
 """Replay kiln's first training steps in Python PyTorch and compare them step by step.
 
 kiln writes what a peer needs (`kiln peer export`): the resolved config, the initial weights and
-the exact batches. This script builds the same model in plain PyTorch (nothing shared with kiln's
-C++), loads those weights, consumes those batches with the same optimizer, schedule and clipping,
-and compares the per-step losses. With --timing it also times both sides in the same run (median
-step time, batches preloaded in memory on both sides, same thread count) and reports kiln/Python.
+the exact batches. This script builds the same model in plain PyTorch (the twins
+of python/kiln_py/models.py, nothing shared with kiln's C++), loads those weights, consumes those
+batches with the same optimizer, schedule and clipping, and compares the per-step losses. With
+--timing it also times both sides in the same run (median step time, batches preloaded in memory on
+both sides, same thread count) and reports kiln/Python.
 
     peer.py --kiln build/kiln --config configs/mlp.toml --steps 25 --tolerance 1e-5
     peer.py --kiln build/kiln --config configs/gpt-tiny.toml --steps 60 --timing \
@@ -26,86 +27,11 @@ import time
 import tomllib
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
-
-# ---- models (written from the architecture description, not from kiln's code) ------------------
-
-class Mlp(nn.Module):
-    def __init__(self, m):
-        super().__init__()
-        self.fc1 = nn.Linear(m["input_dim"], m["hidden_dim"])
-        self.fc2 = nn.Linear(m["hidden_dim"], m["num_classes"])
-
-    def forward(self, x):
-        return self.fc2(F.relu(self.fc1(x)))
-
-
-class Attention(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads = heads
-        self.c_attn = nn.Linear(d, 3 * d)
-        self.c_proj = nn.Linear(d, d)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-
-
-class Mlp4(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.c_fc = nn.Linear(d, 4 * d)
-        self.c_proj = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
-
-
-class Block(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(d)
-        self.attn = Attention(d, heads)
-        self.ln_2 = nn.LayerNorm(d)
-        self.mlp = Mlp4(d)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class Gpt(nn.Module):
-    PRESETS = {"tiny": (5, 4, 128, 256, 256), "small": (6, 6, 384, 256, 256),
-               "gpt2-124m": (12, 12, 768, 1024, 50257)}
-
-    def __init__(self, m):
-        super().__init__()
-        layers, heads, width, block, vocab = self.PRESETS[m["preset"]]
-        layers = m["n_layer"] or layers
-        heads = m["n_head"] or heads
-        width = m["n_embd"] or width
-        block = m["block_size"] or block
-        vocab = m["vocab_size"] or vocab
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(vocab, width),
-            wpe=nn.Embedding(block, width),
-            h=nn.ModuleList(Block(width, heads) for _ in range(layers)),
-            ln_f=nn.LayerNorm(width)))
-
-    def forward(self, idx):
-        t = self.transformer
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = t.wte(idx) + t.wpe(pos)
-        for block in t.h:
-            x = block(x)
-        return F.linear(t.ln_f(x), t.wte.weight)  # head tied to the token embedding
+# The model twins are a product component (python/kiln_py, also used by kiln's compile step).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+from kiln_py import models  # noqa: E402
 
 
 # ---- optimizer and schedule (PyTorch's own) -----------------------------------------------------
@@ -153,7 +79,7 @@ def replay(out, steps):
         torch.set_num_threads(cfg["run"]["threads"])
     if cfg["run"]["deterministic"]:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    model = (Mlp if cfg["model"]["name"] == "mlp" else Gpt)(cfg["model"])
+    model = models.from_config(cfg["model"])
     model.load_state_dict(load_file(os.path.join(out, "init.safetensors")), strict=True)
     model.train()
     optimizer = make_optimizer(model, cfg["optim"])
@@ -170,7 +96,7 @@ def replay(out, steps):
         total = torch.zeros(())
         for inputs, targets in micro:
             logits = model(inputs)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)) / accum
+            loss = models.loss(logits, targets) / accum
             loss.backward()
             total += loss.detach()
         if clip > 0:

@@ -14,6 +14,10 @@ class Config;
 ///   config.toml          the resolved config
 ///   init.safetensors     the initial weights (kiln/HF names)
 ///   batches.safetensors  "step<k>.micro<m>.inputs" / ".targets" for every micro-batch used
+///   grads.safetensors    every parameter's gradient of the first step (kiln names), before
+///                        clipping and the optimizer: the sum over step 0's micro-batches of the
+///                        gradients of loss / grad_accum_steps, from the initial weights (written
+///                        when steps > 0)
 ///   kiln.json            per-step loss, grad_norm, lr, step_seconds (batches preloaded in memory,
 ///                        so step time excludes data loading, as on the peer's side)
 /// Returns kiln.json's content. Throws UserError.

@@ -1,14 +1,53 @@
 #include <fmt/format.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include "core/files.h"
 #include "kiln/config.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
+#include "kiln/models.h"
 #include "kiln/peer.h"
 #include "kiln/safetensors.h"
 #include "kiln/train.h"
 
 namespace kiln {
+namespace {
+
+// Every parameter's gradient of the first step, before clipping and the optimizer: the sum over
+// the micro-batches of d(loss / accum)/dp, from the initial weights. Computed with
+// torch::autograd::grad on a forward of its own, so no parameter's .grad is touched and the
+// trainer's first step runs exactly as without it.
+void write_first_step_gradients(Model& model, const std::vector<Batch>& micro_batches,
+                                const std::filesystem::path& out_dir) {
+  model.train();
+  std::vector<std::string> names;
+  std::vector<torch::Tensor> params;
+  for (const auto& item : model.named_parameters()) {
+    names.push_back(item.key());
+    params.push_back(item.value());
+  }
+  const auto device = params.front().device();
+  std::vector<torch::Tensor> sums(params.size());
+  const auto accum = static_cast<double>(micro_batches.size());
+  for (const Batch& batch : micro_batches) {
+    auto logits = model.forward(batch.inputs.to(device));
+    auto loss = model.loss(logits, batch.targets.to(device)) / accum;
+    auto grads = torch::autograd::grad({loss}, params, /*grad_outputs=*/{}, /*retain_graph=*/false,
+                                       /*create_graph=*/false, /*allow_unused=*/true);
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (!grads[i].defined()) continue;
+      sums[i] = sums[i].defined() ? sums[i] + grads[i] : grads[i];
+    }
+  }
+  NamedTensors out;
+  for (size_t i = 0; i < params.size(); ++i) {
+    out.emplace_back(names[i],
+                     sums[i].defined() ? sums[i].cpu() : torch::zeros_like(params[i]).cpu());
+  }
+  write_safetensors(out_dir / "grads.safetensors", out, {{"format", "pt"}, {"source", "kiln"}});
+}
+
+}  // namespace
 
 nlohmann::json export_for_peer(const Config& config, int64_t steps,
                                const std::filesystem::path& out_dir) {
@@ -37,6 +76,7 @@ nlohmann::json export_for_peer(const Config& config, int64_t steps,
     }
   }
   write_safetensors(out_dir / "batches.safetensors", batch_tensors);
+  if (steps > 0) write_first_step_gradients(*model, batches.front(), out_dir);
 
   nlohmann::json result = {{"steps", steps},
                            {"loss", nlohmann::json::array()},

@@ -1,0 +1,161 @@
+"""Python twins of kiln's C++ models, with the same parameter names (kiln/HF names).
+
+Written from the architecture description (docs/architecture.md), not translated from kiln's C++;
+the initialisation is not kiln's (kiln binds or loads its own weights), the forward pass and the
+loss are. The peer tests and tests/python check that a twin loaded with kiln's initial weights gives
+kiln's loss and gradients.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Mlp(nn.Module):
+    """input_dim -> hidden_dim -> ReLU -> num_classes; [B, D] float -> [B, C] logits.
+
+    data_dependent_branch (a test model for graph breaks): ReLU when the batch sums to > 0, else
+    tanh, a Python `if` on a tensor value, which dynamo cannot trace into one graph.
+    """
+
+    def __init__(self, input_dim, hidden_dim, num_classes, data_dependent_branch=False):
+        super().__init__()
+        self.data_dependent_branch = data_dependent_branch
+        self.fc1 = nn.Linear(input_dim, hidden_dim)
+        self.fc2 = nn.Linear(hidden_dim, num_classes)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if not self.data_dependent_branch:
+            return self.fc2(F.relu(h))
+        if x.sum() > 0:  # the data-dependent branch: graph break here
+            h = F.relu(h)
+        else:
+            h = torch.tanh(h)
+        return self.fc2(h)
+
+
+class Attention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class Mlp4(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.c_proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d)
+        self.attn = Attention(d, heads)
+        self.ln_2 = nn.LayerNorm(d)
+        self.mlp = Mlp4(d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Gpt(nn.Module):
+    """GPT-2, pre-LayerNorm, GELU(tanh), head tied to the token embedding; [B, T] int64 -> [B, T, V]."""
+
+    PRESETS = {"tiny": (5, 4, 128, 256, 256), "small": (6, 6, 384, 256, 256),
+               "gpt2-124m": (12, 12, 768, 1024, 50257)}
+
+    def __init__(self, n_layer, n_head, n_embd, block_size, vocab_size):
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"n_embd {n_embd} is not divisible by n_head {n_head}")
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab_size, n_embd),
+            wpe=nn.Embedding(block_size, n_embd),
+            h=nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer)),
+            ln_f=nn.LayerNorm(n_embd)))
+
+    def forward(self, idx):
+        t = self.transformer
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = t.wte(idx) + t.wpe(pos)
+        for block in t.h:
+            x = block(x)
+        return F.linear(t.ln_f(x), t.wte.weight)  # head tied to the token embedding
+
+
+def loss(logits, targets):
+    """Mean cross-entropy over every target (for gpt over the B*T positions), as kiln's Model::loss."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class WithLoss(nn.Module):
+    """forward(inputs, targets) -> the model's loss, a scalar.
+
+    The model's children and parameters are registered on this module under their own names, so
+    its parameter FQNs are exactly the model's ("fc1.weight", "transformer.wte.weight"), not
+    "model.fc1.weight": kiln binds its tensors to an exported package's constants by these names.
+    The model itself is held without being registered; it shares every parameter with this module.
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        for name, p in model.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in model.named_buffers(recurse=False):
+            self.register_buffer(name, b)
+        object.__setattr__(self, "model", model)  # not a submodule: no "model." prefix
+
+    def forward(self, inputs, targets):
+        return loss(self.model(inputs), targets)
+
+
+def build(spec):
+    """The twin for kiln's model JSON: {"name": "mlp" | "gpt", ...Model::describe()'s keys}.
+
+    mlp: input_dim, hidden_dim, num_classes [, data_dependent_branch]; gpt: n_layer, n_head,
+    n_embd, block_size, vocab_size (init_std, tied_head, activation and norm are kiln's fixed
+    choices and are ignored). Raises ValueError for an unknown name or a missing key.
+    """
+    name = spec.get("name")
+    try:
+        if name == "mlp":
+            return Mlp(int(spec["input_dim"]), int(spec["hidden_dim"]), int(spec["num_classes"]),
+                       bool(spec.get("data_dependent_branch", False)))
+        if name == "gpt":
+            return Gpt(*(int(spec[k]) for k in ("n_layer", "n_head", "n_embd", "block_size",
+                                                "vocab_size")))
+    except KeyError as e:
+        raise ValueError(f"model '{name}' needs the key {e.args[0]!r} in the model JSON "
+                         f"(as kiln's Model::describe() writes it)") from None
+    raise ValueError(f"no Python twin for model '{name}'; kiln's Python twins are: mlp, gpt")
+
+
+def from_config(m):
+    """The twin for the [model] table of a resolved kiln config (model.preset with any non-zero
+    key overriding it, as kiln's resolve_gpt_config)."""
+    if m["name"] != "gpt":
+        return build({"name": "mlp", "input_dim": m["input_dim"], "hidden_dim": m["hidden_dim"],
+                      "num_classes": m["num_classes"],
+                      "data_dependent_branch": m.get("data_dependent_branch", False)})
+    shape = dict(zip(("n_layer", "n_head", "n_embd", "block_size", "vocab_size"),
+                     Gpt.PRESETS[m["preset"]]))
+    for key in shape:
+        if m.get(key):
+            shape[key] = m[key]
+    return build({"name": m["name"], **shape})

@@ -1,0 +1,148 @@
+"""python -m kiln_py.compile, as kiln runs it: graph breaks (exit 3), a real AOTInductor compile of
+the mlp's training step whose package, bound to the twin's own tensors, gives autograd's loss and
+gradients (exit 0), and bad specs (exit 2). The result file is written in every case."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import support
+import torch
+
+from kiln_py import compile as kc
+from kiln_py import models
+
+TOLERANCE = 1e-5
+
+
+def run_compile(spec, directory):
+    """(exit status, result, stderr) of the compile script on spec, in a subprocess."""
+    spec_path, result_path = os.path.join(directory, "spec.json"), os.path.join(directory, "result.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    proc = subprocess.run([sys.executable, "-m", "kiln_py.compile", "--spec", spec_path,
+                           "--result", result_path], env=support.env_with_python_path(),
+                          capture_output=True, text=True)
+    with open(result_path) as f:
+        return proc.returncode, json.load(f), proc.stderr
+
+
+def mlp_spec(directory, **model):
+    return {"model": dict(support.MLP, **model), "graph": "train",
+            "inputs": {"shape": [8, 12], "dtype": "float32"},
+            "targets": {"shape": [8], "dtype": "int64"}, "dynamic": [], "device": "cpu",
+            "package": os.path.join(directory, "mlp.pt2"), "threads": 2}
+
+
+def line_of(path, text):
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if text in line:
+                return number
+    raise AssertionError(f"{text!r} not in {path}")
+
+
+class CompileScript(unittest.TestCase):
+    def test_graph_breaks_listed_and_nothing_compiled(self):
+        with tempfile.TemporaryDirectory(prefix="kiln-compile-") as d:
+            code, result, stderr = run_compile(mlp_spec(d, data_dependent_branch=True), d)
+            self.assertFalse(os.path.exists(os.path.join(d, "mlp.pt2")), "nothing compiled")
+        self.assertEqual(code, 3, stderr)
+        self.assertEqual(result["status"], "graph_breaks")
+        self.assertEqual(result["graph_break_count"], 1, result["graph_breaks"])
+        [brk] = result["graph_breaks"]
+        self.assertIn("data-dependent branching", brk["reason"].lower())
+        line = line_of(os.path.join(support.PYTHON_DIR, "kiln_py", "models.py"), "if x.sum() > 0:")
+        self.assertEqual(brk["where"], f"models.py:{line} in forward")
+        self.assertGreaterEqual(result["graph_count"], 2)
+        self.assertIn("models.py", result["error"])
+        self.assertNotIn("\n", result["error"])
+        self.assertEqual(result["torch"]["version"], torch.__version__)
+
+    def test_mlp_train_package_matches_autograd(self):
+        with tempfile.TemporaryDirectory(prefix="kiln-compile-") as d:
+            spec = mlp_spec(d)
+            code, result, stderr = run_compile(spec, d)
+            self.assertEqual(code, 0, f"{result['error']}\n{stderr}")
+            self.assertEqual(result["status"], "ok")
+            self.assertEqual((result["graph_count"], result["graph_break_count"]), (1, 0))
+            self.assertTrue(os.path.isfile(spec["package"]))
+            self.assertEqual(result["package"], spec["package"])
+
+            torch.manual_seed(1)
+            module = models.WithLoss(models.build(spec["model"]))
+            names = [n for n, _ in module.named_parameters()]
+            self.assertEqual(result["parameters"], names)
+            self.assertEqual(result["outputs"], ["loss"] + [f"grad:{n}" for n in names])
+            self.assertEqual(sorted(result["constants"]), sorted(names))
+            self.assertEqual(result["accepts"], {"inputs": {"dtype": "float32", "shape": [8, 12]},
+                                                 "targets": {"dtype": "int64", "shape": [8]}})
+            self.assertEqual(set(result["seconds"]), {"explain", "export", "joint", "compile"})
+
+            # Bind the twin's own tensors (no copy, as kiln binds its parameters), run, compare.
+            package = torch._inductor.aoti_load_package(spec["package"])
+            self.assertEqual(sorted(package.get_constant_fqns()), sorted(names))
+            params = dict(module.named_parameters())
+            package.load_constants({n: p.detach() for n, p in params.items()},
+                                   check_full_update=True, user_managed=True)
+            for step in range(2):
+                inputs, targets = kc.example_inputs(spec, "cpu")
+                out = package.loader.boxed_run([inputs, targets])
+                loss = module(inputs, targets)
+                grads = torch.autograd.grad(loss, list(params.values()))
+                self.assertEqual(len(out), 1 + len(names))
+                self.assertLessEqual(abs(out[0].item() - loss.item()) / abs(loss.item()), TOLERANCE)
+                for name, got, want in zip(names, out[1:], grads):
+                    diff = support.max_relative_difference(got, want)
+                    self.assertLessEqual(diff, TOLERANCE, f"step {step} {name}: {diff:.2e}")
+                # User-managed constants: an in-place update of the bound tensors (an optimizer
+                # step) is what the package computes with next, without rebinding.
+                with torch.no_grad():
+                    for p, g in zip(params.values(), grads):
+                        p.sub_(0.5 * g)
+            del package
+
+    def test_unknown_model_exits_2_with_one_line(self):
+        with tempfile.TemporaryDirectory(prefix="kiln-compile-") as d:
+            spec = mlp_spec(d)
+            spec["model"] = {"name": "resnet", "depth": 18}
+            code, result, stderr = run_compile(spec, d)
+        self.assertEqual(code, 2, stderr)
+        self.assertEqual(result["status"], "error")
+        self.assertIn("no Python twin for model 'resnet'", result["error"])
+        self.assertNotIn("\n", result["error"])
+        self.assertEqual(stderr.strip().count("\n"), 0, stderr)
+        self.assertIn("no Python twin for model 'resnet'", stderr)
+
+    def test_bad_specs_exit_2_in_process(self):
+        cases = [
+            (lambda s: s.pop("package"), "missing key 'package'"),
+            (lambda s: s.update(graph="both"), "graph = 'both'"),
+            (lambda s: s["inputs"].update(dtype="int64"), "inputs.dtype = 'int64'"),
+            (lambda s: s["targets"].update(shape=[8, 2]), "targets.shape = [8, 2]"),
+            (lambda s: s["model"].pop("hidden_dim"), "needs the key 'hidden_dim'"),
+            (lambda s: s.update(dynamic=[{"tensor": "inputs", "dim": 2, "name": "b", "min": 2,
+                                          "max": 9}]), "dynamic[0].dim = 2"),
+            (lambda s: s.update(dynamic=[{"tensor": "inputs", "dim": 0, "name": "b", "min": 9,
+                                          "max": 16}]), "example size 8 is outside 9..16"),
+        ]
+        with tempfile.TemporaryDirectory(prefix="kiln-compile-") as d:
+            spec_path, result_path = os.path.join(d, "spec.json"), os.path.join(d, "result.json")
+            for change, expected in cases:
+                spec = mlp_spec(d)
+                change(spec)
+                with open(spec_path, "w") as f:
+                    json.dump(spec, f)
+                self.assertEqual(kc.main(["--spec", spec_path, "--result", result_path]), 2, expected)
+                with open(result_path) as f:
+                    result = json.load(f)
+                self.assertEqual(result["status"], "error")
+                self.assertIn(expected, result["error"])
+            self.assertEqual(kc.main(["--spec", os.path.join(d, "absent.json"),
+                                      "--result", result_path]), 2)
+
+
+if __name__ == "__main__":
+    unittest.main()
