@@ -170,6 +170,19 @@ class PackageCache {
   /// "its record is not JSON", "built for another fingerprint (<field> differs)", "its hash
   /// differs from the one recorded (corrupt or changed)". A rejected entry is never loaded.
   std::optional<Hit> find(const Fingerprint& fingerprint, std::string* why_not) const;
+  /// Holds an exclusive advisory lock (flock) on the fingerprint's key until destroyed: concurrent
+  /// processes (the ranks of one job, parallel tests) build a package once; the others wait,
+  /// then find it. Throws UserError when the lock file cannot be created.
+  class BuildLock {
+   public:
+    BuildLock(const PackageCache& cache, const Fingerprint& fingerprint);
+    ~BuildLock();
+    BuildLock(const BuildLock&) = delete;
+    BuildLock& operator=(const BuildLock&) = delete;
+
+   private:
+    int fd_ = -1;
+  };
   /// A fresh directory for a build's scratch files (spec, result, log), inside the cache.
   std::filesystem::path scratch_dir(const Fingerprint& fingerprint) const;
   /// Hashes `built` and publishes it as the fingerprint's package with its record.
@@ -237,7 +250,9 @@ class CompiledStep : public CompiledForwardBackward {
   struct Loaded;  // implementation detail (src/compile/compiled_step.cpp)
 
  private:
-  size_t load_graph(const GraphShape& shape);
+  /// Builds or loads the package for `shape` (narrowed to what the package accepts); returns its
+  /// index, or SIZE_MAX when graph breaks made the step fall back to eager.
+  size_t load_graph(GraphShape& shape);
 
   CompileOptions options_;
   Model& model_;

@@ -2,6 +2,8 @@
 // kiln loads from disk that executes code: only packages kiln built into this cache are loaded,
 // each after its xxh3 hash matched the one recorded when it was built.
 #include <fmt/format.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -115,6 +117,22 @@ std::optional<PackageCache::Hit> PackageCache::find(const Fingerprint& fingerpri
     return miss(std::string("it cannot be read: ") + e.what());
   }
   return Hit{package, record};
+}
+
+PackageCache::BuildLock::BuildLock(const PackageCache& cache, const Fingerprint& fingerprint) {
+  const fs::path path = cache.dir() / (fingerprint.key() + ".lock");
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) {
+    throw UserError(fmt::format("cannot create {}: {}; set compile.cache_dir to a writable "
+                                "directory",
+                                path.string(), errno_text()));
+  }
+  while (::flock(fd_, LOCK_EX) != 0 && errno == EINTR) {
+  }
+}
+
+PackageCache::BuildLock::~BuildLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the lock
 }
 
 fs::path PackageCache::scratch_dir(const Fingerprint& fingerprint) const {

@@ -52,6 +52,30 @@ json model_json(const Model& model) {
   return out;
 }
 
+// The graph shape a package's result says it accepts ({"inputs": {"shape": [4, {"name": "seq",
+// "min": 2, "max": 16}]}, "targets": ...}); `asked` supplies nothing but a fallback on bad JSON.
+GraphShape accepted_shape(const json& accepts, const GraphShape& asked) {
+  GraphShape out{asked.shapes, {}};
+  try {
+    for (const char* tensor : {"inputs", "targets"}) {
+      const json& dims = accepts.at(tensor).at("shape");
+      auto& shape = std::string(tensor) == "inputs" ? out.shapes.inputs : out.shapes.targets;
+      if (dims.size() != shape.size()) return asked;
+      for (size_t d = 0; d < dims.size(); ++d) {
+        if (dims[d].is_number_integer()) {
+          shape[d] = dims[d].get<int64_t>();
+        } else {
+          out.dynamic.push_back({tensor, static_cast<int>(d), dims[d].at("name").get<std::string>(),
+                                 dims[d].at("min").get<int64_t>(), dims[d].at("max").get<int64_t>()});
+        }
+      }
+    }
+  } catch (const json::exception&) {
+    return asked;
+  }
+  return out;
+}
+
 // The last non-empty line of a log (the error a Python traceback ends with).
 std::string last_line(const fs::path& path) {
   std::string text;
@@ -155,8 +179,9 @@ void CompiledStep::prepare(const InputShapes& shapes) {
     }
     return;
   }
-  if (load_graph(decision.shape) == SIZE_MAX) return;  // breaks, fullgraph = false: eager
-  tracker_.record(shapes, decision);
+  ShapeTracker::Decision built = decision;
+  if (load_graph(built.shape) == SIZE_MAX) return;  // breaks, fullgraph = false: eager
+  tracker_.record(shapes, built);
   report_.recompiles = tracker_.recompiles();
   if (!decision.reason.empty()) log::info("compile: recompile: " + decision.reason);
 }
@@ -186,12 +211,14 @@ torch::Tensor CompiledStep::forward_backward(const Batch& batch, double scale) {
   return scale == 1.0 ? outputs[0] : outputs[0].mul(scale);
 }
 
-size_t CompiledStep::load_graph(const GraphShape& shape) {
+size_t CompiledStep::load_graph(GraphShape& shape) {
   const CompilerPython& python = CompilerPython::probe(options_.python);
   const Fingerprint fingerprint = fingerprint_of(python, model_json_, shape, device_, nullptr);
   CompileReport::Graph entry;
   entry.shape = shape;
   std::string why_not;
+  // One builder per package across processes: the others wait here, then find it built.
+  PackageCache::BuildLock lock(cache_, fingerprint);
   std::optional<PackageCache::Hit> hit = cache_.find(fingerprint, &why_not);
   entry.cache_hit = hit.has_value();
   if (!hit) {
@@ -280,6 +307,23 @@ size_t CompiledStep::load_graph(const GraphShape& shape) {
   loaded->loader->load_constants(constants, /*use_inactive=*/false, /*check_full_update=*/true,
                                  /*user_managed=*/true);
   const json& report = hit->record["report"];
+  // The shapes the package really accepts (export may specialise a dimension asked dynamic):
+  // the tracker guards with these, since a package called with another shape is not checked.
+  if (report.contains("accepts")) {
+    GraphShape accepted = accepted_shape(report["accepts"], shape);
+    auto sorted = [](std::vector<DynamicDim> dims) {
+      std::sort(dims.begin(), dims.end(), [](const DynamicDim& a, const DynamicDim& b) {
+        return std::tie(a.tensor, a.dim) < std::tie(b.tensor, b.dim);
+      });
+      return dims;
+    };
+    if (sorted(accepted.dynamic) != sorted(shape.dynamic) || accepted.shapes != shape.shapes) {
+      log::warn(fmt::format("compile: asked for {}, the package accepts {}", shape.str(),
+                            accepted.str()));
+      shape = accepted;
+      entry.shape = accepted;
+    }
+  }
   for (const auto& name : report.value("parameters", json::array())) {
     auto it = index.find(name.get<std::string>());
     if (it == index.end()) {

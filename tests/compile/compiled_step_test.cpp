@@ -3,6 +3,7 @@
 // share one cache per build (KILN_TEST_COMPILE_CACHE) except where a cold cache is the point.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "kiln/run.h"
@@ -96,6 +97,27 @@ TEST(CompiledStep, TrainingWithAccumulationMatchesEagerTraining) {
   ASSERT_EQ(b.size(), 6u);
   for (const auto& [step, loss] : a) {
     EXPECT_NEAR(b.at(step), loss, 1e-5 * std::abs(loss)) << "step " << step;
+  }
+}
+
+TEST(CompiledStep, UnderDataParallelTheGradientsAreReducedAfterThePackageReturns) {
+  // Autograd's gradient hooks do not fire for a compiled micro-step: DDP reduces every bucket in
+  // on_gradients_ready instead. Two ranks under torchrun, compiled against eager.
+  TempDir dir;
+  std::map<int64_t, double> losses[2];
+  int side = 0;
+  for (const char* backend : {"eager", "inductor"}) {
+    const CommandResult r = run_shell(
+        std::string(KILN_TEST_TORCHRUN) + " --standalone --nproc-per-node=2 --no-python " +
+        KILN_CLI + " train " + mlp_args(dir.path(), backend) +
+        " --set train.steps=5 --set compile.backend=" + backend + shared_cache());
+    ASSERT_EQ(r.exit_code, 0) << backend << r.out << r.err;
+    losses[side++] = read_step_losses(dir / backend / "metrics.jsonl");
+  }
+  ASSERT_EQ(losses[0].size(), 5u);
+  ASSERT_EQ(losses[1].size(), 5u);
+  for (const auto& [step, loss] : losses[0]) {
+    EXPECT_NEAR(losses[1].at(step), loss, 1e-5 * std::abs(loss)) << "step " << step;
   }
 }
 
