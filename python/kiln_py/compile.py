@@ -317,6 +317,13 @@ def run(spec, result):
     """Fills result; returns the exit status."""
     if spec.get("threads", 0) and int(spec["threads"]) > 0:
         torch.set_num_threads(int(spec["threads"]))
+    if spec.get("deterministic", False):
+        # run.deterministic: Inductor then lowers scatter-adds (the embedding backward's
+        # index_put with accumulate) to ATen's deterministic fallback instead of parallel atomic
+        # adds, whose order varies from run to run, and skips numerics-changing benchmarking.
+        torch.use_deterministic_algorithms(True)
+        import torch._inductor.config as inductor_config
+        inductor_config.deterministic = True
     if spec["device"] == "cuda" and not torch.cuda.is_available():
         raise SpecError(f"device cuda asked, but this torch ({torch.__version__}) sees no CUDA "
                         f"device; compile on the machine that trains, with a CUDA torch")

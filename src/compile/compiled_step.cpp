@@ -106,6 +106,7 @@ Fingerprint fingerprint_of(const CompilerPython& python, const json& model, cons
       {"model", model},
       {"graph", "train"},
       {"param_dtype", "float32"},
+      {"deterministic", at::globalContext().deterministicAlgorithms()},
       {"shape", shape.to_json()},
   };
   if (example) {
@@ -238,6 +239,7 @@ size_t CompiledStep::load_graph(GraphShape& shape) {
         {"device", device_.is_cuda() ? "cuda" : "cpu"},
         {"package", (scratch / "model.pt2").string()},
         {"threads", at::get_num_threads()},
+        {"deterministic", at::globalContext().deterministicAlgorithms()},
     };
     write_file_atomic(scratch / "spec.json", spec.dump(2) + "\n");
     const std::string runner =

@@ -102,7 +102,8 @@ CompileOptions CompileOptions::from_config(const Config& config) {
   o.warmup_steps = config.get_int("compile.warmup_steps");
   o.steps = config.get_int("compile.steps");
   const std::string& cache = config.get_string("compile.cache_dir");
-  o.cache_dir = cache.empty() ? default_cache_dir() : std::filesystem::path(cache);
+  o.cache_dir = std::filesystem::absolute(cache.empty() ? default_cache_dir()
+                                                        : std::filesystem::path(cache));
   o.python = config.get_string("compile.python");
   if (o.python.empty()) {
     if (const char* env = std::getenv("KILN_PYTHON"); env && *env) o.python = env;

@@ -121,16 +121,40 @@ TEST(CompiledStep, UnderDataParallelTheGradientsAreReducedAfterThePackageReturns
   }
 }
 
+// A one-layer GPT with a dynamic sequence dimension (one package shared by the two tests below).
+std::string gpt_args(const std::filesystem::path& run_dir, const std::string& name) {
+  return (source_dir() / "configs/gpt-tiny.toml").string() + " --set run.dir=" +
+         run_dir.string() + " --set run.name=" + name +
+         " --set run.progress=off --set run.threads=2 --set model.n_layer=1"
+         " --set model.n_embd=32 --set model.n_head=2 --set model.block_size=16"
+         " --set data.seq_len=16 --set train.batch_size=4 --set data.num_workers=0"
+         " --set train.eval_batches=1 --set compile.backend=inductor --set compile.dynamic=dynamic" +
+         shared_cache();
+}
+
+TEST(CompiledStep, ACompiledRunRepeatsBitwiseOnCpu) {
+  // run.deterministic compiles the package in deterministic mode: the embedding backward's
+  // scatter-add no longer uses parallel atomics (2 threads here, so their order could vary:
+  // without deterministic mode, this job's losses differed at step 14 of 20 between two runs).
+  TempDir dir;
+  std::map<int64_t, double> losses[2];
+  for (int k = 0; k < 2; ++k) {
+    const std::string name = "r" + std::to_string(k);
+    const CommandResult r = run_kiln("train " + gpt_args(dir.path(), name) +
+                                     " --set train.steps=20 --set train.batch_size=16"
+                                     " --set train.eval_every=0");
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    losses[k] = read_step_losses(dir / name / "metrics.jsonl");
+  }
+  ASSERT_EQ(losses[0].size(), 20u);
+  EXPECT_EQ(losses[0], losses[1]);
+}
+
 TEST(CompiledStep, ADynamicGraphServesTheProbesShorterSequences) {
   TempDir dir;
-  const CommandResult r = run_kiln(
-      "compile " + (source_dir() / "configs/gpt-tiny.toml").string() + " --set run.dir=" +
-      dir.path().string() +
-      " --set run.name=g --set run.progress=off --set run.threads=1 --set model.n_layer=1"
-      " --set model.n_embd=32 --set model.n_head=2 --set model.block_size=16"
-      " --set data.seq_len=16 --set train.batch_size=4 --set data.num_workers=0"
-      " --set compile.backend=inductor --set compile.dynamic=dynamic --set compile.warmup_steps=1"
-      " --set compile.steps=3 --set compile.probe_seq_lens=8,4" + shared_cache());
+  const CommandResult r = run_kiln("compile " + gpt_args(dir.path(), "g") +
+                                   " --set compile.warmup_steps=1 --set compile.steps=3"
+                                   " --set compile.probe_seq_lens=8,4");
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   json j = read_json(dir / "g" / "compile.json");
   EXPECT_EQ(j["dynamic"], "dynamic");
