@@ -107,7 +107,8 @@ Fingerprint fingerprint_of(const CompilerPython& python, const json& model, cons
       {"graph", "train"},
       {"param_dtype", "float32"},
       {"deterministic", at::globalContext().deterministicAlgorithms()},
-      {"shape", shape.to_json()},
+      // Symbolic: a dynamic dimension's example size does not change the package's meaning.
+      {"shape", shape.str()},
   };
   if (example) {
     fields["input_dtypes"] = {dtype_name(example->inputs), dtype_name(example->targets)};
