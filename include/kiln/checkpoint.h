@@ -325,6 +325,10 @@ class CheckpointHook : public TrainerHook {
   void on_step_end(Trainer& trainer, const StepStats& stats) override;
   void on_train_end(Trainer& trainer) override;
   Checkpointer& checkpointer() { return checkpointer_; }
+  /// Commits a checkpoint of the trainer's current step now, unless one is already committed or
+  /// in flight for it, and waits for every save to finish (preemption). Collective; throws like
+  /// a failed save does.
+  void save_now(Trainer& trainer);
   /// Every save this hook started, in order.
   const std::vector<std::shared_ptr<const SaveHandle>>& saves() const { return saves_; }
 
@@ -341,6 +345,36 @@ class CheckpointHook : public TrainerHook {
   size_t checked_ = 0;
   int64_t last_saved_step_ = -1;
 };
+
+/// Graceful preemption for `kiln train`. attach_preemption installs handlers for SIGTERM and
+/// SIGUSR1 (Slurm's --signal=USR1@<seconds>). Before every step the ranks agree whether any of them
+/// was signalled (one small all-gather per step when world > 1, none in a world of one); once one
+/// was, every rank stops before that same step: the CheckpointHook (when checkpointing is on)
+/// waits for an in-flight save and commits one of this step synchronously, then the hook throws
+/// Preempted (the CLI exits 75). A second SIGTERM, or checkpoint.preempt_timeout_seconds passing
+/// after the first signal, ends the process at once; the last committed checkpoint stays intact.
+/// Add it after the CheckpointHook (attach_preemption does).
+class PreemptionHook : public TrainerHook {
+ public:
+  PreemptionHook(Communicator& comm, std::shared_ptr<CheckpointHook> checkpoints);
+  void on_step_begin(Trainer& trainer, int64_t step) override;
+
+ private:
+  Communicator& comm_;
+  std::shared_ptr<CheckpointHook> checkpoints_;  // null when the run saves no checkpoints
+};
+
+/// Installs the signal handlers (checkpoint.preempt_timeout_seconds) and adds a PreemptionHook
+/// to `trainer`. `checkpoints` is attach_checkpointing's hook (may be null).
+std::shared_ptr<PreemptionHook> attach_preemption(Trainer& trainer, Communicator& comm,
+                                                  std::shared_ptr<CheckpointHook> checkpoints);
+
+/// What to tell the user about a failed checkpoint write or commit, from the error text's cause
+/// (strerror): ENOSPC/EDQUOT/EFBIG: free space (and checkpoint.on_save_error = "continue", when
+/// `continuable`); EACCES/EPERM/EROFS: permissions; ENOENT: another process removed a path kiln
+/// created (a second run in the directory?). `dir` is the checkpoint directory.
+std::string checkpoint_error_advice(const std::string& error, const std::filesystem::path& dir,
+                                    bool continuable);
 
 /// The tensors of a checkpoint whose names start with `prefix` ("model/", "optim/"), whole
 /// (reassembled from every rank's chunks), in name order, on the CPU. Verifies the checksums first

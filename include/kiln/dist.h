@@ -53,6 +53,14 @@ using EnvLookup = std::function<const char*(const char*)>;
 /// or key and the fix: WORLD_SIZE without a master address, a rank outside [0, WORLD_SIZE), ...
 DistEnvironment read_dist_environment(const Config& config, const EnvLookup& env);
 
+/// Under a launcher that sets LOCAL_RANK (torchrun), asks the kernel to SIGKILL this process when
+/// its parent (the launcher's agent) dies (prctl PR_SET_PDEATHSIG), and exits at once (status
+/// 137, like that SIGKILL) when the parent is already gone. torchrun starts its workers in
+/// sessions of their own, so without this a worker whose agent was killed trains on as an
+/// orphan. The kill abandons an in-flight async save; its .tmp directory is removed by the next
+/// run. Call first thing in main(). Does nothing without LOCAL_RANK or off Linux.
+void die_with_launcher();
+
 /// This process's communicator. The first call reads the environment (read_dist_environment with
 /// ::getenv); for a world larger than one it joins the rendezvous (c10d TCPStore at
 /// MASTER_ADDR:MASTER_PORT, as a client when torchrun's agent hosts it, else hosted by rank 0),

@@ -20,10 +20,21 @@ class TrainingError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// The run stopped early because it was asked to (SIGTERM or SIGUSR1: preemption) after every
+/// rank finished its step and a checkpoint was committed; `--resume auto` continues it.
+/// Exit status 75 (kExitPreempted).
+class Preempted : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 /// CLI exit statuses.
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitInternal = 1;
 inline constexpr int kExitUserError = 2;
 inline constexpr int kExitGateFailed = 3;
+/// Preempted: stopped on SIGTERM/SIGUSR1 with a checkpoint committed; requeue and resume. (75 is
+/// EX_TEMPFAIL of sysexits.h: "try again later".)
+inline constexpr int kExitPreempted = 75;
 
 }  // namespace kiln

@@ -14,6 +14,7 @@
 namespace kiln {
 
 struct Session {
+  std::shared_ptr<RunLock> lock;  // first: released last (null on ranks other than 0)
   Config config;
   torch::Device device = torch::kCPU;
   std::shared_ptr<Communicator> comm;  // the process group (a world of one when not distributed)
@@ -28,8 +29,17 @@ struct SessionOptions {
   bool append_metrics = false;                   // a resumed run keeps its earlier records
 };
 
+/// Locks the directories a run of `config` writes, for every rank of `comm` at once: rank 0 locks
+/// the run directory and the checkpoint directory (kiln/run.h lock_directories); every rank learns
+/// the outcome before it writes anything, and every rank throws the same UserError when rank 0 was
+/// refused ("run directory runs/x is in use by pid ..."). Returns rank 0's lock (null elsewhere);
+/// keep it while writing. Collective.
+std::shared_ptr<RunLock> lock_run_directories(const Config& config, Communicator& comm,
+                                              const std::vector<std::string>& argv);
+
 /// Applies the runtime settings (threads, determinism, seed), builds the datasets, the model and
-/// the Trainer, opens the run directory and writes manifest.json. Throws UserError.
+/// the Trainer, locks the run's directories (lock_run_directories, before anything is written),
+/// opens the run directory and writes manifest.json. Throws UserError.
 std::unique_ptr<Session> open_session(const Config& config, const SessionOptions& options);
 
 /// Peak memory of the last measured region. On CUDA, the caching allocator's max allocated and

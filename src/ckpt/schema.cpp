@@ -22,6 +22,9 @@ ConfigSection checkpoint_section() {
                    "stage the state to CPU and write in the background while training continues"),
           string_key("checkpoint", "on_save_error", "stop", {"stop", "continue"},
                      "a failed save (e.g. disk full): stop training, or log it and continue"),
+          int_key("checkpoint", "preempt_timeout_seconds", 120, 0, 1e6,
+                  "kiln train on SIGTERM/SIGUSR1 (preemption): finish the step, commit a "
+                  "checkpoint and exit 75; past this many seconds it stops at once (0 = no limit)"),
           bool_key("checkpoint", "drill", true,
                    "the ladder runs the checkpoint rung (a save / kill / restore / compare drill)"),
           int_key("checkpoint", "drill_steps", 10, 1, 1e6,

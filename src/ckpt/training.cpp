@@ -3,10 +3,13 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <cerrno>
+#include <cstring>
 #include <optional>
 
 #include "ckpt/internal.h"
 #include "core/files.h"
+#include "core/stop_signals.h"
 #include "core/strings.h"
 #include "kiln/config.h"
 #include "kiln/error.h"
@@ -288,14 +291,43 @@ CheckpointHook::CheckpointHook(const Config& config, CheckpointOptions options, 
       manifest_(std::move(manifest)),
       checkpointer_(std::move(options), comm) {}
 
+std::string checkpoint_error_advice(const std::string& error, const std::filesystem::path& dir,
+                                    bool continuable) {
+  auto caused_by = [&](std::initializer_list<int> codes) {
+    for (int code : codes) {
+      if (error.find(std::strerror(code)) != std::string::npos) return true;
+    }
+    return false;
+  };
+  const std::string cont = " or set checkpoint.on_save_error = \"continue\"";
+  if (caused_by({ENOSPC, EDQUOT}))
+    return "free space in " + dir.string() + (continuable ? cont : "");
+  if (caused_by({EFBIG})) {
+    return "a file-size limit (ulimit -f) stopped the write: raise it, or free space in " +
+           dir.string() + (continuable ? cont : "");
+  }
+  if (caused_by({EACCES, EPERM, EROFS})) {
+    return "kiln may not write in " + dir.string() +
+           ": check its permissions and that its file system is mounted writable, or set "
+           "checkpoint.dir";
+  }
+  if (caused_by({ENOENT})) {
+    return "another process removed a file or directory kiln had created in " + dir.string() +
+           ": is a second run using this directory? Give each run its own run.name or "
+           "checkpoint.dir";
+  }
+  return "check " + dir.string() +
+         (continuable ? " or set checkpoint.on_save_error = \"continue\"" : "");
+}
+
 void CheckpointHook::check() {
   while (checked_ < saves_.size() && saves_[checked_]->finished()) {
     const auto& handle = saves_[checked_++];
     if (handle->committed()) continue;
     if (stop_on_error_) {
-      throw TrainingError(
-          handle->error() + "; the previous checkpoints are intact; free space in " +
-          checkpointer_.options().dir.string() + " or set checkpoint.on_save_error = \"continue\"");
+      throw TrainingError(handle->error() + "; the previous checkpoints are intact; " +
+                          checkpoint_error_advice(handle->error(), checkpointer_.options().dir,
+                                                  /*continuable=*/true));
     }
     log::warn("checkpoint: training continues without the step " + std::to_string(handle->step()) +
               " checkpoint (checkpoint.on_save_error = \"continue\")");
@@ -308,6 +340,15 @@ void CheckpointHook::save(Trainer& trainer) {
   check();
   saves_.push_back(checkpointer_.save(capture_training_state(trainer, comm_, manifest_)));
   last_saved_step_ = trainer.step();
+}
+
+void CheckpointHook::save_now(Trainer& trainer) {
+  PhaseScope phase(trainer, Phase::kCheckpoint);
+  checkpointer_.wait();
+  check();
+  if (last_saved_step_ != trainer.step()) save(trainer);
+  checkpointer_.wait();
+  check();
 }
 
 void CheckpointHook::on_train_begin(Trainer& trainer) {
@@ -336,6 +377,44 @@ void CheckpointHook::on_train_end(Trainer& trainer) {
   if (save_final_ && every_steps_ > 0 && last_saved_step_ != trainer.step()) save(trainer);
   checkpointer_.wait();
   check();
+}
+
+// ---- PreemptionHook ----------------------------------------------------------------------------
+
+PreemptionHook::PreemptionHook(Communicator& comm, std::shared_ptr<CheckpointHook> checkpoints)
+    : comm_(comm), checkpoints_(std::move(checkpoints)) {}
+
+// At the start of a step, so that every hook (the metrics record in particular) has seen the
+// previous one.
+void PreemptionHook::on_step_begin(Trainer& trainer, int64_t) {
+  int signal = stop_signal();
+  if (comm_.world_size() > 1) {  // every rank stops after the same step
+    int agreed = 0;
+    for (const auto& text : comm_.all_gather_bytes(std::to_string(signal))) {
+      if (agreed == 0) agreed = std::stoi(text);
+    }
+    signal = agreed;
+  }
+  if (signal == 0) return;
+  log::warn(fmt::format("{} asked the run to stop: it stops after step {}{}",
+                        stop_signal_name(signal), trainer.step(),
+                        checkpoints_ ? "; committing a checkpoint of it" : " (no checkpointing)"));
+  if (checkpoints_) checkpoints_->save_now(trainer);
+  throw Preempted(fmt::format(
+      "stopped at step {} on {}{}; exit status {}: continue with --resume auto", trainer.step(),
+      stop_signal_name(signal),
+      checkpoints_ ? ", checkpoint step-" + std::to_string(trainer.step()) + " committed"
+                   : " (checkpoint.every_steps = 0: nothing saved)",
+      kExitPreempted));
+}
+
+std::shared_ptr<PreemptionHook> attach_preemption(Trainer& trainer, Communicator& comm,
+                                                  std::shared_ptr<CheckpointHook> checkpoints) {
+  install_stop_signals(
+      static_cast<int>(trainer.config().get_int("checkpoint.preempt_timeout_seconds")));
+  auto hook = std::make_shared<PreemptionHook>(comm, std::move(checkpoints));
+  trainer.add_hook(hook);
+  return hook;
 }
 
 bool check_train_start(const Config& config, const std::string& resume) {

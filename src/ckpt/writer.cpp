@@ -67,8 +67,10 @@ void Checkpointer::Job::run(std::stop_token stop) {
   bool written = false;
   try {
     const std::string file = ckpt::rank_file_name(rank);
+    // One level only: the checkpoint directory exists (the Checkpointer created it); if another
+    // process removed it, ENOENT says so instead of a fresh directory hiding it.
     std::error_code ec;
-    std::filesystem::create_directories(tmp_dir, ec);
+    std::filesystem::create_directory(tmp_dir, ec);
     if (ec) throw UserError("cannot create " + tmp_dir.string() + ": " + ec.message());
     SafetensorsWriteResult result = write_safetensors(tmp_dir / file, tensors, metadata);
     nlohmann::json info = {

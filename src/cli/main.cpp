@@ -6,6 +6,7 @@
 #include "cli/commands.h"
 #include "core/strings.h"
 #include "kiln/build_info.h"
+#include "kiln/dist.h"
 #include "kiln/error.h"
 
 namespace kiln::cli {
@@ -50,6 +51,7 @@ Config ConfigArgs::load() const {
 int main(int argc, char** argv) {
   using namespace kiln;
   for (int k = 0; k < argc; ++k) cli::g_argv.emplace_back(argv[k]);
+  die_with_launcher();  // under torchrun: a worker must not outlive its agent
   CLI::App app{
       "kiln: a C++ training workbench on LibTorch. The ladder: baseline -> profile -> scale -> "
       "checkpoint (compile and pilot are planned)"};
@@ -72,6 +74,9 @@ int main(int argc, char** argv) {
   }
   try {
     return action ? action() : kExitOk;
+  } catch (const Preempted& e) {
+    std::fprintf(stderr, "kiln: preempted: %s\n", one_line_error(e).c_str());
+    return kExitPreempted;
   } catch (const UserError& e) {
     std::fprintf(stderr, "kiln: error: %s\n", one_line_error(e).c_str());
     return kExitUserError;

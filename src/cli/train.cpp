@@ -4,6 +4,7 @@
 #include "core/strings.h"
 #include "kiln/checkpoint.h"
 #include "kiln/compile.h"
+#include "kiln/dist.h"
 #include "kiln/session.h"
 
 namespace kiln::cli {
@@ -21,16 +22,21 @@ void add_train_command(CLI::App& app, Action& action) {
   command->callback([&action, args, resume] {
     action = [args, resume] {
       Config config = args->load();
+      check_compile_start(config);  // compile.backend: Python, torch, cache (writes nothing)
+      // One run per directory: the lock comes first, so a second `kiln train` into the same
+      // run.name is refused (naming the holder) before it reads or writes anything there.
+      auto lock = lock_run_directories(config, *process_communicator(config), process_argv());
       // --resume is checked before the session opens: bad input writes nothing (metrics.jsonl
       // included), and a resumed run appends to its metrics.jsonl.
       const bool continues = check_train_start(config, *resume);
-      check_compile_start(config);  // compile.backend: Python, torch, cache
       auto session =
           open_session(config, SessionOptions{.argv = process_argv(), .append_metrics = continues});
       auto checkpointing =
           attach_checkpointing(*session->trainer, *session->comm, session->run->dir(),
                                *resume);  // --resume, [checkpoint]
       auto compiled = attach_compiled_step(*session->trainer, config);  // [compile]
+      // SIGTERM / SIGUSR1: finish the step, commit a checkpoint, exit 75 (kExitPreempted).
+      attach_preemption(*session->trainer, *session->comm, checkpointing);
       TrainSummary s = session->trainer->fit(config.get_int("train.steps"), session->run.get());
       const bool tokens = s.tokens_per_second > 0;
       fmt::print(

@@ -9,8 +9,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <string_view>
 
 #include "kiln/error.h"
+#include "kiln/run.h"
 
 extern char** environ;
 
@@ -44,8 +46,19 @@ pid_t spawn_process(const std::vector<std::string>& argv, const std::filesystem:
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
+  // The child runs under this process's directory locks (kiln/run.h): KILN_RUN_LOCK names them.
+  const std::string handoff = run_lock_handoff();
+  const std::string prefix = std::string(kRunLockEnv) + "=";
+  std::vector<std::string> assignments;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (std::string_view(*e).rfind(prefix, 0) != 0) assignments.emplace_back(*e);
+  }
+  if (!handoff.empty()) assignments.push_back(prefix + handoff);
+  std::vector<char*> env;
+  for (auto& a : assignments) env.push_back(a.data());
+  env.push_back(nullptr);
   pid_t pid = -1;
-  const int rc = ::posix_spawn(&pid, argv[0].c_str(), &actions, nullptr, args.data(), environ);
+  const int rc = ::posix_spawn(&pid, argv[0].c_str(), &actions, nullptr, args.data(), env.data());
   posix_spawn_file_actions_destroy(&actions);
   if (rc != 0) throw UserError("cannot start " + argv[0] + ": " + std::strerror(rc));
   return pid;

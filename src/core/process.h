@@ -15,7 +15,8 @@ namespace kiln {
 /// build/tests/ finds build/kiln). Throws UserError naming KILN_EXECUTABLE as the fix.
 std::filesystem::path kiln_executable();
 
-/// Starts argv (argv[0] is a path) with the current environment. With a `log`, stdout and stderr
+/// Starts argv (argv[0] is a path) with the current environment, plus KILN_RUN_LOCK naming the
+/// directories this process holds (kiln/run.h: the child runs under their lock). With a `log`, stdout and stderr
 /// are appended to it; otherwise they are inherited. Returns the child's pid. Throws UserError.
 pid_t spawn_process(const std::vector<std::string>& argv, const std::filesystem::path& log = {});
 

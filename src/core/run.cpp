@@ -2,11 +2,14 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
+#include <fcntl.h>
+#include <fmt/format.h>
 #include <sys/utsname.h>
 #include <torch/cuda.h>
 #include <torch/version.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <ctime>
@@ -60,6 +63,45 @@ json find_config_line(const std::string& config, const std::string& needle) {
     }
   }
   return nullptr;
+}
+
+// A metrics file whose last line has no newline holds a record torn by a kill: cut it off.
+void repair_torn_last_line(const std::filesystem::path& path) {
+  FileDescriptor fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+  if (!fd.valid()) return;  // no file yet: nothing to repair
+  const off_t size = ::lseek(fd.get(), 0, SEEK_END);
+  if (size <= 0) return;
+  // Scan back for the last newline, a block at a time.
+  std::vector<char> block(1 << 16);
+  off_t end = size, keep = 0;
+  bool last_is_newline = false, found = false;
+  while (end > 0 && !found) {
+    const off_t begin =
+        end > static_cast<off_t>(block.size()) ? end - static_cast<off_t>(block.size()) : 0;
+    const ssize_t n = ::pread(fd.get(), block.data(), static_cast<size_t>(end - begin), begin);
+    if (n != end - begin) {
+      throw UserError("cannot read " + path.string() + ": " + errno_text() +
+                      "; check run.dir's permissions");
+    }
+    if (end == size && block[static_cast<size_t>(n - 1)] == '\n') last_is_newline = true;
+    if (last_is_newline) return;
+    for (ssize_t k = n - 1; k >= 0; --k) {
+      if (block[static_cast<size_t>(k)] == '\n') {
+        keep = begin + k + 1;
+        found = true;
+        break;
+      }
+    }
+    end = begin;
+  }
+  if (::ftruncate(fd.get(), keep) != 0) {
+    throw UserError("cannot repair " + path.string() + " (its last line is torn): " + errno_text() +
+                    "; remove that line by hand");
+  }
+  log::warn(fmt::format(
+      "{}: removed a torn last line ({} bytes without a newline, left by a run that was "
+      "killed mid-write) before appending",
+      path.string(), static_cast<int64_t>(size - keep)));
 }
 
 const char* env_or_null(const char* name) {
@@ -169,12 +211,18 @@ Run::Run(const Config& config, RunOptions options)
   write_text("config.toml", config_.to_toml(true));
   log::set_file(dir_ / "train.log");
   const auto metrics_path = dir_ / options_.metrics_file;
-  metrics_.open(metrics_path, options_.append_metrics ? std::ios::app : std::ios::trunc);
-  if (!metrics_)
-    throw UserError("cannot write " + metrics_path.string() + "; check run.dir's permissions");
+  if (options_.append_metrics) repair_torn_last_line(metrics_path);
+  metrics_fd_ = ::open(
+      metrics_path.c_str(),
+      O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | (options_.append_metrics ? 0 : O_TRUNC), 0644);
+  if (metrics_fd_ < 0) {
+    throw UserError("cannot write " + metrics_path.string() + ": " + errno_text() +
+                    "; check run.dir's permissions");
+  }
 }
 
 Run::~Run() {
+  if (metrics_fd_ >= 0) ::close(metrics_fd_);
   if (options_.writer) log::close_file();
 }
 
@@ -189,9 +237,18 @@ void Run::write_text(std::string_view filename, std::string_view text) const {
 }
 
 void Run::append_metrics(const json& record) {
-  if (!options_.writer) return;
-  metrics_ << record.dump(-1, ' ', false, json::error_handler_t::replace) << '\n';
-  metrics_.flush();
+  if (!options_.writer || metrics_fd_ < 0) return;
+  const std::string line = record.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
+  ssize_t n = -1;
+  do {
+    n = ::write(metrics_fd_, line.data(), line.size());  // the whole line at once (O_APPEND)
+  } while (n < 0 && errno == EINTR);
+  if (n != static_cast<ssize_t>(line.size()) && !metrics_failed_) {
+    metrics_failed_ = true;
+    log::warn(fmt::format("cannot append to {}: {}; training goes on without its step records",
+                          (dir_ / options_.metrics_file).string(),
+                          n < 0 ? errno_text() : std::string("short write (device full?)")));
+  }
 }
 
 void Run::write_manifest(const json& data, const json& model, const json& extra) const {

@@ -1,6 +1,11 @@
 // The launcher's environment: torchrun's and Slurm's variables -> DistEnvironment.
+#include <signal.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <charconv>
+#include <cstdlib>
 #include <optional>
 #include <string>
 
@@ -85,6 +90,15 @@ void check_ranks(const DistEnvironment& env) {
 }
 
 }  // namespace
+
+void die_with_launcher() {
+  const char* local_rank = std::getenv("LOCAL_RANK");
+  if (local_rank == nullptr || *local_rank == '\0') return;
+  const pid_t parent = ::getppid();
+  if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) return;
+  // The parent may have died before the prctl: then this process was already reparented.
+  if (::getppid() != parent || parent == 1) ::_exit(128 + SIGKILL);
+}
 
 DistEnvironment read_dist_environment(const Config& config, const EnvLookup& env) {
   const Variables vars(env);

@@ -14,6 +14,7 @@
 #include "core/process.h"
 #include "core/strings.h"
 #include "kiln/checkpoint.h"
+#include "kiln/dist.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/run.h"
@@ -200,6 +201,9 @@ RungResult drill(const Config& config) {
 
 RungResult run_checkpoint_drill(const Config& config, const SessionOptions& options) {
   auto comm = options.comm ? options.comm : single_process_communicator();
+  // The drill's processes write in <run dir>/checkpoint-drill/ under this lock.
+  const auto lock = lock_run_directories(
+      config, options.comm ? *options.comm : *process_communicator(config), options.argv);
   RungResult result;
   result.rung = "checkpoint";
   if (comm->rank() == 0) {

@@ -4,6 +4,7 @@
 #include "core/strings.h"
 #include "kiln/checkpoint.h"
 #include "kiln/compile.h"
+#include "kiln/dist.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/profile.h"
@@ -70,6 +71,10 @@ const std::vector<Rung>& ladder_rungs() {
 }
 
 std::vector<RungResult> run_ladder(const Config& config, const SessionOptions& options) {
+  // Held for every rung: each rung's session in this process shares it, the processes the rungs
+  // start (the drill's, the scale rung's ranks) run under it.
+  const auto lock = lock_run_directories(
+      config, options.comm ? *options.comm : *process_communicator(config), options.argv);
   std::vector<RungResult> results;
   std::vector<std::string> skipped;
   bool stopped = false;

@@ -519,7 +519,11 @@ RungResult run_scale(Session& session) {
 RungResult run_scale_rung(const Config& config, const SessionOptions& options) {
   auto comm = options.comm ? options.comm : process_communicator(config);
   const int processes = static_cast<int>(config.get_int("dist.scale_processes"));
-  if (comm->world_size() == 1 && processes > 1) return launch_scale_ranks(config, processes);
+  if (comm->world_size() == 1 && processes > 1) {
+    // The ranks write in <run dir>/scale/ under this process's lock.
+    const auto lock = lock_run_directories(config, *comm, options.argv);
+    return launch_scale_ranks(config, processes);
+  }
   if (comm->world_size() == 1) {
     log::info(
         "scale: a world of one; start under torchrun, or set dist.scale_processes to launch it");

@@ -3,6 +3,9 @@
 #include <fstream>
 #include <string>
 
+#include "core/files.h"
+#include "core/strings.h"
+#include "kiln/checkpoint.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
 
@@ -21,12 +24,35 @@ double proc_status_bytes(const std::string& field) {
 
 }  // namespace
 
+std::shared_ptr<RunLock> lock_run_directories(const Config& config, Communicator& comm,
+                                              const std::vector<std::string>& argv) {
+  std::shared_ptr<RunLock> lock;
+  std::string error;
+  if (comm.rank() == 0) {
+    try {
+      std::vector<const char*> args;
+      for (const auto& arg : argv) args.push_back(arg.c_str());
+      const std::filesystem::path run_dir = run_directory(config);
+      lock = lock_directories({{run_dir, "run directory", "run.name", "run.dir"},
+                               {checkpoint_options(config, run_dir).dir, "checkpoint directory",
+                                "checkpoint.dir", "checkpoint.dir"}},
+                              join_command_line(static_cast<int>(args.size()), args.data()));
+    } catch (const std::exception& e) {
+      error = one_line_error(e);
+    }
+  }
+  if (comm.world_size() > 1) error = comm.all_gather_bytes(error)[0];  // rank 0's outcome
+  if (!error.empty()) throw UserError(error);
+  return lock;
+}
+
 std::unique_ptr<Session> open_session(const Config& config, const SessionOptions& options) {
-  auto session =
-      std::make_unique<Session>(Session{config, torch::kCPU, options.comm, nullptr, nullptr});
+  auto session = std::make_unique<Session>(
+      Session{nullptr, config, torch::kCPU, options.comm, nullptr, nullptr});
   // Without a communicator: this process's (torchrun / Slurm environment; else a world of one).
   if (!session->comm) session->comm = process_communicator(config);
   const int rank = session->comm->rank(), world_size = session->comm->world_size();
+  session->lock = lock_run_directories(config, *session->comm, options.argv);
   apply_runtime_settings(config);
   session->device = resolve_device(config);
   if (session->device.is_cuda() && world_size > 1) {  // one process per device: LOCAL_RANK's

@@ -21,6 +21,7 @@ namespace kiln::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 Config cli_config(const std::vector<std::string>& args) {
   // The config `kiln train <mlp.toml> --set ...` resolves to, for an in-process resume.
@@ -156,6 +157,9 @@ TEST_P(CkptDiskFull, AFailedSaveKeepsThePreviousCheckpointAndStopsOrContinues) {
     EXPECT_EQ(code, 3) << log;
     EXPECT_THAT(log, HasSubstr("the previous checkpoints are intact"));
     EXPECT_THAT(log, HasSubstr("checkpoint.on_save_error = \"continue\""));
+    // Advice that fits the cause: free space (ENOSPC), or the file-size limit (EFBIG).
+    EXPECT_THAT(log, HasSubstr(tmpfs ? "free space in " + ckpts.string() : "ulimit -f"));
+    EXPECT_THAT(log, Not(HasSubstr("second run")));
   } else {
     EXPECT_EQ(code, 0) << log;
     EXPECT_EQ(read_step_losses(dir / "r" / "metrics.jsonl").rbegin()->first, 5)

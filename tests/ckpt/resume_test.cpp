@@ -13,6 +13,7 @@
 #include "ckpt/thread_comm.h"
 #include "kiln/checkpoint.h"
 #include "kiln/error.h"
+#include "kiln/run.h"
 #include "kiln/session.h"
 
 namespace kiln::testing {
@@ -266,7 +267,8 @@ TEST(CkptResume, RefusesToMixHistoriesAndBadInputNeverLosesSavedState) {
   auto saved_state = [&] {
     std::map<std::string, std::string> files = {{"metrics.jsonl", slurp(metrics)}};
     for (const auto& item : std::filesystem::recursive_directory_iterator(ckpts)) {
-      if (item.is_regular_file())
+      // The run lock's record names its latest holder (every run takes the lock first).
+      if (item.is_regular_file() && item.path().filename() != kRunLockFile)
         files[std::filesystem::relative(item.path(), ckpts).string()] = slurp(item.path());
     }
     return files;

@@ -108,7 +108,7 @@ TEST(CompiledStep, UnderDataParallelTheGradientsAreReducedAfterThePackageReturns
   int side = 0;
   for (const char* backend : {"eager", "inductor"}) {
     const CommandResult r = run_shell(
-        std::string(KILN_TEST_TORCHRUN) + " --standalone --nproc-per-node=2 --no-python " +
+        std::string(KILN_TORCHRUN) + " --standalone --nproc-per-node=2 --no-python " +
         KILN_CLI + " train " + mlp_args(dir.path(), backend) +
         " --set train.steps=5 --set compile.backend=" + backend + shared_cache());
     ASSERT_EQ(r.exit_code, 0) << backend << r.out << r.err;
