@@ -3,6 +3,8 @@
 // share one cache per build (KILN_TEST_COMPILE_CACHE) except where a cold cache is the point.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <map>
 #include <nlohmann/json.hpp>
 
@@ -139,7 +141,7 @@ TEST(CompiledStep, ACompiledRunRepeatsBitwiseOnCpu) {
   TempDir dir;
   std::map<int64_t, double> losses[2];
   for (int k = 0; k < 2; ++k) {
-    const std::string name = "r" + std::to_string(k);
+    const std::string name = fmt::format("r{}", k);
     const CommandResult r = run_kiln("train " + gpt_args(dir.path(), name) +
                                      " --set train.steps=20 --set train.batch_size=16"
                                      " --set train.eval_every=0");
