@@ -253,6 +253,7 @@ class CompiledStep : public CompiledForwardBackward {
   /// Builds or loads the package for `shape` (narrowed to what the package accepts); returns its
   /// index, or SIZE_MAX when graph breaks made the step fall back to eager.
   size_t load_graph(GraphShape& shape);
+  size_t resolve(const InputShapes& shapes);
 
   CompileOptions options_;
   Model& model_;

@@ -168,10 +168,16 @@ CompiledStep::CompiledStep(const Config& config, Model& model, torch::Device dev
 CompiledStep::~CompiledStep() = default;
 
 void CompiledStep::prepare(const InputShapes& shapes) {
+  resolve(shapes);
+}
+
+// The graph that runs `shapes` (building or loading it on first sight), or SIZE_MAX when they run
+// eager: graph breaks under fullgraph = false, or a shape over the recompile limit.
+size_t CompiledStep::resolve(const InputShapes& shapes) {
   using Kind = ShapeTracker::Decision::Kind;
-  if (report_.fallback_to_eager) return;
-  const ShapeTracker::Decision decision = tracker_.decide(shapes);
-  if (decision.kind == Kind::kReuse) return;
+  if (report_.fallback_to_eager) return SIZE_MAX;
+  ShapeTracker::Decision decision = tracker_.decide(shapes);
+  if (decision.kind == Kind::kReuse) return decision.graph;
   if (decision.kind == Kind::kEager) {
     const auto& eager = tracker_.eager_shapes();
     if (std::find(eager.begin(), eager.end(), shapes) == eager.end()) {
@@ -179,25 +185,23 @@ void CompiledStep::prepare(const InputShapes& shapes) {
       tracker_.record(shapes, decision);
       report_.recompiles = tracker_.recompiles();
     }
-    return;
+    return SIZE_MAX;
   }
-  ShapeTracker::Decision built = decision;
-  if (load_graph(built.shape) == SIZE_MAX) return;  // breaks, fullgraph = false: eager
-  tracker_.record(shapes, built);
+  const size_t graph = load_graph(decision.shape);
+  if (graph == SIZE_MAX) return SIZE_MAX;  // breaks, fullgraph = false: eager from now on
+  tracker_.record(shapes, decision);
   report_.recompiles = tracker_.recompiles();
   if (!decision.reason.empty()) log::info("compile: recompile: " + decision.reason);
+  return graph;
 }
 
 torch::Tensor CompiledStep::forward_backward(const Batch& batch, double scale) {
-  const InputShapes shapes = InputShapes::of(batch);
-  prepare(shapes);
-  if (report_.fallback_to_eager) return {};
-  const ShapeTracker::Decision decision = tracker_.decide(shapes);
-  if (decision.kind != ShapeTracker::Decision::Kind::kReuse) {  // over the recompile limit
-    ++report_.eager_micro_steps;
+  const size_t index = resolve(InputShapes::of(batch));
+  if (index == SIZE_MAX) {
+    if (!report_.fallback_to_eager) ++report_.eager_micro_steps;  // over the recompile limit
     return {};
   }
-  Loaded& graph = *loaded_[decision.graph];
+  Loaded& graph = *loaded_[index];
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> outputs =
       graph.loader->run({batch.inputs.contiguous(), batch.targets.contiguous()});
