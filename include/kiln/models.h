@@ -57,8 +57,9 @@ class Model : public torch::nn::Module {
   /// Training FLOPs (forward + backward) per sample of `seq_len` tokens (ignored by the mlp):
   /// 6 x parameters (+ attention 12 * L * C * T per token for gpt), as nanoGPT/PaLM count them.
   virtual double train_flops_per_sample(int64_t seq_len) const = 0;
-  /// The units, in forward order. Every parameter belongs to at most one unit.
-  virtual std::vector<ModelUnit> units() const = 0;
+  /// The units, in forward order. Every parameter belongs to at most one unit. A model without
+  /// units (the default) is one root group: FSDP gathers it whole, checkpointing skips it.
+  virtual std::vector<ModelUnit> units() const { return {}; }
   /// Adds a wrapper around every unit's forward from the next forward on. Wrappers compose: one
   /// added later runs inside those added earlier (e.g. checkpointing outside FSDP's gather, so
   /// the recomputation in backward gathers too).
