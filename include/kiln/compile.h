@@ -48,6 +48,14 @@ struct CompileOptions {
 
   /// Throws UserError for a bad key (e.g. compile.probe_seq_lens not a list of integers).
   static CompileOptions from_config(const Config& config);
+  /// The backend builds an AOTInductor step ("inductor", "inductor+cudagraphs").
+  bool inductor() const {
+    return backend == Backend::kInductor || backend == Backend::kInductorCudaGraphs;
+  }
+  /// The backend captures the step in CUDA graphs ("cudagraphs", "inductor+cudagraphs").
+  bool cuda_graphs() const {
+    return backend == Backend::kCudaGraphs || backend == Backend::kInductorCudaGraphs;
+  }
 };
 
 /// compile.probe_seq_lens: "" -> nullopt (data.seq_len/2 and /4), "none" -> no probe, else the
@@ -97,7 +105,7 @@ std::vector<DynamicDim> dynamic_candidates(const InputShapes& shapes, int64_t ma
 /// One recompile: a micro-batch whose shapes no graph accepted.
 struct Recompile {
   InputShapes shapes;
-  std::string reason;  // "inputs dim 1 changed 16 -> 8 (seq)"
+  std::string reason;     // "inputs dim 1 changed 16 -> 8 (seq)"
   bool compiled = false;  // false: over compile.recompile_limit, the shape runs eager
 };
 
@@ -110,9 +118,9 @@ class ShapeTracker {
 
   struct Decision {
     enum class Kind { kReuse, kCompile, kEager } kind = Kind::kReuse;
-    size_t graph = 0;      // kReuse: the graph that accepts the shapes
-    GraphShape shape;      // kCompile: the graph to build
-    std::string reason;    // kCompile after the first graph, kEager: why
+    size_t graph = 0;    // kReuse: the graph that accepts the shapes
+    GraphShape shape;    // kCompile: the graph to build
+    std::string reason;  // kCompile after the first graph, kEager: why
   };
   /// What to do for `shapes`. Does not change the tracker.
   Decision decide(const InputShapes& shapes) const;
@@ -220,7 +228,7 @@ struct CompileReport {
   struct Graph {
     GraphShape shape;
     bool cache_hit = false;
-    std::string cache_note;  // why the cache missed ("not built yet", "hash differs ...")
+    std::string cache_note;    // why the cache missed ("not built yet", "hash differs ...")
     double build_seconds = 0;  // 0 on a hit
     double load_seconds = 0;
     std::string package;
@@ -266,8 +274,113 @@ class CompiledStep : public CompiledForwardBackward {
   CompileReport report_;
 };
 
-/// Attaches the compiled step to `trainer` when compile.backend is not "eager"; returns it (null
-/// for eager). Throws what CompiledStep's constructor throws.
+/// Attaches what compile.backend asks for to `trainer`: the AOTInductor step ("inductor",
+/// "inductor+cudagraphs"; returned) and the CUDA-graph capture ("cudagraphs",
+/// "inductor+cudagraphs"; attach_captured_step). Returns null when there is no AOTInductor step.
+/// Throws what CompiledStep's constructor throws, and UserError for cudagraphs with more than one
+/// process (not built yet).
 std::shared_ptr<CompiledStep> attach_compiled_step(Trainer& trainer, const Config& config);
+
+// ---- CUDA graphs -------------------------------------------------------------------------------
+
+/// A host synchronisation inside a step: an operator that makes the host wait for the device
+/// (aten::_local_scalar_dense behind .item() and Python's `if tensor:`, aten::nonzero). A CUDA
+/// graph cannot capture one: for compile.backend = "cudagraphs" each is a graph break. Calls from
+/// inside the fused optimizers are not counted: their CPU kernels read the tensor learning rate
+/// with .item(), their CUDA kernels read it on the device.
+struct HostSync {
+  std::string op;      // "aten::_local_scalar_dense"
+  std::string caller;  // the outermost operator it ran inside ("aten::item"); "" at top level
+  std::string phase;   // the Trainer phase it ran in ("forward", ...); "" outside phases
+  /// "aten::_local_scalar_dense in aten::item (forward)".
+  std::string str() const;
+};
+
+/// Watches for host synchronisations while active: a RecordFunction callback on the thread that
+/// starts it (autograd's threads inherit it), and the Trainer's phases as a TrainerHook (add it to
+/// the trainer to get phase names). Training thread only; start/stop must pair.
+class HostSyncProbe : public TrainerHook {
+ public:
+  HostSyncProbe() = default;
+  ~HostSyncProbe() override;
+  HostSyncProbe(const HostSyncProbe&) = delete;
+  HostSyncProbe& operator=(const HostSyncProbe&) = delete;
+  void start();
+  /// Stops watching; returns the synchronisations seen since start(), in order, each distinct
+  /// (op, caller, phase) once.
+  std::vector<HostSync> stop();
+  void on_phase_begin(Trainer&, Phase phase) override;
+  void on_phase_end(Trainer&, Phase phase) override;
+
+  struct State;  // implementation detail (src/compile/host_sync.cpp)
+
+ private:
+  std::shared_ptr<State> state_;
+  uint64_t handle_ = 0;
+  bool active_ = false;
+};
+
+/// One captured graph's mechanics. The CUDA implementation (at::cuda::CUDAGraph on a side stream,
+/// all graphs sharing one memory pool) is built only against a CUDA LibTorch; tests on the CPU
+/// use an implementation that runs the work again on every replay.
+class GraphRecorder {
+ public:
+  virtual ~GraphRecorder() = default;
+  /// Runs `work` as a warm-up (CUDA: on the side stream the capture will use).
+  virtual torch::Tensor warm_up(const std::function<torch::Tensor()>& work) = 0;
+  /// Captures `work` and returns its output tensor, which each replay overwrites. Whether the
+  /// capture also executed the work once is executed_on_capture().
+  virtual torch::Tensor capture(const std::function<torch::Tensor()>& work) = 0;
+  virtual bool executed_on_capture() const = 0;
+  /// Replays the capture. `work` is what was captured: implementations that cannot record run it
+  /// again (the CUDA recorder ignores it).
+  virtual void replay(const std::function<torch::Tensor()>& work) = 0;
+};
+/// Makes one recorder per captured shape.
+using GraphRecorderFactory = std::function<std::unique_ptr<GraphRecorder>()>;
+/// CUDA graphs on `device` (one shared memory pool for every recorder the factory makes). Throws
+/// UserError when kiln was built without CUDA or `device` is not a CUDA device.
+GraphRecorderFactory cuda_graph_recorders(torch::Device device);
+/// For tests on the CPU: warm-up and capture run the work; a replay runs it again into the same
+/// output tensor.
+GraphRecorderFactory rerun_recorders();
+
+/// The Trainer's captured step (compile.backend = "cudagraphs" or "inductor+cudagraphs"). Per
+/// micro-batch shape: compile.warmup_steps eager warm-up steps (the first of the run also probes
+/// for host synchronisations: each is a graph break; compile.fullgraph = true stops with the
+/// list, false runs every step eager and says so), then one capture of the whole step into
+/// static input buffers, then replays (the batches are copied into the buffers, the learning rate
+/// into the optimizer's lr tensor). A new shape is a recapture, counted as a recompile, up to
+/// compile.recompile_limit; later new shapes run eager. Not thread-safe: training thread only.
+class CapturedGraphStep : public CapturedStep {
+ public:
+  /// Switches the optimizer to a device learning rate (needs optim.fused) and adds the host-sync
+  /// probe to `trainer`. Throws UserError.
+  CapturedGraphStep(const Config& config, Trainer& trainer, GraphRecorderFactory recorders);
+  ~CapturedGraphStep() override;
+  torch::Tensor run(const std::vector<Batch>& batches, double lr, const DeviceWork& work) override;
+  const CompileReport& report() const { return report_; }
+  /// Steps run by replaying a capture / eagerly (warm-ups, fallback, shapes over the limit).
+  int64_t replays() const { return replays_; }
+  int64_t eager_steps() const { return eager_steps_; }
+
+  struct Graph;  // implementation detail (src/compile/captured_step.cpp)
+
+ private:
+  CompileOptions options_;
+  Trainer& trainer_;
+  GraphRecorderFactory recorders_;
+  std::shared_ptr<HostSyncProbe> probe_;
+  bool probed_ = false;
+  ShapeTracker tracker_;
+  std::vector<std::unique_ptr<Graph>> graphs_;
+  torch::Tensor lr_;
+  CompileReport report_;
+  int64_t replays_ = 0, eager_steps_ = 0;
+};
+
+/// Attaches the captured step to `trainer` when compile.backend is "cudagraphs" or
+/// "inductor+cudagraphs" (null otherwise), on CUDA graphs. Throws UserError.
+std::shared_ptr<CapturedGraphStep> attach_captured_step(Trainer& trainer, const Config& config);
 
 }  // namespace kiln

@@ -82,6 +82,14 @@ class Optimizer {
   /// changes (no parameter, moment or step count). The fused kernels read it on the device (no
   /// host synchronisation); the reference path reads it on the host.
   void step(double lr, const torch::Tensor& found_nonfinite = {});
+  /// Takes the learning rate from `lr` (a 0-dim tensor on the parameters' device: float32 on CUDA,
+  /// float64 on the CPU, whose fused kernels read it as a double) from
+  /// now on: step()'s `lr` argument is ignored and the caller fills the tensor before each step
+  /// (outside a captured CUDA graph, so the graph reads the current rate). Needs optim.fused
+  /// (the fused kernels' tensor_lr overloads); throws UserError otherwise. Undefined: back to
+  /// step()'s argument.
+  void use_lr_tensor(torch::Tensor lr);
+  const torch::Tensor& lr_tensor() const { return lr_tensor_; }
   /// Drops all gradients (sets them undefined, like zero_grad(set_to_none=True)).
   void zero_grad();
   /// step() calls so far (skipped ones included).
@@ -110,6 +118,7 @@ class Optimizer {
   NamedTensors parameters_;
   std::vector<bool> decays_;  // per parameter: weight decay applies
   std::vector<torch::Tensor> exp_avg_, exp_avg_sq_, momentum_buffer_, step_tensor_;
+  torch::Tensor lr_tensor_;  // defined: the learning rate, read on the device
   int64_t steps_taken_ = 0;
 };
 
@@ -231,6 +240,23 @@ class CompiledForwardBackward {
   virtual torch::Tensor forward_backward(const Batch& batch, double scale) = 0;
 };
 
+/// A captured step (CUDA graphs, kiln/compile.h builds one) that runs the Trainer's whole device
+/// step — forward, backward, gradient hooks, clipping, the optimizer — for a step's micro-batches.
+/// Called on the training thread, after the micro-batches were fetched.
+class CapturedStep {
+ public:
+  virtual ~CapturedStep() = default;
+  /// The Trainer's device work for `batches`, as a function of the tensors it reads the batches
+  /// from (the implementation may pass static buffers it copies `batches` into).
+  using DeviceWork = std::function<torch::Tensor(const std::vector<Batch>& batches)>;
+  /// Runs the step: eagerly through `work` (warm-up, fallback), by capturing `work` and replaying
+  /// the capture, or by replaying an earlier capture of the same shapes. `lr` is the step's
+  /// learning rate (a capture reads it from the optimizer's lr tensor). Returns what `work`
+  /// returns (for a replay, the captured output tensor, overwritten by the replay).
+  virtual torch::Tensor run(const std::vector<Batch>& batches, double lr,
+                            const DeviceWork& work) = 0;
+};
+
 struct TrainerOptions {
   torch::Device device = torch::kCPU;
   int rank = 0;
@@ -319,6 +345,13 @@ class Trainer {
     compiled_ = std::move(compiled);
   }
   bool compiled() const { return compiled_ != nullptr; }
+  /// Runs each step through `captured` from the next step on (null: no capture). The step's
+  /// micro-batches are fetched first, then the device work runs (phases and hooks inside it run
+  /// only when it runs eagerly or is being captured, not on a replay).
+  void set_captured_step(std::shared_ptr<CapturedStep> captured) {
+    captured_ = std::move(captured);
+  }
+  bool captured() const { return captured_ != nullptr; }
 
   /// Marks a phase for every hook (profiler scopes, timers). Prefer PhaseScope. Components call
   /// these around their own work, e.g. a checkpointer around its staging (Phase::kCheckpoint),
@@ -333,6 +366,8 @@ class Trainer {
   torch::Tensor device_step(int micro_steps, const std::function<Batch(int)>& next_batch,
                             StepStats& stats);
   StepStats run_step(int micro_steps, const std::function<Batch(int)>& next_batch, bool sync);
+  /// Adds a micro-batch's samples and tokens (all ranks) to `stats`.
+  void count_samples(const Batch& batch, StepStats& stats) const;
   /// Reads the device counters back and applies the non-finite policy to the steps since the
   /// last sync. Throws TrainingError.
   void sync_counters(StepStats* stats, const torch::Tensor& step_values);
@@ -349,10 +384,14 @@ class Trainer {
   std::unique_ptr<Sampler> val_sampler_;
   std::vector<std::shared_ptr<TrainerHook>> hooks_;
   std::shared_ptr<CompiledForwardBackward> compiled_;
+  std::shared_ptr<CapturedStep> captured_;
   int64_t step_ = 0;
   int64_t skipped_steps_ = 0;  // as of the last sync
   // On the device, since the last sync: non-finite steps, and the first one's number (0: none).
   torch::Tensor nonfinite_since_sync_, first_nonfinite_step_;
+  // On the device: the number of the step device_step runs (advanced by device_step itself, so a
+  // captured step replays with the right number).
+  torch::Tensor device_step_number_;
 };
 
 // ---- hooks kiln provides -----------------------------------------------------------------------

@@ -1,9 +1,10 @@
 // The package cache and the Python that fills it. A package is a shared library, the one thing
 // kiln loads from disk that executes code: only packages kiln built into this cache are loaded,
 // each after its xxh3 hash matched the one recorded when it was built.
-#include <fmt/format.h>
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <sys/file.h>
+#include <torch/headeronly/version.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -13,7 +14,6 @@
 #include <map>
 #include <mutex>
 #include <sstream>
-#include <torch/headeronly/version.h>
 
 #include "core/files.h"
 #include "core/process.h"
@@ -123,9 +123,10 @@ PackageCache::BuildLock::BuildLock(const PackageCache& cache, const Fingerprint&
   const fs::path path = cache.dir() / (fingerprint.key() + ".lock");
   fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd_ < 0) {
-    throw UserError(fmt::format("cannot create {}: {}; set compile.cache_dir to a writable "
-                                "directory",
-                                path.string(), errno_text()));
+    throw UserError(
+        fmt::format("cannot create {}: {}; set compile.cache_dir to a writable "
+                    "directory",
+                    path.string(), errno_text()));
   }
   while (::flock(fd_, LOCK_EX) != 0 && errno == EINTR) {
   }
@@ -141,8 +142,9 @@ fs::path PackageCache::scratch_dir(const Fingerprint& fingerprint) const {
   fs::remove_all(dir, ec);
   fs::create_directories(dir, ec);
   if (ec) {
-    throw UserError(fmt::format("cannot create {}: {}; set compile.cache_dir to a writable directory",
-                                dir.string(), ec.message()));
+    throw UserError(
+        fmt::format("cannot create {}: {}; set compile.cache_dir to a writable directory",
+                    dir.string(), ec.message()));
   }
   return dir;
 }
@@ -155,8 +157,9 @@ PackageCache::Hit PackageCache::publish(const Fingerprint& fingerprint, const fs
   std::error_code ec;
   fs::copy_file(built, staged, fs::copy_options::overwrite_existing, ec);
   if (ec) {
-    throw UserError(fmt::format("cannot write {}: {}; set compile.cache_dir to a writable directory",
-                                staged.string(), ec.message()));
+    throw UserError(
+        fmt::format("cannot write {}: {}; set compile.cache_dir to a writable directory",
+                    staged.string(), ec.message()));
   }
   json record = {{"fingerprint", fingerprint.fields},
                  {"package", package.filename().string()},
@@ -228,8 +231,8 @@ const CompilerPython& CompilerPython::probe(const std::string& python) {
   }
   const size_t line = text.rfind("torch ");
   if (text.rfind("no-torch", 0) == 0 || line == std::string::npos) {
-    throw UserError(fmt::format("Python '{}' has no torch ({}); {}", python,
-                                std::string(trim(text)), fix));
+    throw UserError(
+        fmt::format("Python '{}' has no torch ({}); {}", python, std::string(trim(text)), fix));
   }
   std::istringstream words(text.substr(line + 6));
   words >> out.torch_version >> out.torch_git;

@@ -1,8 +1,8 @@
 // The compiled step: builds (through python/kiln_py/compile.py) or finds in the cache one
 // AOTInductor package per graph shape, binds the model's parameters to its constants, and runs
 // forward+backward through it in the Trainer's step loop.
-#include <fmt/format.h>
 #include <ATen/Parallel.h>
+#include <fmt/format.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
 #include <algorithm>
@@ -31,16 +31,6 @@ struct CompiledStep::Loaded {
 
 namespace {
 
-void refuse_unbuilt_backend(const CompileOptions& options) {
-  using B = CompileOptions::Backend;
-  if (options.backend == B::kCudaGraphs || options.backend == B::kInductorCudaGraphs) {
-    throw UserError(fmt::format(
-        "compile.backend = \"{}\": CUDA-graph capture is not built in kiln yet; use \"inductor\" "
-        "(AOTInductor) or \"eager\"",
-        backend_name(options.backend)));
-  }
-}
-
 int64_t max_seq_len(const Model& model) {
   const json d = model.describe();
   return d.contains("block_size") ? d["block_size"].get<int64_t>() : 0;
@@ -66,7 +56,8 @@ GraphShape accepted_shape(const json& accepts, const GraphShape& asked) {
           shape[d] = dims[d].get<int64_t>();
         } else {
           out.dynamic.push_back({tensor, static_cast<int>(d), dims[d].at("name").get<std::string>(),
-                                 dims[d].at("min").get<int64_t>(), dims[d].at("max").get<int64_t>()});
+                                 dims[d].at("min").get<int64_t>(),
+                                 dims[d].at("max").get<int64_t>()});
         }
       }
     }
@@ -130,7 +121,8 @@ json CompileReport::to_json() const {
                           {"package", g.package}});
   }
   json break_list = json::array();
-  for (const GraphBreak& b : breaks) break_list.push_back({{"reason", b.reason}, {"where", b.where}});
+  for (const GraphBreak& b : breaks)
+    break_list.push_back({{"reason", b.reason}, {"where", b.where}});
   json recompile_list = json::array();
   for (const Recompile& r : recompiles) {
     recompile_list.push_back(
@@ -152,7 +144,12 @@ CompiledStep::CompiledStep(const Config& config, Model& model, torch::Device dev
       model_json_(model_json(model)),
       cache_(options_.cache_dir),
       tracker_(options_.dynamic, options_.recompile_limit, max_seq_len(model)) {
-  refuse_unbuilt_backend(options_);
+  if (!options_.inductor()) {
+    throw UserError(
+        fmt::format("compile.backend = \"{}\" has no AOTInductor step; kiln builds one "
+                    "for \"inductor\" and \"inductor+cudagraphs\"",
+                    backend_name(options_.backend)));
+  }
   for (auto& item : model.named_parameters()) parameters_.emplace_back(item.key(), item.value());
   for (auto& item : model.named_buffers()) {
     throw UserError(fmt::format(
@@ -229,9 +226,9 @@ size_t CompiledStep::load_graph(GraphShape& shape) {
   entry.cache_hit = hit.has_value();
   if (!hit) {
     entry.cache_note = why_not;
-    log::info(fmt::format("compile: building the {} graph for {} with AOTInductor ({}; cache {}: {})",
-                          "forward+backward", shape.str(), python.torch_version,
-                          cache_.dir().string(), why_not));
+    log::info(fmt::format(
+        "compile: building the {} graph for {} with AOTInductor ({}; cache {}: {})",
+        "forward+backward", shape.str(), python.torch_version, cache_.dir().string(), why_not));
     const auto begin = SteadyClock::now();
     const fs::path scratch = cache_.scratch_dir(fingerprint);
     const bool tokens = model_json_.value("name", "") == "gpt";
@@ -261,9 +258,9 @@ size_t CompiledStep::load_graph(GraphShape& shape) {
     try {
       result = json::parse(read_file(scratch / "result.json"));
     } catch (const std::exception&) {
-      throw UserError(fmt::format(
-          "compiling the step failed (exit {}) without a result; see {} (it ends: {})", status,
-          log_path.string(), last_line(log_path)));
+      throw UserError(
+          fmt::format("compiling the step failed (exit {}) without a result; see {} (it ends: {})",
+                      status, log_path.string(), last_line(log_path)));
     }
     const std::string state = result.value("status", "error");
     if (state == "graph_breaks") {
@@ -277,9 +274,10 @@ size_t CompiledStep::load_graph(GraphShape& shape) {
             "model, or set compile.fullgraph = false to run the step eager",
             report_.breaks.size(), list));
       }
-      log::warn(fmt::format("compile: {} graph break(s), so the step runs eager "
-                            "(compile.fullgraph = false): {}",
-                            report_.breaks.size(), list));
+      log::warn(
+          fmt::format("compile: {} graph break(s), so the step runs eager "
+                      "(compile.fullgraph = false): {}",
+                      report_.breaks.size(), list));
       report_.fallback_to_eager = true;
       return SIZE_MAX;
     }
@@ -304,9 +302,10 @@ size_t CompiledStep::load_graph(GraphShape& shape) {
   for (const std::string& name : loaded->loader->get_constant_fqns()) {
     auto it = index.find(name);
     if (it == index.end()) {
-      throw UserError(fmt::format("the compiled package {} has constant {}, which is not a "
-                                  "parameter of the model; remove it from compile.cache_dir",
-                                  hit->package.string(), name));
+      throw UserError(
+          fmt::format("the compiled package {} has constant {}, which is not a "
+                      "parameter of the model; remove it from compile.cache_dir",
+                      hit->package.string(), name));
     }
     constants[name] = parameters_[it->second].second;
   }
@@ -334,23 +333,25 @@ size_t CompiledStep::load_graph(GraphShape& shape) {
   for (const auto& name : report.value("parameters", json::array())) {
     auto it = index.find(name.get<std::string>());
     if (it == index.end()) {
-      throw UserError(fmt::format("the compiled package {} returns a gradient for {}, which is "
-                                  "not a parameter of the model; remove it from compile.cache_dir",
-                                  hit->package.string(), name.get<std::string>()));
+      throw UserError(
+          fmt::format("the compiled package {} returns a gradient for {}, which is "
+                      "not a parameter of the model; remove it from compile.cache_dir",
+                      hit->package.string(), name.get<std::string>()));
     }
     loaded->gradient_of.push_back(it->second);
   }
   if (loaded->gradient_of.size() != parameters_.size()) {
-    throw UserError(fmt::format("the compiled package {} returns {} gradients for {} parameters; "
-                                "remove it from compile.cache_dir",
-                                hit->package.string(), loaded->gradient_of.size(),
-                                parameters_.size()));
+    throw UserError(
+        fmt::format("the compiled package {} returns {} gradients for {} parameters; "
+                    "remove it from compile.cache_dir",
+                    hit->package.string(), loaded->gradient_of.size(), parameters_.size()));
   }
   entry.load_seconds = seconds_since(load_begin);
   entry.package = hit->package.string();
-  log::info(fmt::format("compile: graph {} for {}: {} (load {:.2f} s)", loaded_.size(), shape.str(),
-                        entry.cache_hit ? "cached package" : fmt::format("built in {:.1f} s", entry.build_seconds),
-                        entry.load_seconds));
+  log::info(fmt::format(
+      "compile: graph {} for {}: {} (load {:.2f} s)", loaded_.size(), shape.str(),
+      entry.cache_hit ? "cached package" : fmt::format("built in {:.1f} s", entry.build_seconds),
+      entry.load_seconds));
   report_.graphs.push_back(std::move(entry));
   loaded_.push_back(std::move(loaded));
   return loaded_.size() - 1;
@@ -359,15 +360,36 @@ size_t CompiledStep::load_graph(GraphShape& shape) {
 void check_compile_start(const Config& config) {
   const CompileOptions options = CompileOptions::from_config(config);
   if (options.backend == CompileOptions::Backend::kEager) return;
-  refuse_unbuilt_backend(options);
+  if (options.cuda_graphs()) {
+    cuda_graph_recorders(resolve_device(config));  // CUDA device and a CUDA build, else UserError
+    if (!config.get_bool("optim.fused")) {
+      throw UserError(fmt::format(
+          "compile.backend = \"{}\" captures the optimizer with a learning rate read on the "
+          "device, which needs the fused optimizer; set optim.fused = true",
+          backend_name(options.backend)));
+    }
+  }
+  if (!options.inductor()) return;
   CompilerPython::probe(options.python);
   PackageCache cache(options.cache_dir);
 }
 
 std::shared_ptr<CompiledStep> attach_compiled_step(Trainer& trainer, const Config& config) {
-  if (CompileOptions::from_config(config).backend == CompileOptions::Backend::kEager) return nullptr;
-  auto step = std::make_shared<CompiledStep>(config, trainer.model(), trainer.options().device);
-  trainer.set_compiled_step(step);
+  const CompileOptions options = CompileOptions::from_config(config);
+  std::shared_ptr<CompiledStep> step;
+  if (options.inductor()) {
+    step = std::make_shared<CompiledStep>(config, trainer.model(), trainer.options().device);
+    trainer.set_compiled_step(step);
+  }
+  if (options.cuda_graphs()) {
+    if (trainer.options().world_size > 1) {
+      throw UserError(fmt::format(
+          "compile.backend = \"{}\" with {} processes is not built yet (DDP's all-reduce inside "
+          "the capture); run one process per job with it, or use compile.backend = \"inductor\"",
+          backend_name(options.backend), trainer.options().world_size));
+    }
+    attach_captured_step(trainer, config);
+  }
   return step;
 }
 

@@ -79,10 +79,11 @@ CompileOptions CompileOptions::from_config(const Config& config) {
   using B = Backend;
   using D = Dynamic;
   CompileOptions o;
-  o.backend = config.get_enum<B>("compile.backend", {{"eager", B::kEager},
-                                                     {"inductor", B::kInductor},
-                                                     {"cudagraphs", B::kCudaGraphs},
-                                                     {"inductor+cudagraphs", B::kInductorCudaGraphs}});
+  o.backend =
+      config.get_enum<B>("compile.backend", {{"eager", B::kEager},
+                                             {"inductor", B::kInductor},
+                                             {"cudagraphs", B::kCudaGraphs},
+                                             {"inductor+cudagraphs", B::kInductorCudaGraphs}});
   o.dynamic = config.get_enum<D>(
       "compile.dynamic", {{"auto", D::kAuto}, {"dynamic", D::kDynamic}, {"static", D::kStatic}});
   o.fullgraph = config.get_bool("compile.fullgraph");
@@ -91,8 +92,8 @@ CompileOptions CompileOptions::from_config(const Config& config) {
   if (probe) {
     o.probe_seq_lens = *probe;
   } else {
-    const int64_t seq_len = config.get_string("model.name") == "gpt" ? config.get_int("data.seq_len")
-                                                                     : 0;
+    const int64_t seq_len =
+        config.get_string("model.name") == "gpt" ? config.get_int("data.seq_len") : 0;
     for (int64_t divisor : {2, 4}) {
       if (seq_len / divisor >= 2) o.probe_seq_lens.push_back(seq_len / divisor);
     }
@@ -102,8 +103,8 @@ CompileOptions CompileOptions::from_config(const Config& config) {
   o.warmup_steps = config.get_int("compile.warmup_steps");
   o.steps = config.get_int("compile.steps");
   const std::string& cache = config.get_string("compile.cache_dir");
-  o.cache_dir = std::filesystem::absolute(cache.empty() ? default_cache_dir()
-                                                        : std::filesystem::path(cache));
+  o.cache_dir =
+      std::filesystem::absolute(cache.empty() ? default_cache_dir() : std::filesystem::path(cache));
   o.python = config.get_string("compile.python");
   if (o.python.empty()) {
     if (const char* env = std::getenv("KILN_PYTHON"); env && *env) o.python = env;

@@ -13,8 +13,8 @@ ConfigSection compile_section() {
       {
           string_key("compile", "backend", "eager",
                      {"eager", "inductor", "cudagraphs", "inductor+cudagraphs"},
-                     "the training step: eager autograd, or forward+backward compiled by "
-                     "AOTInductor (the CUDA-graph backends are not built yet and are refused)"),
+                     "the training step: eager autograd, forward+backward compiled by AOTInductor, "
+                     "the whole step captured in a CUDA graph (CUDA only), or both"),
           string_key("compile", "dynamic", "auto", {"auto", "dynamic", "static"},
                      "shapes as torch.compile's dynamic=None|True|False: specialise first and "
                      "make a changed dimension dynamic at the first recompile; symbolic batch "

@@ -117,8 +117,9 @@ bool GraphShape::accepts(const InputShapes& candidate) const {
 }
 
 std::string GraphShape::str() const {
-  std::string text = fmt::format("inputs {}, targets {}", symbolic(shapes.inputs, "inputs", dynamic),
-                                 symbolic(shapes.targets, "targets", dynamic));
+  std::string text =
+      fmt::format("inputs {}, targets {}", symbolic(shapes.inputs, "inputs", dynamic),
+                  symbolic(shapes.targets, "targets", dynamic));
   std::vector<std::string> ranges;
   for (const DynamicDim& dim : dynamic) {
     const std::string range = fmt::format("{} in [{}, {}]", dim.name, dim.min, dim.max);
@@ -131,8 +132,8 @@ std::string GraphShape::str() const {
 nlohmann::json GraphShape::to_json() const {
   nlohmann::json dims = nlohmann::json::array();
   for (const DynamicDim& d : dynamic) {
-    dims.push_back({{"tensor", d.tensor}, {"dim", d.dim}, {"name", d.name}, {"min", d.min},
-                    {"max", d.max}});
+    dims.push_back(
+        {{"tensor", d.tensor}, {"dim", d.dim}, {"name", d.name}, {"min", d.min}, {"max", d.max}});
   }
   return {{"inputs", shapes.inputs}, {"targets", shapes.targets}, {"dynamic", dims}};
 }
@@ -167,15 +168,17 @@ ShapeTracker::Decision ShapeTracker::decide(const InputShapes& shapes) const {
   }
   if (graphs_.empty()) {
     const bool dynamic = dynamic_ == CompileOptions::Dynamic::kDynamic;
-    return {Kind::kCompile, 0, graph_with(shapes, candidates, dynamic ? names : std::vector<std::string>{}),
-            ""};
+    return {Kind::kCompile, 0,
+            graph_with(shapes, candidates, dynamic ? names : std::vector<std::string>{}), ""};
   }
   const std::string change = shape_change(graphs_.front().shapes, shapes, candidates);
   if (std::find(eager_.begin(), eager_.end(), shapes) != eager_.end()) {
     return {Kind::kEager, 0, {}, change + " (runs eager: over compile.recompile_limit)"};
   }
   if (static_cast<int>(graphs_.size()) >= limit_) {
-    return {Kind::kEager, 0, {},
+    return {Kind::kEager,
+            0,
+            {},
             fmt::format("{}; compile.recompile_limit = {} reached, so {} runs eager", change,
                         limit_, shapes.str())};
   }
@@ -197,7 +200,8 @@ ShapeTracker::Decision ShapeTracker::decide(const InputShapes& shapes) const {
   }
   GraphShape shape = graph_with(shapes, candidates, dynamic_names);
   std::string how = shape.dynamic.empty() ? "a static graph" : "a dynamic graph";
-  return {Kind::kCompile, graphs_.size(), shape, fmt::format("{}: {} for {}", change, how, shape.str())};
+  return {Kind::kCompile, graphs_.size(), shape,
+          fmt::format("{}: {} for {}", change, how, shape.str())};
 }
 
 void ShapeTracker::record(const InputShapes& shapes, const Decision& decision) {
@@ -219,7 +223,8 @@ void ShapeTracker::record(const InputShapes& shapes, const Decision& decision) {
 std::string describe_breaks(const std::vector<GraphBreak>& breaks) {
   std::vector<std::string> lines;
   for (const GraphBreak& b : breaks) {
-    lines.push_back(fmt::format("graph break at {}: {}", b.where.empty() ? "?" : b.where, b.reason));
+    lines.push_back(
+        fmt::format("graph break at {}: {}", b.where.empty() ? "?" : b.where, b.reason));
   }
   return fmt::format("{}", fmt::join(lines, "; "));
 }

@@ -2,6 +2,8 @@
 // eager) in one process, from the same initial weights on the same batches. Compile time apart
 // (cold or cached), warm-up untimed, then interleaved timed steps, the shape probe (recompiles),
 // the numerics gate (losses and parameters), peak memory of a step on each side, the verdict.
+#include "kiln/compile.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -9,7 +11,6 @@
 
 #include "core/clock.h"
 #include "core/strings.h"
-#include "kiln/compile.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/models.h"
@@ -59,11 +60,12 @@ ParameterDifference parameter_difference(Model& compiled, Model& eager) {
 json step_time_json(const std::vector<double>& seconds, int64_t tokens_per_step,
                     int64_t samples_per_step) {
   const double median = percentile(seconds, 0.5);
-  return {{"median_seconds", median},
-          {"p90_seconds", percentile(seconds, 0.9)},
-          {"samples_per_second", static_cast<double>(samples_per_step) / median},
-          {"tokens_per_second",
-           tokens_per_step > 0 ? json(static_cast<double>(tokens_per_step) / median) : json(nullptr)}};
+  return {
+      {"median_seconds", median},
+      {"p90_seconds", percentile(seconds, 0.9)},
+      {"samples_per_second", static_cast<double>(samples_per_step) / median},
+      {"tokens_per_second",
+       tokens_per_step > 0 ? json(static_cast<double>(tokens_per_step) / median) : json(nullptr)}};
 }
 
 }  // namespace
@@ -85,9 +87,18 @@ RungResult run_compile(Session& session) {
   // The compiled side: the same job built again (same seed: same initial weights and batches).
   Trainer compiled(compiled_config, make_model(compiled_config), make_datasets(compiled_config),
                    eager.options());
-  auto step = std::make_shared<CompiledStep>(compiled_config, compiled.model(),
-                                             compiled.options().device);
-  compiled.set_compiled_step(step);
+  std::shared_ptr<CompiledStep> step;  // AOTInductor
+  if (options.inductor()) {
+    step = std::make_shared<CompiledStep>(compiled_config, compiled.model(),
+                                          compiled.options().device);
+    compiled.set_compiled_step(step);
+  }
+  const auto captured = attach_captured_step(compiled, compiled_config);  // CUDA graphs
+  // The report of the compiler that decides graphs and recompiles: AOTInductor's when it runs
+  // (the capture's is written beside it), else the capture's.
+  auto report_of = [&]() -> const CompileReport& {
+    return step ? step->report() : captured->report();
+  };
   auto eager_log = std::make_shared<StepLog>();
   auto compiled_log = std::make_shared<StepLog>();
   eager.add_hook(eager_log);
@@ -103,7 +114,8 @@ RungResult run_compile(Session& session) {
   auto finish = [&](bool passed, const std::string& verdict) {
     result.passed = passed;
     result.verdict = verdict;
-    numbers["compile"] = step->report().to_json();
+    numbers["compile"] = report_of().to_json();
+    if (step && captured) numbers["capture"] = captured->report().to_json();
     numbers["passed"] = passed;
     numbers["verdict"] = verdict;
     result.numbers = numbers;
@@ -121,23 +133,32 @@ RungResult run_compile(Session& session) {
                         dynamic_name(options.dynamic), options.cache_dir.string()));
   const auto compile_begin = SteadyClock::now();
   try {
-    step->prepare(train_shapes);
+    if (step) step->prepare(train_shapes);
+    // A capture warms up, probes for host synchronisations and captures on its first steps:
+    // take them (both sides, untimed) before timing.
+    for (int64_t k = 0; captured && k <= options.warmup_steps; ++k) {
+      eager.train_step(/*sync=*/true);
+      compiled.train_step(/*sync=*/true);
+    }
   } catch (const TrainingError& e) {  // graph breaks with compile.fullgraph = true
-    result.table.emplace_back("graph breaks", describe_breaks(step->report().breaks));
+    result.table.emplace_back("graph breaks", describe_breaks(report_of().breaks));
     return finish(false, e.what());
   }
-  const double compile_seconds = seconds_since(compile_begin);
-  const auto& graphs = step->report().graphs;
+  const double compile_seconds =
+      captured && !step
+          ? (report_of().graphs.empty() ? 0.0 : report_of().graphs.front().build_seconds)
+          : seconds_since(compile_begin);
+  const auto& graphs = report_of().graphs;
   const bool cold = !graphs.empty() && !graphs.front().cache_hit;
   numbers["compile_seconds"] = compile_seconds;
   numbers["cache"] = graphs.empty() ? "n/a" : (cold ? "cold" : "cached");
-  if (step->report().fallback_to_eager) {
-    result.table.emplace_back("graph breaks", describe_breaks(step->report().breaks));
+  if (report_of().fallback_to_eager) {
+    result.table.emplace_back("graph breaks", describe_breaks(report_of().breaks));
     numbers["speedup"] = nullptr;
-    return finish(true, fmt::format("stay eager: the step has {} graph break(s) and "
-                                    "compile.fullgraph = false, so it runs eager: {}",
-                                    step->report().breaks.size(),
-                                    describe_breaks(step->report().breaks)));
+    return finish(true,
+                  fmt::format("stay eager: the step has {} graph break(s) and "
+                              "compile.fullgraph = false, so it runs eager: {}",
+                              report_of().breaks.size(), describe_breaks(report_of().breaks)));
   }
 
   // 2. Warm-up (untimed), then timed steps, interleaved so both sides see the same machine.
@@ -171,8 +192,8 @@ RungResult run_compile(Session& session) {
   compiled.train_step(/*sync=*/true);
   const PeakMemory compiled_peak = read_peak_memory(session.device);
   {
-    const double diff = relative_difference(compiled_log->steps.back().loss,
-                                            eager_log->steps.back().loss);
+    const double diff =
+        relative_difference(compiled_log->steps.back().loss, eager_log->steps.back().loss);
     if (!(diff <= worst_loss_difference)) {
       worst_loss_difference = diff;
       worst_loss_step = eager_log->steps.back().step;
@@ -187,8 +208,8 @@ RungResult run_compile(Session& session) {
     Batch next = eager.data().train->get(first_indices);
     for (int64_t length : options.probe_seq_lens) {
       if (length >= example.inputs.size(1)) continue;
-      const size_t recompiles_before = step->report().recompiles.size();
-      const size_t graphs_before = step->report().graphs.size();
+      const size_t recompiles_before = report_of().recompiles.size();
+      const size_t graphs_before = report_of().graphs.size();
       const Batch truncated{next.inputs.narrow(1, 0, length).contiguous(),
                             next.targets.narrow(1, 0, length).contiguous()};
       const StepStats e = eager.train_step_on({truncated});
@@ -198,14 +219,14 @@ RungResult run_compile(Session& session) {
         worst_loss_difference = diff;
         worst_loss_step = e.step;
       }
-      const auto& recompiles = step->report().recompiles;
-      probe.push_back({{"seq_len", length},
-                       {"recompiled", recompiles.size() > recompiles_before},
-                       {"new_graph", step->report().graphs.size() > graphs_before},
-                       {"eager", recompiles.size() > recompiles_before &&
-                                     !recompiles.back().compiled},
-                       {"loss_eager", e.loss},
-                       {"loss_compiled", c.loss}});
+      const auto& recompiles = report_of().recompiles;
+      probe.push_back(
+          {{"seq_len", length},
+           {"recompiled", recompiles.size() > recompiles_before},
+           {"new_graph", report_of().graphs.size() > graphs_before},
+           {"eager", recompiles.size() > recompiles_before && !recompiles.back().compiled},
+           {"loss_eager", e.loss},
+           {"loss_compiled", c.loss}});
     }
   }
 
@@ -217,7 +238,7 @@ RungResult run_compile(Session& session) {
   const double eager_median = percentile(eager_seconds, 0.5);
   const double compiled_median = percentile(compiled_seconds, 0.5);
   const double speedup = eager_median / compiled_median;
-  const auto& report = step->report();
+  const auto& report = report_of();
   int64_t recompiled = 0;
   for (const Recompile& r : report.recompiles) recompiled += r.compiled ? 1 : 0;
 
@@ -244,9 +265,9 @@ RungResult run_compile(Session& session) {
                          {"compiled_losses", compiled_losses}};
 
   auto& t = result.table;
-  t.emplace_back("backend", fmt::format("{} (dynamic = {}, fullgraph = {})",
-                                        backend_name(options.backend), dynamic_name(options.dynamic),
-                                        options.fullgraph));
+  t.emplace_back("backend",
+                 fmt::format("{} (dynamic = {}, fullgraph = {})", backend_name(options.backend),
+                             dynamic_name(options.dynamic), options.fullgraph));
   std::string graph_text;
   for (const auto& g : report.graphs) {
     if (!graph_text.empty()) graph_text += "; ";
@@ -289,9 +310,10 @@ RungResult run_compile(Session& session) {
     return finish(
         false,
         !losses_agree
-            ? fmt::format("compiled and eager losses differ by {:.2e} relative at step {} (tolerance "
-                          "compile.tolerance = {:.0e}); keep the step eager and report the model",
-                          worst_loss_difference, worst_loss_step, options.tolerance)
+            ? fmt::format(
+                  "compiled and eager losses differ by {:.2e} relative at step {} (tolerance "
+                  "compile.tolerance = {:.0e}); keep the step eager and report the model",
+                  worst_loss_difference, worst_loss_step, options.tolerance)
             : fmt::format("compiled and eager parameters differ by {:.2e} relative after {} steps "
                           "(most in {}: {:.2e}; tolerance compile.tolerance = {:.0e})",
                           parameter_diff, eager.step(), parameters.worst_name,
@@ -302,11 +324,11 @@ RungResult run_compile(Session& session) {
                                     "numerics (set compile.backend = \"{}\" for kiln train)",
                                     speedup, backend_name(options.backend)));
   }
-  return finish(true, fmt::format("stay eager: the compiled step is {:.2f}x eager's speed, under "
-                                  "compile.min_speedup = {:.2f} (median {:.2f} ms vs {:.2f} ms); "
-                                  "profile both to see where the time goes",
-                                  speedup, options.min_speedup, 1e3 * compiled_median,
-                                  1e3 * eager_median));
+  return finish(
+      true, fmt::format("stay eager: the compiled step is {:.2f}x eager's speed, under "
+                        "compile.min_speedup = {:.2f} (median {:.2f} ms vs {:.2f} ms); "
+                        "profile both to see where the time goes",
+                        speedup, options.min_speedup, 1e3 * compiled_median, 1e3 * eager_median));
 }
 
 }  // namespace kiln

@@ -34,6 +34,15 @@ void Optimizer::ensure_state() {
   }
 }
 
+void Optimizer::use_lr_tensor(torch::Tensor lr) {
+  if (lr.defined() && !options_.fused) {
+    throw UserError(
+        "a learning rate read on the device (CUDA-graph capture) needs the fused optimizer; set "
+        "optim.fused = true");
+  }
+  lr_tensor_ = std::move(lr);
+}
+
 void Optimizer::zero_grad() {
   for (auto& [name, p] : parameters_) p.mutable_grad().reset();
 }
@@ -121,10 +130,15 @@ void Optimizer::step_adamw(const std::vector<size_t>& members, double lr, double
   const double beta1 = options_.beta1, beta2 = options_.beta2, eps = options_.eps;
   at::_foreach_add_(steps, 1.0);
   if (options_.fused) {
-    at::_fused_adamw_(
-        params, grads, avgs, avg_sqs, {}, steps, lr, beta1, beta2, wd, eps,
-        /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt,
-        found_nonfinite.defined() ? std::optional<at::Tensor>(found_nonfinite) : std::nullopt);
+    const auto found =
+        found_nonfinite.defined() ? std::optional<at::Tensor>(found_nonfinite) : std::nullopt;
+    if (lr_tensor_.defined()) {
+      at::_fused_adamw_(params, grads, avgs, avg_sqs, {}, steps, lr_tensor_, beta1, beta2, wd, eps,
+                        /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, found);
+    } else {
+      at::_fused_adamw_(params, grads, avgs, avg_sqs, {}, steps, lr, beta1, beta2, wd, eps,
+                        /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, found);
+    }
     if (found_nonfinite.defined()) {
       at::_foreach_sub_(steps, std::vector<torch::Tensor>(steps.size(), found_nonfinite));
     }
@@ -159,10 +173,17 @@ void Optimizer::step_sgd(const std::vector<size_t>& members, double lr, double w
   const bool first = steps_taken_ == 1;
   at::_foreach_add_(steps, 1.0);
   if (options_.fused) {
-    at::_fused_sgd_(
-        params, grads, buffers, wd, momentum, lr, /*dampening=*/0.0, options_.nesterov,
-        /*maximize=*/false, first, /*grad_scale=*/std::nullopt,
-        found_nonfinite.defined() ? std::optional<at::Tensor>(found_nonfinite) : std::nullopt);
+    const auto found =
+        found_nonfinite.defined() ? std::optional<at::Tensor>(found_nonfinite) : std::nullopt;
+    if (lr_tensor_.defined()) {
+      at::_fused_sgd_(params, grads, buffers, wd, momentum, lr_tensor_, /*dampening=*/0.0,
+                      options_.nesterov, /*maximize=*/false, first, /*grad_scale=*/std::nullopt,
+                      found);
+    } else {
+      at::_fused_sgd_(params, grads, buffers, wd, momentum, lr, /*dampening=*/0.0,
+                      options_.nesterov, /*maximize=*/false, first, /*grad_scale=*/std::nullopt,
+                      found);
+    }
     if (found_nonfinite.defined()) {
       at::_foreach_sub_(steps, std::vector<torch::Tensor>(steps.size(), found_nonfinite));
     }

@@ -97,6 +97,7 @@ void Trainer::load_state(const TrainState& state) {
   copy_into(state.optimizer, live.optimizer);  // moments, then each parameter's step count
   optimizer_->set_steps_taken(state.optimizer_steps);
   step_ = state.step;
+  device_step_number_.fill_(static_cast<double>(state.step));
   skipped_steps_ = state.skipped_steps;
   loader_->seek(state.loader);
   for (auto& [name, generator] : generators()) {

@@ -91,6 +91,7 @@ Trainer::Trainer(const Config& config, std::shared_ptr<Model> model, Datasets da
   const auto counter = torch::TensorOptions().device(options_.device).dtype(torch::kFloat64);
   nonfinite_since_sync_ = torch::zeros({}, counter);
   first_nonfinite_step_ = torch::zeros({}, counter);
+  device_step_number_ = torch::zeros({}, counter);
 }
 
 Trainer::~Trainer() = default;
@@ -189,7 +190,23 @@ StepStats Trainer::run_step(int micro_steps, const std::function<Batch(int)>& ne
   stats.lr = learning_rate(optimizer_->options(), train_options_.steps, step_);
   for_each_hook([&](TrainerHook& h) { h.on_step_begin(*this, step_); });
   try {
-    const torch::Tensor values = device_step(micro_steps, next_batch, stats);
+    torch::Tensor values;
+    if (captured_) {  // fetch the micro-batches first: a replay runs the device work at once
+      std::vector<Batch> batches;
+      for (int micro = 0; micro < micro_steps; ++micro) {
+        const auto wait_begin = SteadyClock::now();
+        batches.push_back(next_batch(micro));
+        stats.data_wait_seconds += seconds_since(wait_begin);
+        count_samples(batches.back(), stats);
+      }
+      values = captured_->run(batches, stats.lr, [&](const std::vector<Batch>& in) {
+        StepStats ignored;
+        return device_step(
+            micro_steps, [&](int micro) { return in[static_cast<size_t>(micro)]; }, ignored);
+      });
+    } else {
+      values = device_step(micro_steps, next_batch, stats);
+    }
     if (sync || stats.step % train_options_.metrics_every == 0) sync_counters(&stats, values);
   } catch (...) {
     for_each_hook([&](TrainerHook& h) { h.on_step_failed(*this, stats.step); });
@@ -199,6 +216,11 @@ StepStats Trainer::run_step(int micro_steps, const std::function<Batch(int)>& ne
   stats.step_seconds = seconds_since(begin);
   for_each_hook([&](TrainerHook& h) { h.on_step_end(*this, stats); });
   return stats;
+}
+
+void Trainer::count_samples(const Batch& batch, StepStats& stats) const {
+  stats.samples += batch.samples() * options_.world_size;
+  stats.tokens += data_.train->tokens_per_sample() * batch.samples() * options_.world_size;
 }
 
 torch::Tensor Trainer::device_step(int micro_steps, const std::function<Batch(int)>& next_batch,
@@ -212,8 +234,7 @@ torch::Tensor Trainer::device_step(int micro_steps, const std::function<Batch(in
     const auto wait_begin = SteadyClock::now();
     Batch batch = next_batch(micro);
     stats.data_wait_seconds += seconds_since(wait_begin);
-    stats.samples += batch.samples() * options_.world_size;
-    stats.tokens += data_.train->tokens_per_sample() * batch.samples() * options_.world_size;
+    count_samples(batch, stats);
     torch::Tensor loss;
     if (compiled_) {  // forward and backward in one compiled call, marked as the forward phase
       PhaseScope phase(*this, Phase::kForward);
@@ -256,10 +277,12 @@ torch::Tensor Trainer::device_step(int micro_steps, const std::function<Batch(in
       at::logical_not(at::logical_and(at::isfinite(loss_sum), at::isfinite(total_norm)))
           .to(torch::kFloat);
   optimizer_->step(stats.lr, nonfinite);
+  // In place, with the step number from the device: a captured step replays these as they are.
   const torch::Tensor counted = nonfinite.to(torch::kFloat64);
-  first_nonfinite_step_ = at::where(at::logical_and(first_nonfinite_step_ == 0, counted > 0),
-                                    static_cast<double>(stats.step), first_nonfinite_step_);
-  nonfinite_since_sync_ += counted;
+  device_step_number_.add_(1.0);
+  first_nonfinite_step_.copy_(at::where(at::logical_and(first_nonfinite_step_ == 0, counted > 0),
+                                        device_step_number_, first_nonfinite_step_));
+  nonfinite_since_sync_.add_(counted);
   return at::stack({loss_sum.to(torch::kFloat64), total_norm.to(torch::kFloat64), counted});
 }
 

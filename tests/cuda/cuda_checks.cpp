@@ -1,0 +1,155 @@
+// The CUDA paths, run by scripts/gpu-check on a GPU machine (ctest label `cuda`; scripts/test
+// leaves them out: this machine has no GPU). Each test proves one path end to end: CUDA peak
+// memory, checkpoints staged through pinned host buffers, NCCL at a world of one under torchrun,
+// the CUDA profiler's kernel events and GPU verdict, bf16-mixed training, and the captured step
+// (CUDA graphs) against eager.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <torch/cuda.h>
+
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "kiln/compile.h"
+#include "kiln/session.h"
+#include "support/helpers.h"
+
+namespace kiln::testing {
+namespace {
+
+using nlohmann::json;
+
+json read_json(const std::filesystem::path& path) {
+  return json::parse(slurp(path));
+}
+
+std::string gpt_args(const std::filesystem::path& dir, const std::string& name) {
+  return fmt::format(
+      "{} --set run.dir={} --set run.name={} --set run.device=cuda --set run.progress=off "
+      "--set model.name=gpt --set model.preset=tiny --set data.name=text --set data.seq_len=64 "
+      "--set train.batch_size=16 --set train.eval_every=0 --set train.eval_batches=2 "
+      "--set data.num_workers=2",
+      (source_dir() / "configs/gpt-tiny.toml").string(), dir.string(), name);
+}
+
+TEST(Cuda, DeviceIsThere) {
+  ASSERT_TRUE(torch::cuda::is_available()) << "these tests need a CUDA device";
+}
+
+TEST(Cuda, PeakMemoryComesFromTheCachingAllocator) {
+  const torch::Device device(torch::kCUDA, 0);
+  reset_peak_memory(device);
+  auto big = torch::empty({256, 1024, 1024}, torch::TensorOptions().device(device));  // 1 GiB
+  big.fill_(1.0f);
+  const PeakMemory peak = read_peak_memory(device);
+  EXPECT_GE(peak.allocated_bytes, 1024.0 * 1024 * 1024);
+  EXPECT_GE(peak.reserved_bytes, peak.allocated_bytes);
+  EXPECT_NE(peak.method.find("CUDA"), std::string::npos) << peak.method;
+}
+
+double last_loss(const std::filesystem::path& metrics) {
+  double loss = 0;
+  std::istringstream lines(slurp(metrics));
+  for (std::string line; std::getline(lines, line);) {
+    if (line.empty()) continue;
+    const json record = json::parse(line);
+    if (record.contains("loss") && record["loss"].is_number()) loss = record["loss"];
+  }
+  return loss;
+}
+
+TEST(Cuda, CheckpointsStageThroughPinnedBuffersAndResume) {
+  TempDir dir;
+  const std::string common =
+      gpt_args(dir.path(), "ckpt") + " --set checkpoint.every_steps=6 --set checkpoint.async=true";
+  const CommandResult full =
+      run_kiln("train " + common + " --set run.name=full --set train.steps=12");
+  ASSERT_EQ(full.exit_code, 0) << full.out << full.err;
+  const CommandResult first = run_kiln("train " + common + " --set train.steps=6");
+  ASSERT_EQ(first.exit_code, 0) << first.out << first.err;
+  const CommandResult resumed = run_kiln("train " + common + " --set train.steps=12 --resume auto");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.out << resumed.err;
+  const double a = last_loss(dir / "full" / "metrics.jsonl");
+  const double b = last_loss(dir / "ckpt" / "metrics.jsonl");
+  EXPECT_NEAR(b, a, 1e-4 * a);  // CUDA kernels need not be bitwise across processes
+}
+
+TEST(Cuda, NcclAtAWorldOfOneUnderTorchrun) {
+  TempDir dir;
+  const CommandResult r = run_shell(fmt::format(
+      "{} --standalone --nproc-per-node 1 {} train {} --set train.steps=6 --set dist.backend=nccl",
+      KILN_TORCHRUN, KILN_CLI, gpt_args(dir.path(), "nccl")));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const json manifest = read_json(dir / "nccl" / "manifest.json");
+  EXPECT_NE(manifest.dump().find("nccl"), std::string::npos) << manifest.dump(2);
+}
+
+TEST(Cuda, ProfilerRecordsKernelsAndTheGpuVerdict) {
+  TempDir dir;
+  const CommandResult r =
+      run_kiln("profile " + gpt_args(dir.path(), "prof") +
+               " --set profile.skip_first=2 --set profile.warmup=1 --set profile.active=3");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const json profile = read_json(dir / "prof" / "profile.json");
+  ASSERT_TRUE(profile["analysis"].contains("gpu")) << profile.dump(2);
+  EXPECT_GT(profile["analysis"]["gpu"]["kernels"].get<double>(), 0);
+  EXPECT_GT(profile["analysis"]["gpu"]["kernel_us"].get<double>(), 0);
+  EXPECT_TRUE(profile["verdict"].contains("bottleneck"));
+}
+
+TEST(Cuda, Bf16MixedTrainsCloseToFp32) {
+  TempDir dir;
+  const std::string common = gpt_args(dir.path(), "fp32") + " --set train.steps=40";
+  const CommandResult fp32 = run_kiln("train " + common);
+  ASSERT_EQ(fp32.exit_code, 0) << fp32.out << fp32.err;
+  const CommandResult bf16 =
+      run_kiln("train " + common + " --set run.name=bf16 --set train.precision=bf16-mixed");
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.out << bf16.err;
+  const double a = last_loss(dir / "fp32" / "metrics.jsonl");
+  const double b = last_loss(dir / "bf16" / "metrics.jsonl");
+  EXPECT_NEAR(b, a, 0.02 * a);
+}
+
+TEST(Cuda, CapturedStepReplaysMatchEager) {
+  TempDir dir;
+  const Config config = gpt_config(
+      dir.path(), {"run.device=cuda", "compile.backend=cudagraphs", "compile.warmup_steps=3",
+                   "train.grad_accum_steps=2", "optim.warmup_steps=5", "data.num_workers=0"});
+  const torch::Device device(torch::kCUDA, 0);
+  Trainer eager(config, make_model(config), make_datasets(config), {.device = device});
+  Trainer captured(config, make_model(config), make_datasets(config), {.device = device});
+  auto step = attach_captured_step(captured, config);
+  ASSERT_TRUE(step);
+  auto eager_log = std::make_shared<StepLog>(), captured_log = std::make_shared<StepLog>();
+  eager.add_hook(eager_log);
+  captured.add_hook(captured_log);
+  for (int k = 0; k < 12; ++k) {
+    eager.train_step(/*sync=*/true);
+    captured.train_step(/*sync=*/true);
+  }
+  EXPECT_EQ(step->eager_steps(), 3);
+  EXPECT_EQ(step->replays(), 9);
+  EXPECT_TRUE(step->report().breaks.empty());
+  for (size_t k = 0; k < eager_log->steps.size(); ++k) {
+    EXPECT_NEAR(captured_log->steps[k].loss, eager_log->steps[k].loss,
+                1e-4 * std::abs(eager_log->steps[k].loss))
+        << "step " << k + 1;
+  }
+}
+
+TEST(Cuda, CompileRungWithInductorAndCudaGraphs) {
+  TempDir dir;
+  const CommandResult r =
+      run_kiln("compile " + gpt_args(dir.path(), "compile") +
+               " --set compile.backend=inductor+cudagraphs --set compile.warmup_steps=3 "
+               "--set compile.steps=6 --set compile.probe_seq_lens=none --set model.n_layer=1");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const json c = read_json(dir / "compile" / "compile.json");
+  EXPECT_TRUE(c["passed"].get<bool>()) << c.dump(2);
+  EXPECT_GT(c["speedup"].get<double>(), 0);
+  ASSERT_TRUE(c.contains("capture"));
+  EXPECT_EQ(c["capture"]["graphs"].size(), 1u);
+}
+
+}  // namespace
+}  // namespace kiln::testing
