@@ -1,5 +1,6 @@
 #include "kiln/models.h"
 
+#include <fmt/format.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
@@ -42,12 +43,13 @@ class Mlp final : public Model {
     }
   }
   torch::Tensor forward(const torch::Tensor& inputs) override {
-    auto hidden = fc1_->forward(inputs);
+    auto hidden = run_unit(
+        0, [this](const torch::Tensor& x) { return fc1_->forward(x); }, inputs);
     // The test model for graph breaks: a branch on the data (a host sync), as `if x.sum() > 0`.
-    if (data_dependent_branch_ && !(inputs.sum().item<double>() > 0)) {
-      return fc2_->forward(torch::tanh(hidden));
-    }
-    return fc2_->forward(torch::relu(hidden));  // [B, C]
+    const bool negative = data_dependent_branch_ && !(inputs.sum().item<double>() > 0);
+    hidden = negative ? torch::tanh(hidden) : torch::relu(hidden);
+    return run_unit(
+        1, [this](const torch::Tensor& x) { return fc2_->forward(x); }, hidden);
   }
   std::string architecture() const override { return "mlp"; }
   nlohmann::json describe() const override {
@@ -58,6 +60,9 @@ class Mlp final : public Model {
   }
   double train_flops_per_sample(int64_t) const override {
     return 6.0 * static_cast<double>(parameter_count(*this));
+  }
+  std::vector<ModelUnit> units() const override {
+    return {{"fc1", {"fc1.weight", "fc1.bias"}}, {"fc2", {"fc2.weight", "fc2.bias"}}};
   }
 
  private:
@@ -145,7 +150,11 @@ class Gpt final : public Model {
     }
     auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
     auto x = wte_->forward(idx) + wpe_->forward(pos);  // [B, T, C]
-    for (auto& block : blocks_) x = block->forward(x);
+    for (size_t i = 0; i < blocks_.size(); ++i) {
+      x = run_unit(
+          static_cast<int>(i),
+          [block = blocks_[i].get()](const torch::Tensor& in) { return block->forward(in); }, x);
+    }
     x = ln_f_->forward(x);
     return F::linear(x, wte_->weight);  // [B, T, V], head tied to the token embedding
   }
@@ -167,6 +176,17 @@ class Gpt final : public Model {
     const double per_token =
         6.0 * params + 12.0 * static_cast<double>(config_.n_layer * config_.n_embd * seq_len);
     return per_token * static_cast<double>(seq_len);
+  }
+  std::vector<ModelUnit> units() const override {
+    std::vector<ModelUnit> out;
+    for (size_t i = 0; i < blocks_.size(); ++i) {
+      ModelUnit unit{fmt::format("transformer.h.{}", i), {}};
+      for (const auto& item : blocks_[i]->named_parameters()) {
+        unit.parameters.push_back(fmt::format("{}.{}", unit.name, item.key()));
+      }
+      out.push_back(std::move(unit));
+    }
+    return out;
   }
 
  private:
@@ -203,6 +223,24 @@ GptConfig preset(const std::string& name) {
 }
 
 }  // namespace
+
+void Model::add_unit_wrapper(std::shared_ptr<UnitWrapper> wrapper) {
+  unit_wrappers_.push_back(std::move(wrapper));
+}
+
+torch::Tensor Model::run_unit(int unit, const UnitForward& forward, const torch::Tensor& input) {
+  if (unit_wrappers_.empty()) return forward(input);
+  // Wrapper k gets the chain of wrappers k+1.. around `forward`: the first added is outermost.
+  // Each link owns its inner chain by value, so a wrapper may keep its `forward` and call it
+  // again after this returns (activation checkpointing recomputes in backward).
+  UnitForward chain = forward;
+  for (size_t k = unit_wrappers_.size() - 1; k > 0; --k) {
+    chain = [wrapper = unit_wrappers_[k], unit, inner = std::move(chain)](const torch::Tensor& x) {
+      return wrapper->run(unit, inner, x);
+    };
+  }
+  return unit_wrappers_[0]->run(unit, chain, input);
+}
 
 torch::Tensor Model::loss(const torch::Tensor& logits, const torch::Tensor& targets) const {
   return F::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));

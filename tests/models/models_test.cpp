@@ -105,5 +105,76 @@ TEST(Gpt, BadShapesAreUserErrors) {
                UserError);
 }
 
+// Records the order wrappers run in and passes through (or doubles) the unit's output.
+class RecordingWrapper : public UnitWrapper {
+ public:
+  RecordingWrapper(std::string tag, std::vector<std::string>& log, double scale = 1.0)
+      : tag_(std::move(tag)), log_(log), scale_(scale) {}
+  torch::Tensor run(int unit, const UnitForward& forward, const torch::Tensor& input) override {
+    log_.push_back(tag_ + " in " + std::to_string(unit));
+    auto out = forward(input) * scale_;
+    log_.push_back(tag_ + " out " + std::to_string(unit));
+    return out;
+  }
+
+ private:
+  std::string tag_;
+  std::vector<std::string>& log_;
+  double scale_;
+};
+
+TEST(Units, PartitionTheParametersOutsideTheRootGroup) {
+  auto gpt = make_model(gpt_preset("tiny"));
+  auto units = gpt->units();
+  ASSERT_EQ(units.size(), 5u);  // one per block
+  std::set<std::string> names;
+  for (const auto& item : gpt->named_parameters()) names.insert(item.key());
+  std::set<std::string> in_units;
+  for (const auto& unit : units) {
+    EXPECT_EQ(unit.parameters.size(), 12u)
+        << unit.name;  // ln_1, c_attn, c_proj, ln_2, c_fc, c_proj
+    for (const auto& name : unit.parameters) {
+      EXPECT_TRUE(names.count(name)) << name;
+      EXPECT_TRUE(in_units.insert(name).second) << name << " in two units";
+    }
+  }
+  EXPECT_EQ(units[0].name, "transformer.h.0");
+  // The root group: embeddings and the final norm (the head is tied to wte).
+  EXPECT_EQ(names.size() - in_units.size(), 4u);
+  auto mlp = make_model(Config::parse("", "x", {"model.name=mlp"}));
+  ASSERT_EQ(mlp->units().size(), 2u);
+  EXPECT_EQ(mlp->units()[1].parameters, (std::vector<std::string>{"fc2.weight", "fc2.bias"}));
+}
+
+TEST(Units, WrappersNestInTheOrderAddedAndSeeEveryUnit) {
+  torch::manual_seed(0);
+  auto mlp = make_model(Config::parse("", "x", {"model.name=mlp"}));
+  auto inputs = torch::randn({3, mlp->named_parameters()["fc1.weight"].size(1)});
+  auto plain = mlp->forward(inputs);
+  std::vector<std::string> log;
+  mlp->add_unit_wrapper(std::make_shared<RecordingWrapper>("outer", log));
+  mlp->add_unit_wrapper(std::make_shared<RecordingWrapper>("inner", log));
+  auto wrapped = mlp->forward(inputs);
+  EXPECT_TRUE(torch::equal(plain, wrapped));
+  EXPECT_EQ(log,
+            (std::vector<std::string>{"outer in 0", "inner in 0", "inner out 0", "outer out 0",
+                                      "outer in 1", "inner in 1", "inner out 1", "outer out 1"}));
+  // A wrapper's result is the unit's output: doubling the last layer doubles the logits.
+  mlp->clear_unit_wrappers();
+  log.clear();
+  struct LastOnly : UnitWrapper {
+    torch::Tensor run(int unit, const UnitForward& forward, const torch::Tensor& input) override {
+      return unit == 1 ? forward(input) * 2.0 : forward(input);
+    }
+  };
+  mlp->add_unit_wrapper(std::make_shared<LastOnly>());
+  EXPECT_TRUE(torch::allclose(mlp->forward(inputs), plain * 2.0));
+  auto gpt = make_model(gpt_preset("tiny"));
+  gpt->add_unit_wrapper(std::make_shared<RecordingWrapper>("w", log));
+  gpt->forward(torch::zeros({1, 8}, torch::kLong));
+  EXPECT_EQ(log.size(), 10u);  // in and out of each of the 5 blocks
+  EXPECT_EQ(log.back(), "w out 4");
+}
+
 }  // namespace
 }  // namespace kiln::testing
