@@ -183,6 +183,19 @@ const Device& find_device(const std::vector<Device>& catalog, std::string_view n
 /// 80GB HBM3" (case-insensitive), or nullptr.
 const Device* device_for_name(const std::vector<Device>& catalog, std::string_view device_name);
 
+/// The precision the config trains in: train.precision when the schema declares it, else "fp32".
+std::string training_precision(const Config& config);
+
+/// The dense peak FLOP/s for `precision` ("fp32" | "tf32" | "bf16" | "fp16") of the catalog row
+/// (plan.catalog rows included) matching a runtime device name such as "NVIDIA H100 80GB HBM3";
+/// 0 when no row matches ("cpu"). The baseline's MFU and the pilot use it.
+double catalog_peak_flops(const Config& config, std::string_view device_name,
+                          std::string_view precision);
+
+/// The runtime name of a device from a manifest's device records: "cpu" for cuda_index < 0, else
+/// the record's "name" of CUDA device `cuda_index` ("cuda:<index>" when it has none).
+std::string manifest_device_name(const nlohmann::json& manifest, int cuda_index);
+
 // ---- time and budget ---------------------------------------------------------------------------
 
 /// Young's optimal checkpoint interval tau = sqrt(2 delta M) (Young 1974; Daly 2006's first

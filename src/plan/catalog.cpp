@@ -6,6 +6,7 @@
 #include <cctype>
 
 #include "core/strings.h"
+#include "kiln/config.h"
 #include "kiln/error.h"
 #include "kiln/plan.h"
 
@@ -174,6 +175,28 @@ const Device* device_for_name(const std::vector<Device>& catalog, std::string_vi
     }
   }
   return nullptr;
+}
+
+std::string training_precision(const Config& config) {
+  return find_key("train.precision") != nullptr ? config.get_string("train.precision") : "fp32";
+}
+
+double catalog_peak_flops(const Config& config, std::string_view device_name,
+                          std::string_view precision) {
+  const auto catalog = load_catalog(config.get_string("plan.catalog"));
+  const Device* device = device_for_name(catalog, device_name);
+  return device != nullptr ? device->peak_flops_for(precision) : 0.0;
+}
+
+std::string manifest_device_name(const nlohmann::json& manifest, int cuda_index) {
+  if (cuda_index < 0) return "cpu";
+  if (manifest.is_object() && manifest.contains("devices")) {
+    for (const auto& d : manifest["devices"]) {
+      if (d.value("type", "") == "cuda" && d.value("index", -1) == cuda_index && d.contains("name"))
+        return d["name"].get<std::string>();
+    }
+  }
+  return fmt::format("cuda:{}", cuda_index);
 }
 
 }  // namespace kiln

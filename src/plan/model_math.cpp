@@ -74,7 +74,7 @@ JobShape job_shape(const Config& config) {
   job.world_size = config.get_int("plan.gpus");
   job.optimizer = config.get_string("optim.name");
   job.momentum = config.get_float("optim.momentum") > 0;
-  if (find_key("train.precision") != nullptr) job.precision = config.get_string("train.precision");
+  job.precision = training_precision(config);
   job.activation_checkpointing = config.get_bool("plan.activation_checkpointing");
   return job;
 }
