@@ -128,17 +128,26 @@ double state_bytes_per_parameter(const JobShape& job);
 /// adapted to kiln's block as docs/plan.md shows).
 struct MemoryEstimate {
   double parameters = 0, gradients = 0, optimizer = 0;
-  double activations = 0;  // saved for backward by the blocks, embeddings and final norm
-  double logits = 0;       // the [b, s, V] buffers: logits, log-softmax and their gradient
+  double activations = 0;  // saved for backward by the blocks, the final norm; the batch
+  double logits = 0;       // the [b, s, V] buffers at the loss's backward: log-softmax and grads
+  /// What joins the activations at the last block's backward (its gradient buffers, the first
+  /// parameter gradients) once the logits buffers are freed.
+  double backward_extra = 0;
   /// Everything at once: what DDP must hold (its gradient buckets keep the gradients between
   /// steps), the strategy rule's figure.
-  double total() const { return parameters + gradients + optimizer + activations + logits; }
+  double total() const {
+    return parameters + gradients + optimizer + activations +
+           (logits > backward_extra ? logits : backward_extra);
+  }
   /// The peak of one eager kiln step: gradients are freed between steps (zero_grad sets them to
-  /// none) and grow in backward while the activations are freed, so the peak is the larger of
-  /// the start of backward (activations + logits) and its end (gradients).
+  /// none) and grow in backward while the activations are freed, so the peak is the largest of
+  /// the loss's backward (activations + logits), the last block's backward (activations +
+  /// backward_extra) and the end of backward (all gradients).
   double step_peak() const {
-    return parameters + optimizer +
-           (activations + logits > gradients ? activations + logits : gradients);
+    double moment = activations + logits;
+    if (activations + backward_extra > moment) moment = activations + backward_extra;
+    if (gradients > moment) moment = gradients;
+    return parameters + optimizer + moment;
   }
 };
 MemoryEstimate estimate_memory(const ModelShape& shape, const JobShape& job);

@@ -3,7 +3,6 @@
 // at the first failed gate; `kiln <rung>` runs one.
 #pragma once
 
-#include <filesystem>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -84,31 +83,6 @@ RungResult run_scale_rung(const Config& config, const SessionOptions& options);
 /// to 2K. Gate: its losses and final parameters are bitwise equal to the reference's. Runs the
 /// kiln executable ($KILN_EXECUTABLE, else /proc/self/exe). Writes <run dir>/checkpoint.json.
 RungResult run_checkpoint_drill(const Config& config, const SessionOptions& options);
-
-/// The pilot (docs/plan.md): pins the environment into manifest.json (kiln/run.h
-/// environment_pins), trains pilot.steps steps at the config's production shape (micro-batch, seq,
-/// accumulation, world size unchanged), measures the last one's peak memory (CUDA max allocated
-/// per rank; CPU the peak of live tensor bytes, kiln/memory.h, beside the process's peak RSS) and
-/// sets it beside the analytic estimate (kiln/plan.h), evaluates once, saves a checkpoint, trains
-/// one more step, frees the model, and restores the checkpoint in a fresh `kiln train` process
-/// that trains the same step: loss and tensors must be bitwise equal (a world of one; under
-/// torchrun the checkpoint rung's drill proves the restore). Writes <run dir>/pilot.json (what
-/// `kiln plan --pilot` reads) and <run dir>/pilot/. Gate: the restore check.
-RungResult run_pilot(const Config& config, const SessionOptions& options);
-
-/// `kiln pilot --check-pins MANIFEST`: every difference between a pinned manifest and this
-/// machine and these inputs (the config's data and initial weights, the environment pins when the
-/// manifest has them), one line each (kiln/run.h manifest_differences). Builds the datasets and
-/// the model; writes nothing. Throws UserError for a file that is not a kiln manifest.
-std::vector<std::string> check_pins(const Config& config, const std::filesystem::path& manifest);
-
-/// The plan (kiln/plan.h make_plan): the job on each hardware row from the config alone, never
-/// building the model, calibrated by the pilot in `pilot_dir` when not empty (its job hash must
-/// match). Writes <run dir>/plan.json and plan.md. `passed`: some row fits a 30-day reservation
-/// (advice, not a gate of the job). Throws UserError (unknown hardware, a pilot of another job,
-/// with `require_cost` a missing price or MTBF).
-RungResult run_plan(const Config& config, const std::filesystem::path& pilot_dir = {},
-                    bool require_cost = false);
 
 struct Rung {
   std::string name;

@@ -1,3 +1,5 @@
+#include "kiln/pilot.h"
+
 #include <fmt/format.h>
 
 #include "cli/commands.h"

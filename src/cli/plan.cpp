@@ -4,6 +4,7 @@
 
 #include "cli/commands.h"
 #include "kiln/error.h"
+#include "kiln/pilot.h"
 #include "kiln/rungs.h"
 
 namespace kiln::cli {

@@ -98,24 +98,29 @@ MemoryEstimate estimate_memory(const ModelShape& s, const JobShape& job) {
     m.activations =
         b * (static_cast<double>(s.input_dim) + 2.0 * static_cast<double>(s.hidden_dim)) * e;
     m.logits = 3.0 * b * static_cast<double>(s.num_classes) * 4.0;
+    m.backward_extra = b * static_cast<double>(s.hidden_dim) * e;  // the hidden layer's gradient
     return m;
   }
   const double t = static_cast<double>(job.seq_len), h = static_cast<double>(s.n_embd),
                a = static_cast<double>(s.n_head), layers = static_cast<double>(s.n_layer);
   const double sbh = t * b * h, sb = t * b;
   // Per block (Korthikanti et al. 2022, sbh(34 + 5as/h) bytes in 16-bit, adapted to kiln's block:
-  // no dropout masks, SDPA keeps no [s, s] matrix but its output and an fp32 log-sum-exp [b, a,
-  // s], and the attention output is held twice (SDPA's output and the contiguous input of c_proj):
-  // 17 sbh elements = 34 sbh bytes in 16-bit) plus the two LayerNorms' mean and rstd.
-  const double per_block = job.activation_checkpointing
-                               ? sbh * e  // only the block's input; one block recomputed at a time
-                               : 17.0 * sbh * e + 4.0 * a * sb + 2.0 * 2.0 * sb * 4.0;
-  const double recomputed = job.activation_checkpointing ? 17.0 * sbh * e + 4.0 * a * sb : 0.0;
+  // no dropout, so none of its two sbh masks; SDPA keeps no [s, s] matrix but an fp32 log-sum-exp
+  // [b, a, s]): 16 sbh elements (32 sbh bytes in 16-bit) plus the two LayerNorms' mean and rstd.
+  const double block = 16.0 * sbh * e + 4.0 * a * sb + 2.0 * 2.0 * sb * 4.0;
+  const double per_block = job.activation_checkpointing ? sbh * e : block;
+  // With checkpointing, one block's activations are live again while it is recomputed.
+  const double recomputed = job.activation_checkpointing ? block : 0.0;
   // The final LayerNorm's input and output, and the batch (inputs and targets, int64).
   m.activations = layers * per_block + recomputed + 2.0 * sbh * e + 2.0 * sb * 4.0 + 2.0 * sb * 8.0;
   // Cross-entropy in fp32: log-softmax's output [b, s, V] lives until backward, where the
   // gradient of it and of the logits join it.
-  m.logits = 3.0 * sb * static_cast<double>(s.vocab_size) * 4.0;
+  const double v = static_cast<double>(s.vocab_size);
+  m.logits = 3.0 * sb * v * 4.0;
+  // The last block's MLP backward: the gradients of the residual stream (sbh), the GELU output
+  // and the c_fc output (4 sbh each) while the final norm's and the log-softmax's tensors are
+  // freed, and the first parameter gradients (the tied head, mlp.c_proj) are live.
+  m.backward_extra = 7.0 * sbh * e + 4.0 * (v * h + 4.0 * h * h);
   return m;
 }
 
@@ -131,7 +136,7 @@ StrategyInput strategy_input(const ModelShape& shape, const JobShape& job,
   StrategyInput in;
   in.ddp_model_state_bytes = m.parameters + m.gradients + m.optimizer;
   in.largest_unit_parameter_bytes = 4.0 * static_cast<double>(largest_unit_parameter_count(shape));
-  in.activation_bytes = m.activations + m.logits;
+  in.activation_bytes = m.activations + std::max(m.logits, m.backward_extra);
   in.device_memory_bytes = device_memory_bytes;
   in.headroom_fraction = headroom_fraction;
   in.gpu_count = job.world_size;

@@ -7,6 +7,7 @@
 #include "kiln/dist.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
+#include "kiln/pilot.h"
 #include "kiln/profile.h"
 #include "kiln/run.h"
 #include "kiln/rungs.h"

@@ -1,11 +1,14 @@
 // The pilot: pins, one full cycle at the production shape (train, evaluate, save, restore in a
 // fresh process and compare), the measured peak memory of a full optimizer step beside the
 // analytic estimate (docs/plan.md).
+#include "kiln/pilot.h"
+
 #include <fmt/format.h>
 
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <map>
 
 #include "core/clock.h"
 #include "core/files.h"
@@ -133,6 +136,7 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
     if (p.grad().defined()) grads.push_back(p.grad());
   }
   const double grad_bytes = tensor_bytes(grads);
+  params.clear(), grads.clear(), state.clear();  // hold no reference past the model's lifetime
 
   // Measured peak of live tensors: the model state held across steps plus the step's own peak
   // (gradients are freed at the step's start and grow in backward as activations are freed).

@@ -10,6 +10,7 @@
 #include "core/strings.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
+#include "kiln/pilot.h"
 #include "kiln/run.h"
 #include "kiln/rungs.h"
 
