@@ -139,16 +139,20 @@ struct MemoryEstimate {
     return parameters + gradients + optimizer + activations +
            (logits > backward_extra ? logits : backward_extra);
   }
-  /// The peak of one eager kiln step: gradients are freed between steps (zero_grad sets them to
-  /// none) and grow in backward while the activations are freed, so the peak is the largest of
-  /// the loss's backward (activations + logits), the last block's backward (activations +
-  /// backward_extra) and the end of backward (all gradients).
+  /// The peak of one eager kiln step (one micro-batch per step): gradients are freed between steps
+  /// (zero_grad sets them to none) and grow in backward while the activations are freed, so the
+  /// peak is the largest of the loss's backward (activations + logits), the last block's backward
+  /// (activations + backward_extra) and the end of backward (all gradients). With gradient
+  /// accumulation the gradients of the earlier micro-batches stay live through the later ones'
+  /// forward and backward: then the peak holds them all beside the activations.
   double step_peak() const {
     double moment = activations + logits;
     if (activations + backward_extra > moment) moment = activations + backward_extra;
+    if (gradients_held) return parameters + optimizer + gradients + moment;
     if (gradients > moment) moment = gradients;
     return parameters + optimizer + moment;
   }
+  bool gradients_held = false;  // grad_accum_steps > 1
 };
 MemoryEstimate estimate_memory(const ModelShape& shape, const JobShape& job);
 nlohmann::json to_json(const MemoryEstimate& estimate);

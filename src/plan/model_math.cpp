@@ -90,6 +90,7 @@ MemoryEstimate estimate_memory(const ModelShape& s, const JobShape& job) {
   m.parameters = 4.0 * n;
   m.gradients = 4.0 * n;
   m.optimizer = (state_bytes_per_parameter(job) - 8.0) * n;
+  m.gradients_held = job.grad_accum_steps > 1;
   const double e = element_bytes(job.precision);
   const double b = static_cast<double>(job.micro_batch);
   if (s.architecture == "mlp") {
@@ -125,9 +126,15 @@ MemoryEstimate estimate_memory(const ModelShape& s, const JobShape& job) {
 }
 
 nlohmann::json to_json(const MemoryEstimate& m) {
-  return {{"parameters_bytes", m.parameters}, {"gradients_bytes", m.gradients},
-          {"optimizer_bytes", m.optimizer},   {"activations_bytes", m.activations},
-          {"logits_bytes", m.logits},         {"total_bytes", m.total()}};
+  return {{"parameters_bytes", m.parameters},
+          {"gradients_bytes", m.gradients},
+          {"optimizer_bytes", m.optimizer},
+          {"activations_bytes", m.activations},
+          {"logits_bytes", m.logits},
+          {"backward_extra_bytes", m.backward_extra},
+          {"gradients_held_across_micro_batches", m.gradients_held},
+          {"step_peak_bytes", m.step_peak()},
+          {"total_bytes", m.total()}};
 }
 
 StrategyInput strategy_input(const ModelShape& shape, const JobShape& job,

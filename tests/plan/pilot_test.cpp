@@ -64,6 +64,8 @@ TEST(PilotMemory, EstimateWithinFifteenPercentOfTheMeasuredPeak) {
   const std::vector<std::vector<std::string>> cases = {
       {"model.preset=tiny", "data.seq_len=64", "train.batch_size=8"},
       {"model.preset=tiny", "data.seq_len=64", "train.batch_size=16"},
+      // Accumulation: the earlier micro-batches' gradients stay live beside the activations.
+      {"model.preset=tiny", "data.seq_len=64", "train.batch_size=8", "train.grad_accum_steps=2"},
       {"model.preset=small", "data.seq_len=64", "train.batch_size=4"},
       {"model.preset=small", "data.seq_len=128", "train.batch_size=4"},
   };
