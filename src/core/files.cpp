@@ -1,17 +1,22 @@
 #include "core/files.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <vector>
 
+#include "core/pins.h"
 #include "kiln/error.h"
 
 namespace kiln {
@@ -115,6 +120,55 @@ uint64_t hash_file(const std::filesystem::path& path) {
     XXH3_64bits_update(state.get(), buffer.data(), static_cast<size_t>(n));
   }
   return XXH3_64bits_digest(state.get());
+}
+
+namespace {
+
+std::filesystem::path hash_cache_file() {
+  if (const char* explicit_file = std::getenv("KILN_HASH_CACHE"); explicit_file && *explicit_file)
+    return explicit_file;
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg)
+    return std::filesystem::path(xdg) / "kiln" / "file-hashes.json";
+  if (const char* home = std::getenv("HOME"); home && *home)
+    return std::filesystem::path(home) / ".cache" / "kiln" / "file-hashes.json";
+  return {};
+}
+
+}  // namespace
+
+uint64_t hash_file_cached(const std::filesystem::path& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) throw UserError("cannot read " + path.string() + ": " + errno_text());
+  std::error_code ec;
+  const std::string key = std::filesystem::absolute(path, ec).string();
+  const int64_t mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  const std::filesystem::path cache = hash_cache_file();
+  nlohmann::json entries = nlohmann::json::object();
+  if (!cache.empty()) {
+    std::ifstream in(cache);
+    if (in) {
+      entries = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+      if (!entries.is_object()) entries = nlohmann::json::object();
+    }
+    auto it = entries.find(key);
+    if (it != entries.end() && it->is_object() && it->value("size", int64_t{-1}) == st.st_size &&
+        it->value("mtime_ns", int64_t{-1}) == mtime_ns && it->contains("xxh3")) {
+      return std::stoull(it->at("xxh3").get<std::string>(), nullptr, 16);
+    }
+  }
+  const uint64_t hash = hash_file(path);
+  if (!cache.empty()) {
+    char hex[17];
+    std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(hash));
+    entries[key] = {{"size", static_cast<int64_t>(st.st_size)}, {"mtime_ns", mtime_ns}, {"xxh3", hex}};
+    try {
+      std::filesystem::create_directories(cache.parent_path(), ec);
+      write_file_atomic(cache, entries.dump(1) + "\n");
+    } catch (const std::exception&) {
+      // advisory: the hash stands without the cache
+    }
+  }
+  return hash;
 }
 
 std::string join_command_line(int argc, const char* const* argv) {

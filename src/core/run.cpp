@@ -14,11 +14,15 @@
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
+#include <optional>
+#include <set>
 #include <sstream>
 #include <thread>
 
 #include "core/files.h"
+#include "core/pins.h"
 #include "core/process.h"
+#include "core/strings.h"
 #ifdef KILN_WITH_CUDA
 #include "core/cuda_info.h"
 #endif
@@ -109,6 +113,106 @@ const char* env_or_null(const char* name) {
   return value && *value ? value : nullptr;
 }
 
+// Where the container image digest comes from: KILN_CONTAINER_DIGEST, else what the runtime
+// exposes inside the container (podman's /run/.containerenv names the image and its id; docker's
+// /.dockerenv and a container cgroup only say "a container"), else not in a container.
+json container_pin() {
+  if (const char* digest = env_or_null("KILN_CONTAINER_DIGEST")) {
+    return {{"digest", digest}, {"digest_source", "KILN_CONTAINER_DIGEST"}};
+  }
+  std::ifstream podman("/run/.containerenv");
+  if (podman) {
+    std::string line, image, id;
+    while (std::getline(podman, line)) {
+      if (line.rfind("image=", 0) == 0) image = line.substr(6);
+      if (line.rfind("imageid=", 0) == 0) id = line.substr(8);
+    }
+    auto unquote = [](std::string v) {
+      return v.size() >= 2 && v.front() == '"' ? v.substr(1, v.size() - 2) : v;
+    };
+    if (!id.empty()) {
+      return {{"digest", unquote(id)},
+              {"image", unquote(image)},
+              {"digest_source", "/run/.containerenv (podman image id)"}};
+    }
+    return {{"digest", nullptr},
+            {"digest_source", "in a podman container without an image id in /run/.containerenv; "
+                              "set KILN_CONTAINER_DIGEST"}};
+  }
+  std::error_code ec;
+  bool docker = std::filesystem::exists("/.dockerenv", ec);
+  std::ifstream cgroup("/proc/1/cgroup");
+  std::string line;
+  while (!docker && std::getline(cgroup, line)) {
+    docker = line.find("docker") != std::string::npos || line.find("kubepods") != std::string::npos ||
+             line.find("containerd") != std::string::npos;
+  }
+  if (docker) {
+    return {{"digest", nullptr},
+            {"digest_source", "in a container whose runtime exposes no image digest inside it "
+                              "(/.dockerenv or the cgroup); set KILN_CONTAINER_DIGEST"}};
+  }
+  return {{"digest", nullptr}, {"digest_source", "not in a container"}};
+}
+
+// stdout of a shell command, or nullopt when it cannot run or exits non-zero.
+std::optional<std::string> command_output(const std::string& command) {
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) return std::nullopt;
+  std::string out;
+  char buffer[4096];
+  size_t n;
+  while ((n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0) out.append(buffer, n);
+  const int status = ::pclose(pipe);
+  if (status != 0) return std::nullopt;
+  return out;
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!line.empty()) out.push_back(line);
+  }
+  return out;
+}
+
+void collect_differences(const json& pinned, const json& current, const std::string& path,
+                         std::vector<std::string>& out) {
+  if (pinned.is_object() && current.is_object()) {
+    for (const auto& [key, value] : pinned.items()) {
+      const std::string child = path.empty() ? key : path + "." + key;
+      if (!current.contains(key)) {
+        out.push_back(fmt::format("{}: {} -> (absent)", child, value.dump()));
+      } else {
+        collect_differences(value, current[key], child, out);
+      }
+    }
+    for (const auto& [key, value] : current.items()) {
+      if (!pinned.contains(key)) {
+        out.push_back(fmt::format("{}: (absent) -> {}", path.empty() ? key : path + "." + key,
+                                  value.dump()));
+      }
+    }
+    return;
+  }
+  if (pinned.is_array() && current.is_array() && pinned.size() > 8 &&
+      pinned.front().is_string()) {  // package lists: name the lines that differ
+    std::set<std::string> a, b;
+    for (const auto& v : pinned) a.insert(v.dump());
+    for (const auto& v : current) b.insert(v.dump());
+    for (const auto& v : a) {
+      if (!b.count(v)) out.push_back(fmt::format("{}: {} pinned, not here", path, v));
+    }
+    for (const auto& v : b) {
+      if (!a.count(v)) out.push_back(fmt::format("{}: {} here, not pinned", path, v));
+    }
+    return;
+  }
+  if (pinned != current) out.push_back(fmt::format("{}: {} -> {}", path, pinned.dump(), current.dump()));
+}
+
 }  // namespace
 
 std::string utc_now_iso8601() {
@@ -127,6 +231,70 @@ std::filesystem::path run_directory(const Config& config) {
     throw UserError("run.name = \"" + name + "\" must be a plain directory name (no '/')");
   }
   return std::filesystem::path(config.get_string("run.dir")) / name;
+}
+
+namespace {
+// A data or model identity with the config's free-text revision beside its hashes.
+json with_revision(json identity, const Config& config, const char* key) {
+  if (!identity.is_object() || find_key(key) == nullptr) return identity;
+  const std::string& revision = config.get_string(key);
+  identity["revision"] = revision.empty() ? json(nullptr) : json(revision);
+  return identity;
+}
+}  // namespace
+
+json environment_pins() {
+  json pins;
+  const std::string python = build_info().python;
+  if (python.empty()) {
+    pins["python"] = {{"executable", nullptr}, {"pip_freeze", nullptr},
+                      {"note", "kiln was built without KILN_PYTHON"}};
+  } else {
+    auto version = command_output("'" + python + "' -c 'import sys; print(sys.version.split()[0])' 2>/dev/null");
+    auto freeze = command_output("'" + python +
+                                 "' -m pip freeze --disable-pip-version-check 2>/dev/null");
+    pins["python"] = {{"executable", python},
+                      {"version", version ? json(std::string(trim(*version))) : json(nullptr)},
+                      {"pip_freeze", freeze ? json(lines_of(*freeze)) : json(nullptr)}};
+  }
+  // The Debian packages the build uses (scripts/setup installs them), with their versions.
+  static const char* const kBuildPackages[] = {
+      "cmake", "ninja-build", "g++", "libstdc++6", "libgtest-dev", "libgmock-dev",
+      "libtomlplusplus-dev", "nlohmann-json3-dev", "libcli11-dev", "libfmt-dev",
+      "libxxhash-dev", "zlib1g-dev", "libgloo-dev", "python3-venv", "ccache"};
+  std::string query = "dpkg-query -W -f='${Package}=${Version}\\n'";
+  for (const char* p : kBuildPackages) query += std::string(" ") + p;
+  // dpkg-query exits 1 when some package is not installed; it still lists the others.
+  auto packages = command_output(query + " 2>/dev/null || true");
+  pins["debian_packages"] = packages ? json(lines_of(*packages)) : json(nullptr);
+  pins["recorded_utc"] = utc_now_iso8601();
+  return pins;
+}
+
+std::vector<std::string> manifest_differences(const json& pinned, const json& current) {
+  static const char* const kVolatile[] = {"command_line", "start_time_utc", "device",
+                                          "world_size"};
+  json a = pinned, b = current;
+  for (const char* key : kVolatile) {
+    a.erase(key);
+    b.erase(key);
+  }
+  if (a.contains("pins")) a["pins"].erase("recorded_utc");
+  if (b.contains("pins")) b["pins"].erase("recorded_utc");
+  std::vector<std::string> out;
+  collect_differences(a, b, "", out);
+  // A revision that stayed while the content changed is the worst kind: say so first.
+  for (const char* part : {"data", "model"}) {
+    if (!a.contains(part) || !b.contains(part) || !a[part].is_object() || !b[part].is_object())
+      continue;
+    const json ra = a[part].value("revision", json(nullptr));
+    if (!ra.is_null() && ra == b[part].value("revision", json(nullptr)) && a[part] != b[part]) {
+      out.insert(out.begin(),
+                 fmt::format("{}.revision {} is unchanged but the {}'s content hash changed", part,
+                             ra.dump(), part));
+    }
+  }
+  return out;
 }
 
 json make_manifest(const Config& config, const std::string& command_line,
@@ -183,13 +351,14 @@ json make_manifest(const Config& config, const std::string& command_line,
         {"omp_num_threads",
          env_or_null("OMP_NUM_THREADS") ? json(env_or_null("OMP_NUM_THREADS")) : json(nullptr)}}},
       {"container_image_digest", digest ? json(digest) : json(nullptr)},
+      {"container", container_pin()},
       {"config",
        {{"file", config.source().empty() ? json(nullptr) : json(config.source().string())},
         {"hash_xxh64", config.hash()}}},
       {"seeds", {{"run.seed", config.get_int("run.seed")}, {"data.seed", data_seed(config)}}},
       {"deterministic", config.get_bool("run.deterministic")},
-      {"data", data},
-      {"model", model},
+      {"data", with_revision(data, config, "data.revision")},
+      {"model", with_revision(model, config, "model.revision")},
       {"command_line", command_line},
       {"start_time_utc", start_time_utc},
   };

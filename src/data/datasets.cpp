@@ -14,6 +14,7 @@
 #include <filesystem>
 
 #include "core/files.h"
+#include "core/pins.h"
 #include "core/strings.h"
 #include "kiln/config.h"
 #include "kiln/data.h"
@@ -312,7 +313,7 @@ Datasets make_tokens(const Config& config, int64_t vocab_limit) {
   json files = json::array();
   files.push_back({{"path", fs::absolute(path).string()},
                    {"size_bytes", fs::file_size(path)},
-                   {"content_xxh3", hex64(hash_file(path))},
+                   {"content_xxh3", hex64(hash_file_cached(path))},
                    {"tokens", train.count}});
   if (!val_path.empty()) {
     std::string val_format;
@@ -321,7 +322,7 @@ Datasets make_tokens(const Config& config, int64_t vocab_limit) {
     out.val = make_windows(val, 0, val.count, seq_len, vocab_limit, "validation");
     files.push_back({{"path", fs::absolute(val_path).string()},
                      {"size_bytes", fs::file_size(val_path)},
-                     {"content_xxh3", hex64(hash_file(val_path))},
+                     {"content_xxh3", hex64(hash_file_cached(val_path))},
                      {"tokens", val.count}});
   } else {
     const int64_t val_count =

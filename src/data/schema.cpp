@@ -18,6 +18,9 @@ ConfigSection data_section() {
                      "train .bin"),
           string_key("data", "val_path", "", {},
                      "tokens: validation .bin (default: split data.path by data.val_fraction)"),
+          string_key("data", "revision", "", {},
+                     "free text naming the data's revision, recorded beside its content hash in "
+                     "the manifest (kiln pilot --check-pins names a revision whose hash changed)"),
           string_key("data", "format", "auto", {"auto", "nanogpt", "llmc"},
                      "tokens: file format (auto = llm.c when its magic is present)"),
           float_key("data", "val_fraction", 0.1, 0.0, 0.9,

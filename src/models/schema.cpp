@@ -35,6 +35,9 @@ ConfigSection model_section() {
           int_key("model", "block_size", 0, 0, 1e7, "gpt: maximum sequence length (0 = preset)"),
           int_key("model", "vocab_size", 0, 0, 1e7,
                   "gpt: vocabulary size (0 = preset; byte text needs >= 256)"),
+          string_key("model", "revision", "", {},
+                     "free text naming the model's source revision (e.g. a hub commit), "
+                     "recorded in the manifest and checked by kiln pilot --check-pins"),
           float_key(
               "model", "init_std", 0.02, 0.0, 10.0,
               "gpt: std of the normal init (residual projections scaled by 1/sqrt(2*n_layer))"),

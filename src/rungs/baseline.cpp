@@ -5,9 +5,11 @@
 #include <numeric>
 
 #include "core/clock.h"
+#include "core/files.h"
 #include "core/strings.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
+#include "kiln/plan.h"
 #include "kiln/rungs.h"
 
 namespace kiln {
@@ -99,7 +101,20 @@ RungResult run_baseline(Session& session) {
   const int64_t seq_len = trainer.data().train->tokens_per_sample();
   const double flops_per_sample = trainer.model().train_flops_per_sample(seq_len);
   const double achieved_flops = flops_per_sample * samples_per_second;
-  const double peak_flops = config.get_float("baseline.peak_flops_per_second");
+  // The device's peak for MFU: baseline.peak_flops_per_second overrides; else the hardware
+  // catalog's dense peak for the training precision when the device is in it (kiln/plan.h).
+  double peak_flops = config.get_float("baseline.peak_flops_per_second");
+  std::string peak_source = "baseline.peak_flops_per_second";
+  if (peak_flops <= 0) {
+    const auto manifest_path = session.run->dir() / "manifest.json";
+    const std::string device_name = manifest_device_name(
+        std::filesystem::exists(manifest_path)
+            ? json::parse(read_file(manifest_path), nullptr, /*allow_exceptions=*/false)
+            : json(nullptr),
+        session.device.is_cuda() ? static_cast<int>(session.device.index()) : -1);
+    peak_flops = catalog_peak_flops(config, device_name, training_precision(config));
+    peak_source = fmt::format("hardware catalog ({}, {})", device_name, training_precision(config));
+  }
   const double min_drop = config.get_float("baseline.min_loss_drop");
 
   // Parameter, gradient and optimizer-state bytes: the model state a step must hold.
@@ -135,6 +150,8 @@ RungResult run_baseline(Session& session) {
        seq_len > 0 ? json(flops_per_sample / static_cast<double>(seq_len)) : json(nullptr)},
       {"achieved_flops_per_second", achieved_flops},
       {"mfu", peak_flops > 0 ? json(achieved_flops / peak_flops) : json(nullptr)},
+      {"peak_flops_per_second", peak_flops > 0 ? json(peak_flops) : json(nullptr)},
+      {"peak_flops_source", peak_flops > 0 ? json(peak_source) : json(nullptr)},
       {"loss_start", loss_start},
       {"loss_end", loss_end},
       {"losses", losses},
@@ -207,7 +224,8 @@ RungResult run_baseline(Session& session) {
       "compute",
       fmt::format("{:.3g} FLOP/sample, {:.3g} FLOP/s{}", flops_per_sample, achieved_flops,
                   peak_flops > 0 ? fmt::format(", MFU {:.1f}%", 100 * achieved_flops / peak_flops)
-                                 : ", MFU n/a (set baseline.peak_flops_per_second)"));
+                                 : ", MFU n/a (device not in the hardware catalog; set "
+                                   "baseline.peak_flops_per_second)"));
   t.emplace_back("loss", fmt::format("{:.4f} -> {:.4f}", loss_start, loss_end));
   t.emplace_back("val loss", fmt::format("{:.4f} -> {:.4f}", initial_eval.loss, final_eval.loss) +
                                  (final_eval.accuracy >= 0 ? fmt::format(" (accuracy {:.1f}%)",

@@ -7,7 +7,9 @@
 #include "kiln/dist.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
+#include "kiln/pilot.h"
 #include "kiln/profile.h"
+#include "kiln/run.h"
 #include "kiln/rungs.h"
 
 namespace kiln {
@@ -47,7 +49,8 @@ const std::vector<Rung>& ladder_rungs() {
          return run_baseline(*session);
        }},
       // Between baseline and profile, when a compiled step is asked for (compile.backend).
-      {"compile", [](const Config& config) { return config.get_string("compile.backend") != "eager"; },
+      {"compile",
+       [](const Config& config) { return config.get_string("compile.backend") != "eager"; },
        [](const Config& config, const SessionOptions& options) {
          auto session = open_session(config, options);  // setup checked by run_ladder
          return run_compile(*session);
@@ -65,6 +68,15 @@ const std::vector<Rung>& ladder_rungs() {
       // Last: the restore drill (save, kill, restore in a fresh process, resume, compare).
       {"checkpoint", [](const Config& config) { return config.get_bool("checkpoint.drill"); },
        run_checkpoint_drill},
+      // Then the pilot (the whole job once at its production shape) and the plan it calibrates.
+      {"pilot", [](const Config&) { return true; }, run_pilot},
+      {"plan", [](const Config&) { return true; },
+       [](const Config& config, const SessionOptions&) {
+         const auto run_dir = run_directory(config);
+         return run_plan(config, std::filesystem::exists(run_dir / "pilot.json")
+                                     ? run_dir
+                                     : std::filesystem::path{});
+       }},
   };
   return rungs;
 }

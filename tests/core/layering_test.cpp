@@ -28,6 +28,7 @@ const std::map<std::string, std::set<std::string>>& allowed() {
       t[component] = {"core", "comm", "models", "data", "train", component};
     }
     t["peer"].insert("ckpt");  // the peer export writes safetensors
+    t["plan"] = {"core", "models", "plan"};  // reads model shapes, never builds a model
     std::set<std::string> every;
     for (const auto& [name, deps] : t) every.insert(name);
     t["rungs"] = every;
@@ -46,7 +47,7 @@ std::string public_header_component(const std::string& name) {
       {"run.h", "core"},        {"build_info.h", "core"}, {"comm.h", "comm"},
       {"models.h", "models"},   {"data.h", "data"},       {"train.h", "train"},
       {"dist.h", "dist"},       {"checkpoint.h", "ckpt"}, {"safetensors.h", "ckpt"},
-      {"profile.h", "profile"}, {"peer.h", "peer"},       {"compile.h", "compile"},       {"session.h", "rungs"},
+      {"profile.h", "profile"}, {"peer.h", "peer"},       {"compile.h", "compile"},       {"plan.h", "plan"},  {"pilot.h", "rungs"}, {"memory.h", "profile"}, {"session.h", "rungs"},
       {"rungs.h", "rungs"}};
   auto it = table.find(name);
   return it == table.end() ? "" : it->second;

@@ -1,0 +1,362 @@
+// The pilot: pins, one full cycle at the production shape (train, evaluate, save, restore in a
+// fresh process and compare), the measured peak memory of a full optimizer step beside the
+// analytic estimate (docs/plan.md).
+#include "kiln/pilot.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <map>
+
+#include "core/clock.h"
+#include "core/files.h"
+#include "core/pins.h"
+#include "core/process.h"
+#include "core/strings.h"
+#include "kiln/checkpoint.h"
+#include "kiln/data.h"
+#include "kiln/error.h"
+#include "kiln/log.h"
+#include "kiln/memory.h"
+#include "kiln/models.h"
+#include "kiln/plan.h"
+#include "kiln/rungs.h"
+
+namespace kiln {
+namespace {
+
+using nlohmann::json;
+using Clock = SteadyClock;
+
+double tensor_bytes(const std::vector<torch::Tensor>& tensors) {
+  double total = 0;
+  for (const auto& t : tensors) total += static_cast<double>(t.nbytes());
+  return total;
+}
+
+// Names of the tensors that differ between two checkpoints' lists (bitwise on CPU).
+std::vector<std::string> differing(const std::vector<std::pair<std::string, torch::Tensor>>& a,
+                                   const std::vector<std::pair<std::string, torch::Tensor>>& b) {
+  std::vector<std::string> out;
+  std::map<std::string, torch::Tensor> by_name(b.begin(), b.end());
+  for (const auto& [name, x] : a) {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) {
+      out.push_back(name + " (missing after restore)");
+      continue;
+    }
+    const auto& y = it->second;
+    if (x.scalar_type() != y.scalar_type() || x.sizes() != y.sizes() ||
+        std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) != 0) {
+      out.push_back(name);
+    }
+  }
+  return out;
+}
+
+// The device's dense peak for the job's precision: baseline.peak_flops_per_second when set,
+// else the catalog row of the device, else 0 (unknown).
+double device_peak_flops(const Config& config, const std::string& device_name,
+                         const JobShape& job) {
+  if (config.get_float("baseline.peak_flops_per_second") > 0)
+    return config.get_float("baseline.peak_flops_per_second");
+  return catalog_peak_flops(config, device_name, job.precision);
+}
+
+std::string join_names(const std::vector<std::string>& names, size_t most) {
+  std::string out;
+  for (size_t k = 0; k < names.size() && k < most; ++k) out += (k ? ", " : "") + names[k];
+  if (names.size() > most) out += fmt::format(" and {} more", names.size() - most);
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> check_pins(const Config& config, const std::filesystem::path& manifest) {
+  json pinned;
+  try {
+    pinned = json::parse(read_file(manifest));
+  } catch (const json::exception& e) {
+    throw UserError(fmt::format("{}: not JSON ({})", manifest.string(), e.what()));
+  }
+  if (!pinned.is_object() || !pinned.contains("manifest_version")) {
+    throw UserError(fmt::format("{} is not a kiln manifest.json", manifest.string()));
+  }
+  apply_runtime_settings(config);  // the thread counts the manifest records
+  const Datasets data = make_datasets(config);
+  const auto model = make_model(config);
+  json current = make_manifest(config, "", "", data.identity, model_identity(*model));
+  if (pinned.contains("pins")) current["pins"] = environment_pins();
+  return manifest_differences(pinned, current);
+}
+
+RungResult run_pilot(const Config& config, const SessionOptions& options) {
+  const auto begin = Clock::now();
+  RungResult result;
+  result.rung = "pilot";
+  const int64_t steps = config.get_int("pilot.steps");
+  const ModelShape shape = model_shape(config);
+  JobShape job = job_shape(config);
+
+  auto session = open_session(config, options);
+  Trainer& trainer = *session->trainer;
+  const int world = session->comm->world_size();
+  job.world_size = world;
+  const bool writer = session->comm->rank() == 0;
+  const std::filesystem::path run_dir = session->run->dir();
+  const std::filesystem::path pilot_dir = std::filesystem::absolute(run_dir / "pilot");
+
+  // 1. Pins: the environment joins the manifest.
+  json manifest = json::parse(read_file(run_dir / "manifest.json"));
+  manifest["pins"] = environment_pins();
+  session->run->write_json("manifest.json", manifest);
+
+  // 2. Train at the production shape: the first steps allocate the optimizer state, the last is
+  // measured.
+  log::info(fmt::format("pilot: {} steps at micro-batch {} x seq {} x accum {} on {} process(es)",
+                        steps, job.micro_batch, job.seq_len, job.grad_accum_steps, world));
+  trainer.run_steps(steps - 1);
+  std::vector<torch::Tensor> params, grads, state;
+  for (const auto& p : trainer.model().parameters()) params.push_back(p);
+  for (const auto& [name, t] : trainer.optimizer().state()) state.push_back(t);
+  const double param_bytes = tensor_bytes(params), optimizer_bytes = tensor_bytes(state);
+  reset_peak_memory(session->device);
+  int64_t meter_peak = 0;
+  StepStats measured;
+  {
+    MemoryMeter meter;
+    measured = trainer.train_step(/*sync=*/true);
+    meter.stop();
+    meter_peak = meter.peak_bytes(session->device);
+  }
+  const PeakMemory process_peak = read_peak_memory(session->device);
+  for (const auto& p : trainer.model().parameters()) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  const double grad_bytes = tensor_bytes(grads);
+  params.clear(), grads.clear(), state.clear();  // hold no reference past the model's lifetime
+
+  // Measured peak of live tensors: the model state held across steps plus the step's own peak
+  // (gradients are freed at the step's start and grow in backward as activations are freed).
+  const double measured_peak =
+      session->device.is_cuda() && process_peak.allocated_bytes > 0
+          ? process_peak.allocated_bytes
+          : param_bytes + optimizer_bytes + static_cast<double>(meter_peak);
+  const MemoryEstimate estimate = estimate_memory(shape, job);
+  const double estimated_peak = estimate.step_peak();
+  const double ratio = measured_peak / estimated_peak;
+  const double measured_activations = measured_peak - param_bytes - optimizer_bytes;
+  const double activation_ratio = measured_activations / (estimate.activations + estimate.logits);
+
+  const std::string device_name = manifest_device_name(
+      manifest, session->device.is_cuda() ? static_cast<int>(session->device.index()) : -1);
+  const double peak_flops = device_peak_flops(config, device_name, job);
+  const double flops_per_step =
+      train_flops_per_token(shape, job.seq_len) *
+      static_cast<double>(job.micro_batch * job.seq_len * job.grad_accum_steps * world);
+  const double mfu = peak_flops > 0 ? flops_per_step / measured.step_seconds /
+                                          (static_cast<double>(world) * peak_flops)
+                                    : 0;
+
+  // 3. Evaluate once.
+  auto eval_begin = Clock::now();
+  const EvalStats eval = trainer.evaluate();
+  const double eval_seconds = seconds_since(eval_begin);
+
+  // 4. Save (synchronously: the time is the full write), then one more step here, saved too.
+  if (writer) std::filesystem::remove_all(pilot_dir);
+  CheckpointOptions ckpt = checkpoint_options(config, run_dir);
+  ckpt.dir = pilot_dir / "checkpoints";
+  ckpt.async = false;
+  ckpt.keep_last_k = 3;
+  double save_seconds = 0, checkpoint_bytes = 0;
+  double reference_loss = 0;
+  {
+    Checkpointer checkpointer(ckpt, *session->comm);
+    auto save_begin = Clock::now();
+    auto handle = checkpointer.save(
+        capture_training_state(trainer, *session->comm, run_dir / "manifest.json"));
+    checkpointer.wait();
+    handle->rethrow_if_failed();
+    save_seconds = seconds_since(save_begin);
+    checkpoint_bytes = static_cast<double>(handle->stats().total_bytes);
+    reference_loss = trainer.train_step(/*sync=*/true).loss;
+    auto after = checkpointer.save(
+        capture_training_state(trainer, *session->comm, run_dir / "manifest.json"));
+    checkpointer.wait();
+    after->rethrow_if_failed();
+  }
+  const int64_t saved_step = steps, final_step = steps + 1;
+  // The restore child starts after this process has freed its model and optimizer state.
+  session->trainer.reset();
+
+  // 5. Restore in a fresh process, one more step there, compare.
+  json restore = {{"step", saved_step}};
+  std::vector<std::string> problems;
+  if (world == 1) {
+    write_file_atomic(pilot_dir / "config.toml", config.to_toml(/*with_docs=*/false));
+    const std::vector<std::string> args = {
+        kiln_executable().string(),
+        "train",
+        (pilot_dir / "config.toml").string(),
+        "--set",
+        "run.dir=" + pilot_dir.string(),
+        "--set",
+        "run.name=restore",
+        "--set",
+        "run.progress=log",
+        "--set",
+        "train.steps=" + std::to_string(final_step),
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "checkpoint.dir=" + (pilot_dir / "restore" / "checkpoints").string(),
+        "--set",
+        "checkpoint.every_steps=" + std::to_string(final_step),
+        "--resume",
+        checkpoint_step_dir(ckpt.dir, saved_step).string()};
+    auto restore_begin = Clock::now();
+    const int code = wait_process(spawn_process(args, pilot_dir / "restore.log"));
+    restore["seconds"] = seconds_since(restore_begin);
+    restore["exit_status"] = code;
+    if (code != 0) {
+      problems.push_back(fmt::format("the restore process exited with {} (see {})", code,
+                                     (pilot_dir / "restore.log").string()));
+    } else {
+      const auto losses = read_step_losses(pilot_dir / "restore" / "metrics.jsonl");
+      auto it = losses.find(final_step);
+      const bool loss_equal = it != losses.end() && it->second == reference_loss;
+      restore["loss_here"] = reference_loss;
+      restore["loss_restored"] = it != losses.end() ? json(it->second) : json(nullptr);
+      restore["loss_bitwise_equal"] = loss_equal;
+      const auto here = checkpoint_step_dir(ckpt.dir, final_step);
+      const auto there = checkpoint_step_dir(pilot_dir / "restore" / "checkpoints", final_step);
+      std::vector<std::string> names;
+      for (const char* prefix : {"model/", "optim/"}) {
+        for (auto& n : differing(read_checkpoint_tensors(here, prefix, true),
+                                 read_checkpoint_tensors(there, prefix, true))) {
+          names.push_back(prefix + n);
+        }
+      }
+      restore["differing_tensors"] = names;
+      if (!loss_equal) {
+        problems.push_back(fmt::format("the restored step {} loss differs ({} here, {} restored)",
+                                       final_step, reference_loss,
+                                       restore["loss_restored"].dump()));
+      }
+      if (!names.empty()) {
+        problems.push_back(
+            fmt::format("restore check failed: {} tensor(s) differ after step {}: {}", names.size(),
+                        final_step, join_names(names, 8)));
+      }
+    }
+  } else {
+    restore["note"] = "under torchrun the restore check is the checkpoint rung's drill";
+  }
+  restore["passed"] = problems.empty();
+
+  const double max_error = config.get_float("pilot.max_estimate_error");
+  const bool estimate_ok = std::abs(ratio - 1.0) <= max_error;
+  json numbers = {
+      {"job_hash", job_hash(config)},
+      {"config_hash", config.hash()},
+      {"device", session->device.str()},
+      {"device_name", device_name},
+      {"world_size", world},
+      {"shape",
+       {{"micro_batch", job.micro_batch},
+        {"seq_len", job.seq_len},
+        {"grad_accum_steps", job.grad_accum_steps},
+        {"precision", job.precision}}},
+      {"steps", steps},
+      {"step_seconds", measured.step_seconds},
+      {"loss", measured.loss},
+      {"flops_per_step", flops_per_step},
+      {"peak_flops_per_second", peak_flops > 0 ? json(peak_flops) : json(nullptr)},
+      {"mfu", mfu > 0 ? json(mfu) : json(nullptr)},
+      {"eval_seconds", eval_seconds},
+      {"val_loss", eval.loss},
+      {"checkpoint",
+       {{"bytes", checkpoint_bytes},
+        {"save_seconds", save_seconds},
+        {"write_bytes_per_second", save_seconds > 0 ? checkpoint_bytes / save_seconds : 0.0}}},
+      {"memory",
+       {{"method", session->device.is_cuda()
+                       ? "CUDA max_memory_allocated over the measured step"
+                       : "peak of live tensor bytes over the measured step (kiln::MemoryMeter) "
+                         "plus the parameters and optimizer state held across steps"},
+        {"measured",
+         {{"peak_bytes", measured_peak},
+          {"parameters_bytes", param_bytes},
+          {"gradients_bytes", grad_bytes},
+          {"optimizer_bytes", optimizer_bytes},
+          {"activations_and_logits_bytes", measured_activations},
+          {"step_peak_above_state_bytes", meter_peak},
+          {"process_peak_rss_bytes",
+           session->device.is_cpu() ? json(process_peak.allocated_bytes) : json(nullptr)},
+          {"reserved_bytes",
+           process_peak.reserved_bytes >= 0 ? json(process_peak.reserved_bytes) : json(nullptr)}}},
+        {"estimate", to_json(estimate)},
+        {"estimate_step_peak_bytes", estimated_peak},
+        {"measured_over_estimate", ratio},
+        {"activation_ratio", activation_ratio},
+        {"within_allowed_error", estimate_ok}}},
+      {"restore", restore},
+      {"wall_seconds", seconds_since(begin)},
+  };
+  result.passed = problems.empty();
+  result.verdict =
+      result.passed ? fmt::format(
+                          "full cycle at the production shape: {} steps, eval, save, restore in a "
+                          "fresh process{}; peak {} measured vs {} estimated ({:.2f}x)",
+                          steps, world == 1 ? " bitwise equal" : " (drill under torchrun)",
+                          format_bytes(measured_peak), format_bytes(estimated_peak), ratio)
+                    : problems.front();
+  numbers["passed"] = result.passed;
+  numbers["verdict"] = result.verdict;
+  result.numbers = numbers;
+  if (!estimate_ok) {
+    log::warn(
+        fmt::format("pilot: the memory estimate is off by {:.0f}% (pilot.max_estimate_error "
+                    "{:.0f}%); plans calibrate with the measured figure (--pilot)",
+                    100 * std::abs(ratio - 1), 100 * max_error));
+  }
+  auto& t = result.table;
+  t.emplace_back("shape", fmt::format("micro-batch {} x seq {} x accum {} x {} process(es), {}",
+                                      job.micro_batch, job.seq_len, job.grad_accum_steps, world,
+                                      job.precision));
+  t.emplace_back("step", fmt::format("{}{}", format_duration(measured.step_seconds),
+                                     mfu > 0 ? fmt::format(", MFU {:.1f}%", 100 * mfu) : ""));
+  t.emplace_back("peak memory",
+                 fmt::format("{} measured, {} estimated, ratio {:.2f}", format_bytes(measured_peak),
+                             format_bytes(estimated_peak), ratio));
+  t.emplace_back("memory parts",
+                 fmt::format("params {}, grads {}, optimizer {}, activations+logits {} (logits "
+                             "{} estimated)",
+                             format_bytes(param_bytes), format_bytes(grad_bytes),
+                             format_bytes(optimizer_bytes), format_bytes(measured_activations),
+                             format_bytes(estimate.logits)));
+  if (session->device.is_cpu()) {
+    t.emplace_back("process peak RSS", format_bytes(process_peak.allocated_bytes) +
+                                           " (mostly LibTorch itself at small sizes)");
+  }
+  t.emplace_back("eval", format_duration(eval_seconds));
+  t.emplace_back(
+      "save",
+      fmt::format("{} in {} ({}/s)", format_bytes(checkpoint_bytes), format_duration(save_seconds),
+                  format_bytes(save_seconds > 0 ? checkpoint_bytes / save_seconds : 0)));
+  t.emplace_back(
+      "restore",
+      world == 1 ? (problems.empty()
+                        ? fmt::format(
+                              "step {} restored in a fresh process: loss and tensors bitwise equal",
+                              final_step)
+                        : problems.front())
+                 : restore["note"].get<std::string>());
+  session->run->write_json("pilot.json", numbers);
+  return result;
+}
+
+}  // namespace kiln
