@@ -8,6 +8,7 @@
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/profile.h"
+#include "kiln/report.h"
 #include "kiln/rungs.h"
 
 namespace kiln {
@@ -111,6 +112,8 @@ std::vector<RungResult> run_ladder(const Config& config, const SessionOptions& o
     if (ec) throw UserError("cannot create " + path.parent_path().string() + ": " + ec.message());
     write_file_atomic(path, report_markdown(config, results, skipped));
     log::info("report written to " + path.string());
+    write_report_html(path.parent_path());  // report.html: charts of every rung's files
+    log::info("report written to " + (path.parent_path() / "report.html").string());
   }
   if (error) std::rethrow_exception(error);
   return results;

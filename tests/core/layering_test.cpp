@@ -28,6 +28,8 @@ const std::map<std::string, std::set<std::string>>& allowed() {
       t[component] = {"core", "comm", "models", "data", "train", component};
     }
     t["peer"].insert("ckpt");  // the peer export writes safetensors
+    // report: metrics sinks (TensorBoard) and report.html, above the Trainer it hooks into.
+    t["report"] = {"core", "comm", "models", "data", "train", "report"};
     std::set<std::string> every;
     for (const auto& [name, deps] : t) every.insert(name);
     t["rungs"] = every;
@@ -45,9 +47,12 @@ std::string public_header_component(const std::string& name) {
       {"config.h", "core"},     {"error.h", "core"},      {"log.h", "core"},
       {"run.h", "core"},        {"build_info.h", "core"}, {"comm.h", "comm"},
       {"models.h", "models"},   {"data.h", "data"},       {"train.h", "train"},
-      {"dist.h", "dist"},       {"checkpoint.h", "ckpt"}, {"safetensors.h", "ckpt"},
+      {"dist.h", "dist"},       {"checkpoint.h", "ckpt"},
+      // The safetensors format is data-only I/O any component may use (models reads Hugging Face
+      // weights with it); its code lives in src/ckpt/.
+      {"safetensors.h", "core"},
       {"profile.h", "profile"}, {"peer.h", "peer"},       {"compile.h", "compile"},       {"session.h", "rungs"},
-      {"rungs.h", "rungs"}};
+      {"rungs.h", "rungs"},     {"hf.h", "models"},       {"report.h", "report"}};
   auto it = table.find(name);
   return it == table.end() ? "" : it->second;
 }
