@@ -5,6 +5,7 @@
 
 #include "kiln/checkpoint.h"
 #include "kiln/comm.h"
+#include "kiln/config.h"
 #include "kiln/models.h"
 #include "kiln/safetensors.h"
 
@@ -30,7 +31,9 @@ int main(int argc, char** argv) {
     for (auto& [name, tensor] : read_safetensors(argv[2])) {
       if (name == "input_ids") tokens = tensor;
     }
-    write_safetensors(argv[3], {{"logits", model->forward(tokens)}});
+    const std::vector<std::pair<std::string, torch::Tensor>> out = {
+        {"logits", model->forward(tokens)}};
+    write_safetensors(argv[3], out);
   } catch (const std::exception& e) {
     std::cerr << "kiln_hf_fixture: " << e.what() << "\n";
     return 1;

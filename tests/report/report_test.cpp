@@ -7,6 +7,7 @@
 
 #include <cstring>
 
+#include "kiln/error.h"
 #include "kiln/hf.h"
 #include "kiln/safetensors.h"
 #include "support/helpers.h"
@@ -210,6 +211,16 @@ TEST(ReportHtml, PartialAndBrokenRunDirectories) {
     ++charts;
   }
   EXPECT_EQ(charts, 2u);
+
+  // The checkpoint drill's times (the browser test's ladder runs no drill).
+  testing::write_text(run / "checkpoint.json",
+                      "{\"save_seconds\": 1.5, \"resume_seconds\": 2, \"reference_seconds\": 3, "
+                      "\"verdict\": \"restored\"}");
+  const ReportHtml drill = make_report_html(run, dir / "chart.js");
+  EXPECT_EQ(drill.charts.back(), "chart-checkpoint-times");
+  EXPECT_NE(
+      drill.html.find("\"labels\":[\"save_seconds\",\"resume_seconds\",\"reference_seconds\"]"),
+      std::string::npos);
 
   // An empty directory still gets a page; a missing one is a user error.
   std::filesystem::create_directories(dir / "empty");
