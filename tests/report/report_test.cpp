@@ -236,7 +236,7 @@ TEST(ReportCli, ReportAndExportRefuseBadInputInOneLine) {
   EXPECT_EQ(result.exit_code, 2);
   EXPECT_NE(result.err.find("not a directory"), std::string::npos) << result.err;
   std::filesystem::create_directories(dir / "run");
-  testing::write_text(dir / "run" / "config.toml", "[model]\nname = \"gpt\"\n");
+  testing::write_text(dir / "run" / "config.toml", "[model]\nname = \"gpt\"\n[data]\nname = \"text\"\n");
   result = testing::run_kiln("export " + (dir / "run").string() + " --format hf " +
                              (dir / "out").string());
   EXPECT_EQ(result.exit_code, 2);
