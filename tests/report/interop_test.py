@@ -50,8 +50,9 @@ def kiln(*args, expect=0):
 
 
 def write_config(path, name, sections):
-    """A TOML config from {section: {key: value}}, run.dir under WORK."""
-    sections = {"run": {"dir": str(WORK / "runs"), "name": name, "progress": "off"}, **sections}
+    """A TOML config from {section: {key: value}}, run.dir beside it (each test's fresh dir)."""
+    sections = {"run": {"dir": str(path.parent / "runs"), "name": name, "progress": "off"},
+                **sections}
     lines = []
     for section, keys in sections.items():
         lines.append(f"[{section}]")
@@ -83,7 +84,7 @@ class HuggingFace(unittest.TestCase):
         config = write_config(work / "hf.toml", "hf", {**gpt_sections(steps=3),
                                                       "checkpoint": {"every_steps": 3}})
         kiln("train", config)
-        run_dir = WORK / "runs" / "hf"
+        run_dir = work / "runs" / "hf"
         out = work / "hf-out"
         done = kiln("export", run_dir, "--format", "hf", out)
         self.assertIn("exported", done.stdout)
@@ -163,7 +164,7 @@ class HuggingFace(unittest.TestCase):
             if directory == single:
                 continue  # (one train for time: the sharded directory has several files)
             kiln("train", config, "--set", f"model.init_from={directory}")
-            manifest = json.loads((WORK / "runs" / "init" / "manifest.json").read_text())
+            manifest = json.loads((work / "runs" / "init" / "manifest.json").read_text())
             revision = manifest["model"]["init_from"]
             self.assertEqual(revision["path"], str(directory.resolve()))
             files = {f["file"]: f["sha256"] for f in revision["files"]}
@@ -203,7 +204,7 @@ class TensorBoard(unittest.TestCase):
             "data": {"num_samples": 512, "val_samples": 128, "num_workers": 0},
             "train": {"steps": 12, "batch_size": 16, "eval_every": 5, "eval_batches": 2}})
         kiln("train", config)
-        run_dir = WORK / "runs" / "tb"
+        run_dir = work / "runs" / "tb"
         files = glob.glob(str(run_dir / "events.out.tfevents.*"))
         self.assertEqual(len(files), 1, files)
         self.assertRegex(os.path.basename(files[0]), r"^events\.out\.tfevents\.\d+\.[^/]+$")
@@ -325,7 +326,7 @@ class Report(unittest.TestCase):
             "dist": {"scale_processes": 2, "scale_steps": 4, "scale_warmup_steps": 1},
             "checkpoint": {"drill": False}})  # the drill's section: report_test.cpp (time)
         kiln("ladder", config)
-        run_dir = WORK / "runs" / "ladder"
+        run_dir = work / "runs" / "ladder"
         self.assertTrue((run_dir / "report.html").exists())  # written by the ladder
         (run_dir / "report.html").unlink()
         done = kiln("report", run_dir)  # and regenerated from the files
@@ -376,9 +377,9 @@ class HolisticTraceAnalysis(unittest.TestCase):
             "profile": {"wait": 0, "warmup": 1, "active": 2, "skip_first": 1}})
         run([os.environ["KILN_TORCHRUN"], "--standalone", "--nproc-per-node=2", "--no-python",
              KILN, "profile", config])
-        traces = sorted((WORK / "runs" / "hta" / "traces").glob("*.pt.trace.json*"))
+        traces = sorted((work / "runs" / "hta" / "traces").glob("*.pt.trace.json*"))
         self.assertEqual(len(traces), 2, traces)
-        analysis = TraceAnalysis(trace_dir=str(WORK / "runs" / "hta" / "traces"))
+        analysis = TraceAnalysis(trace_dir=str(work / "runs" / "hta" / "traces"))
         self.assertEqual(sorted(analysis.t.get_ranks()), [0, 1])
         for rank in (0, 1):
             frame = analysis.t.get_trace(rank)
