@@ -60,6 +60,9 @@ class Model : public torch::nn::Module {
   /// Training FLOPs (forward + backward) per sample of `seq_len` tokens (ignored by the mlp):
   /// 6 x parameters (+ attention 12 * L * C * T per token for gpt), as nanoGPT/PaLM count them.
   virtual double train_flops_per_sample(int64_t seq_len) const = 0;
+  /// Where the initial weights came from when not from run.seed: model.init_from's revision
+  /// (kiln/hf.h load_hf_gpt2: path and each weight file's SHA-256); null otherwise.
+  nlohmann::json init_from = nullptr;
   /// The units, in forward order. Every parameter belongs to at most one unit. A model without
   /// units (the default) is one root group: FSDP gathers it whole, checkpointing skips it.
   virtual std::vector<ModelUnit> units() const { return {}; }
@@ -88,14 +91,16 @@ struct GptConfig {
 /// Throws UserError (e.g. n_embd not divisible by n_head, seq_len > block_size).
 GptConfig resolve_gpt_config(const Config& config);
 
-/// Builds and initialises the configured model on the CPU. Throws UserError.
+/// Builds and initialises the configured model on the CPU; with model.init_from, its weights are
+/// then loaded from that Hugging Face GPT-2 directory (kiln/hf.h). Throws UserError.
 std::shared_ptr<Model> make_model(const Config& config);
 
 /// Number of scalar parameters.
 int64_t parameter_count(const torch::nn::Module& module);
 /// xxh3-64 over every parameter's and buffer's name, dtype, shape and bytes, in order.
 std::string weights_hash(const torch::nn::Module& module);
-/// The manifest's "model" object: architecture, hyper-parameters, parameter count, weights hash.
+/// The manifest's "model" object: architecture, hyper-parameters, parameter count, weights hash,
+/// and "init_from" (Model::init_from) when the weights were loaded from a directory.
 nlohmann::json model_identity(const Model& model);
 
 }  // namespace kiln

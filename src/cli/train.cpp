@@ -5,6 +5,7 @@
 #include "kiln/checkpoint.h"
 #include "kiln/compile.h"
 #include "kiln/dist.h"
+#include "kiln/report.h"
 #include "kiln/session.h"
 
 namespace kiln::cli {
@@ -37,6 +38,8 @@ void add_train_command(CLI::App& app, Action& action) {
       auto compiled = attach_compiled_step(*session->trainer, config);  // [compile]
       // SIGTERM / SIGUSR1: finish the step, commit a checkpoint, exit 75 (kExitPreempted).
       attach_preemption(*session->trainer, *session->comm, checkpointing);
+      // TensorBoard scalars beside metrics.jsonl (kiln/report.h).
+      session->trainer->add_hook(make_tensorboard_hook(*session->run));
       TrainSummary s = session->trainer->fit(config.get_int("train.steps"), session->run.get());
       const bool tokens = s.tokens_per_second > 0;
       fmt::print(

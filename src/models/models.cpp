@@ -14,6 +14,7 @@
 #include "core/strings.h"
 #include "kiln/config.h"
 #include "kiln/error.h"
+#include "kiln/hf.h"
 #include "models/internal.h"
 
 namespace kiln {
@@ -284,7 +285,11 @@ std::shared_ptr<Model> make_model(const Config& config) {
                                  config.get_int("model.num_classes"),
                                  config.get_bool("model.data_dependent_branch"), generator);
   }
-  return std::make_shared<Gpt>(resolve_gpt_config(config), generator);
+  auto gpt = std::make_shared<Gpt>(resolve_gpt_config(config), generator);
+  if (const std::string& dir = config.get_string("model.init_from"); !dir.empty()) {
+    gpt->init_from = load_hf_gpt2(*gpt, dir, "model.init_from");
+  }
+  return gpt;
 }
 
 int64_t parameter_count(const torch::nn::Module& module) {
@@ -311,10 +316,12 @@ std::string weights_hash(const torch::nn::Module& module) {
 }
 
 nlohmann::json model_identity(const Model& model) {
-  return {{"architecture", model.architecture()},
-          {"hyperparameters", model.describe()},
-          {"parameter_count", parameter_count(model)},
-          {"initial_weights_xxh3", weights_hash(model)}};
+  nlohmann::json out = {{"architecture", model.architecture()},
+                        {"hyperparameters", model.describe()},
+                        {"parameter_count", parameter_count(model)},
+                        {"initial_weights_xxh3", weights_hash(model)}};
+  if (!model.init_from.is_null()) out["init_from"] = model.init_from;
+  return out;
 }
 
 }  // namespace kiln

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "core/schema_sections.h"
+#include "kiln/hf.h"
 #include "kiln/models.h"
 #include "models/internal.h"
 
@@ -41,6 +42,10 @@ ConfigSection model_section() {
           float_key(
               "model", "init_std", 0.02, 0.0, 10.0,
               "gpt: std of the normal init (residual projections scaled by 1/sqrt(2*n_layer))"),
+          string_key("model", "init_from", "", {},
+                     "gpt: a Hugging Face GPT-2 directory (config.json + model.safetensors or a "
+                     "sharded index) to start from instead of the random init; its config must "
+                     "match the model.* shape (docs/models.md)"),
       },
       {
           {"gpt: model.n_embd must be divisible by model.n_head",
@@ -74,6 +79,25 @@ ConfigSection model_section() {
                     "256 or more";
            },
            {"model.name=gpt", "data.name=text", "model.vocab_size=100"}},
+          {"model.init_from needs model.name = \"gpt\"",
+           [](const Config& c) -> std::string {
+             if (is_gpt(c) || c.get_string("model.init_from").empty()) return "";
+             return "model.init_from loads Hugging Face GPT-2 weights; set model.name = \"gpt\"";
+           },
+           {"model.init_from=/tmp/gpt2"}},
+          {"model.init_from: its config.json matches the model.* shape",
+           [](const Config& c) -> std::string {
+             const std::string& dir = c.get_string("model.init_from");
+             if (!is_gpt(c) || dir.empty()) return "";
+             try {
+               const std::string mismatch =
+                   hf_gpt2_config_mismatch(read_hf_config(dir, "model.init_from"), gpt_shape(c));
+               return mismatch.empty() ? "" : "model.init_from = \"" + dir + "\": " + mismatch;
+             } catch (const std::exception& e) {
+               return e.what();
+             }
+           },
+           {"model.name=gpt", "data.name=text", "model.init_from=/nonexistent/gpt2"}},
       }};
 }
 

@@ -235,7 +235,9 @@ void Profiler::stop_recording(Trainer& trainer, bool save) {
                                 {"rank", options_.rank},
                                 {"world_size", options_.world_size}};
   }
-  std::string bytes = trace.dump();
+  // Separators with a space, as Kineto writes them: Holistic Trace Analysis finds a trace's rank
+  // with the pattern "rank":\s+(\d+) and takes a file without a match for rank 0.
+  std::string bytes = trace.dump(0);
   std::filesystem::path path = options_.dir / stem;
   if (options_.gzip) {
     bytes = profile_detail::gzip_compress(bytes);

@@ -9,6 +9,7 @@
 #include "kiln/log.h"
 #include "kiln/pilot.h"
 #include "kiln/profile.h"
+#include "kiln/report.h"
 #include "kiln/run.h"
 #include "kiln/rungs.h"
 
@@ -123,6 +124,8 @@ std::vector<RungResult> run_ladder(const Config& config, const SessionOptions& o
     if (ec) throw UserError("cannot create " + path.parent_path().string() + ": " + ec.message());
     write_file_atomic(path, report_markdown(config, results, skipped));
     log::info("report written to " + path.string());
+    write_report_html(path.parent_path());  // report.html: charts of every rung's files
+    log::info("report written to " + (path.parent_path() / "report.html").string());
   }
   if (error) std::rethrow_exception(error);
   return results;

@@ -1,0 +1,391 @@
+"""Seeing a run, checked by tools kiln did not write (CTest: report.*; docs/report.md).
+
+- transformers loads `kiln export --format hf` with no missing or unexpected keys and gives kiln's
+  logits to 1e-5; kiln starts from a transformers-saved GPT-2 (model.init_from; single file and
+  sharded) with transformers' loss on the same batch to 1e-5, records the weight files' SHA-256 in
+  the manifest, and names the first wrong tensor or config field.
+- the tensorboard package reads every scalar kiln logged, at its step, with its value.
+- headless Chromium renders report.html with no console error, with Debian's Chart.js inlined, and
+  every chart object holds as many points as the run's records.
+- Holistic Trace Analysis loads the traces of a 2-rank `kiln profile`.
+
+Environment (set by tests/report/CMakeLists.txt): KILN_CLI, KILN_HF_FIXTURE, KILN_TORCHRUN,
+KILN_REPORT_WORK (scratch directory; the report screenshot is kept there), KILN_CHARTJS.
+"""
+
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import unittest
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+KILN = os.environ.get("KILN_CLI", "")
+WORK = Path(os.environ.get("KILN_REPORT_WORK", "/tmp/kiln-report-test"))
+CHARTJS = os.environ.get("KILN_CHARTJS") or "/usr/share/javascript/chart.js/chart.min.js"
+
+torch.set_num_threads(2)
+
+GPT_SHAPE = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64, "vocab_size": 256}
+
+
+def run(args, expect=0, env=None):
+    """Runs a command; fails the test with its output when the exit status is not `expect`."""
+    done = subprocess.run([str(a) for a in args], capture_output=True, text=True, env=env)
+    if done.returncode != expect:
+        raise AssertionError(f"{' '.join(map(str, args))}: exit {done.returncode}, expected {expect}\n"
+                             f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}")
+    return done
+
+
+def kiln(*args, expect=0):
+    return run([KILN, *args], expect=expect)
+
+
+def write_config(path, name, sections):
+    """A TOML config from {section: {key: value}}, run.dir beside it (each test's fresh dir)."""
+    sections = {"run": {"dir": str(path.parent / "runs"), "name": name, "progress": "off"},
+                **sections}
+    lines = []
+    for section, keys in sections.items():
+        lines.append(f"[{section}]")
+        for key, value in keys.items():
+            lines.append(f"{key} = {json.dumps(value)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def gpt_sections(**train):
+    return {"model": {"name": "gpt", **GPT_SHAPE},
+            "data": {"name": "text", "seq_len": 32, "num_workers": 0},
+            "train": {"batch_size": 4, "eval_every": 0, "eval_batches": 1, **train}}
+
+
+def fresh(name):
+    path = WORK / name
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+class HuggingFace(unittest.TestCase):
+    def test_export_loads_in_transformers(self):
+        from safetensors.torch import load_file, save_file
+        from transformers import GPT2LMHeadModel
+
+        work = fresh("export")
+        config = write_config(work / "hf.toml", "hf", {**gpt_sections(steps=3),
+                                                      "checkpoint": {"every_steps": 3}})
+        kiln("train", config)
+        run_dir = work / "runs" / "hf"
+        out = work / "hf-out"
+        done = kiln("export", run_dir, "--format", "hf", out)
+        self.assertIn("exported", done.stdout)
+        self.assertEqual(sorted(p.name for p in out.iterdir()), ["config.json", "model.safetensors"])
+        hf_config = json.loads((out / "config.json").read_text())
+        for key, value in {"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 64,
+                           "vocab_size": 256, "activation_function": "gelu_new",
+                           "layer_norm_epsilon": 1e-5, "model_type": "gpt2"}.items():
+            self.assertEqual(hf_config[key], value, key)
+
+        model, info = GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
+        for kind in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+            self.assertEqual(list(info.get(kind, [])), [], kind)
+        self.assertIs(model.lm_head.weight, model.transformer.wte.weight)  # tied head
+        model.eval()
+
+        tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
+        save_file({"input_ids": tokens}, str(work / "tokens.safetensors"))
+        run([os.environ["KILN_HF_FIXTURE"], run_dir, work / "tokens.safetensors",
+             work / "kiln-logits.safetensors"])
+        kiln_logits = load_file(str(work / "kiln-logits.safetensors"))["logits"]
+        with torch.no_grad():
+            hf_logits = model(tokens).logits
+        self.assertEqual(tuple(hf_logits.shape), (2, 24, 256))
+        self.assertLess((hf_logits - kiln_logits).abs().max().item(), 1e-5)
+
+        # A non-empty directory is refused (one line, exit 2) unless --force.
+        refused = kiln("export", run_dir, "--format", "hf", out, expect=2)
+        self.assertIn("not empty", refused.stderr)
+        self.assertIn("--force", refused.stderr)
+        self.assertEqual(len(refused.stderr.strip().splitlines()), 1, refused.stderr)
+        kiln("export", run_dir, "--format", "hf", out, "--force")
+        # A checkpoint directory works as the source too, and gives the same tensors.
+        again = work / "from-ckpt"
+        kiln("export", run_dir / "checkpoints", "--format", "hf", again)
+        a, b = load_file(str(out / "model.safetensors")), load_file(str(again / "model.safetensors"))
+        self.assertEqual(sorted(a), sorted(b))
+        for name in a:
+            self.assertTrue(torch.equal(a[name], b[name]), name)
+
+    def test_init_from_transformers(self):
+        from safetensors.torch import load_file, save_file
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        work = fresh("init-from")
+        torch.manual_seed(0)
+        hf_config = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=256,
+                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = GPT2LMHeadModel(hf_config)
+        with torch.no_grad():  # no zero biases or unit LayerNorms: every tensor's layout matters
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        model.eval()
+        single, sharded = work / "gpt2", work / "gpt2-sharded"
+        model.save_pretrained(single)
+        model.save_pretrained(sharded, max_shard_size="60KB")
+        self.assertTrue((single / "model.safetensors").exists())
+        self.assertTrue((sharded / "model.safetensors.index.json").exists())
+        shards = sorted(set(json.loads((sharded / "model.safetensors.index.json").read_text())
+                            ["weight_map"].values()))
+        self.assertGreater(len(shards), 1)
+
+        config = write_config(work / "init.toml", "init", gpt_sections(steps=1))
+        for directory in (single, sharded):
+            peer = work / ("peer-" + directory.name)
+            kiln("peer", "export", config, "--set", f"model.init_from={directory}", "--steps", "1",
+                 "--out", peer)
+            kiln_loss = json.loads((peer / "kiln.json").read_text())["loss"][0]
+            batch = load_file(str(peer / "batches.safetensors"))
+            inputs, targets = batch["step0.micro0.inputs"], batch["step0.micro0.targets"]
+            with torch.no_grad():
+                logits = model(inputs).logits
+            hf_loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)).item()
+            self.assertLess(abs(kiln_loss - hf_loss), 1e-5, directory.name)
+
+            # The manifest records the weight files' SHA-256 as the model revision.
+            if directory == single:
+                continue  # (one train for time: the sharded directory has several files)
+            kiln("train", config, "--set", f"model.init_from={directory}")
+            manifest = json.loads((work / "runs" / "init" / "manifest.json").read_text())
+            revision = manifest["model"]["init_from"]
+            self.assertEqual(revision["path"], str(directory.resolve()))
+            files = {f["file"]: f["sha256"] for f in revision["files"]}
+            self.assertEqual(sorted(files), shards)
+            for name, digest in files.items():
+                self.assertEqual(digest, hashlib.sha256((directory / name).read_bytes()).hexdigest())
+            self.assertEqual(revision["config_sha256"],
+                             hashlib.sha256((directory / "config.json").read_bytes()).hexdigest())
+
+        # Wrong shapes: the first mismatching tensor is named (kiln's parameter order).
+        bad = work / "gpt2-bad"
+        shutil.copytree(single, bad)
+        tensors = load_file(str(bad / "model.safetensors"))
+        tensors["transformer.h.1.mlp.c_fc.weight"] = torch.zeros(32, 96)
+        tensors["transformer.h.1.mlp.c_proj.weight"] = torch.zeros(96, 32)
+        save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+        refused = kiln("train", config, "--set", f"model.init_from={bad}", expect=2)
+        self.assertIn("transformer.h.1.mlp.c_fc.weight", refused.stderr)
+        self.assertNotIn("c_proj", refused.stderr)
+        self.assertEqual(len(refused.stderr.strip().splitlines()), 1, refused.stderr)
+        # A config that does not match the model.* keys: validate names the field and the key.
+        refused = kiln("config", "validate", config, "--set", f"model.init_from={single}",
+                       "--set", "model.n_embd=64", expect=2)
+        self.assertIn("n_embd", refused.stderr)
+        self.assertIn("model.n_embd = 32", refused.stderr)
+
+
+class TensorBoard(unittest.TestCase):
+    def test_tensorboard_reads_every_scalar(self):
+        import numpy as np
+        from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+        from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+        work = fresh("tensorboard")
+        config = write_config(work / "tb.toml", "tb", {
+            "model": {"name": "mlp"},
+            "data": {"num_samples": 512, "val_samples": 128, "num_workers": 0},
+            "train": {"steps": 12, "batch_size": 16, "eval_every": 5, "eval_batches": 2}})
+        kiln("train", config)
+        run_dir = work / "runs" / "tb"
+        files = glob.glob(str(run_dir / "events.out.tfevents.*"))
+        self.assertEqual(len(files), 1, files)
+        self.assertRegex(os.path.basename(files[0]), r"^events\.out\.tfevents\.\d+\.[^/]+$")
+
+        # The framing, checked with tensorboard's own CRC-32C: length, masked CRC, data, masked CRC.
+        raw = Path(files[0]).read_bytes()
+        offset, records = 0, 0
+        while offset < len(raw):
+            header = raw[offset:offset + 8]
+            length = int.from_bytes(header, "little")
+            self.assertEqual(int.from_bytes(raw[offset + 8:offset + 12], "little"), masked_crc32c(header))
+            data = raw[offset + 12:offset + 12 + length]
+            self.assertEqual(int.from_bytes(raw[offset + 12 + length:offset + 16 + length], "little"),
+                             masked_crc32c(data))
+            offset += 16 + length
+            records += 1
+        self.assertEqual(offset, len(raw))
+
+        events = list(LegacyEventFileLoader(files[0]).Load())
+        self.assertEqual(len(events), records)
+        self.assertEqual(events[0].file_version, "brain.Event:2")
+        got = {}
+        for event in events[1:]:
+            for value in event.summary.value:
+                self.assertNotIn((value.tag, event.step), got)
+                got[(value.tag, event.step)] = value.simple_value
+
+        expected = {}
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            step = record["step"]
+            if "val_loss" in record:
+                expected[("val/loss", step)] = record["val_loss"]
+                expected[("val/accuracy", step)] = record["val_accuracy"]
+                continue
+            for key in ("loss", "lr", "grad_norm", "step_seconds", "samples_per_second"):
+                expected[("train/" + key, step)] = record[key]
+            expected[("train/data_wait_share", step)] = record["data_wait_seconds"] / record["step_seconds"]
+        self.assertEqual(sum(1 for tag, _ in expected if tag == "train/loss"), 12)
+        self.assertEqual(sum(1 for tag, _ in expected if tag == "val/loss"), 3)  # steps 5, 10, end
+        peaks = {k: v for k, v in got.items() if k[0] == "memory/peak_resident_bytes"}
+        self.assertEqual(sorted(step for _, step in peaks), list(range(1, 13)))
+        self.assertTrue(all(v > 1e6 for v in peaks.values()))
+        self.assertEqual(sorted(k for k in got if k[0] != "memory/peak_resident_bytes"), sorted(expected))
+        for key, value in expected.items():
+            self.assertEqual(np.float32(got[key]), np.float32(value), key)
+
+
+# The test's own probe, appended to a copy of the page: it reads Chart.js's live chart objects
+# (Chart.instances) and what each chart laid out, and the errors the page raised.
+PROBE_HEAD = """<script>window.__kilnErrors = [];
+console.error = function() { window.__kilnErrors.push(Array.from(arguments).join(' ')); };
+window.addEventListener('error', function(e) { window.__kilnErrors.push(String(e.message)); });
+</script>"""
+PROBE_TAIL = """<script>(function() {
+  var charts = window.Chart ? Object.values(Chart.instances) : [];
+  var out = {version: window.Chart ? Chart.version : null, errors: window.__kilnErrors,
+    charts: charts.map(function(c) { return {id: c.canvas.id, type: c.config.type,
+      labels: (c.data.labels || []).length,
+      datasets: c.data.datasets.map(function(d, i) {
+        return {label: d.label, points: d.data.length, drawn: c.getDatasetMeta(i).data.length}; })}; })};
+  var pre = document.createElement('pre'); pre.id = 'kiln-probe'; pre.textContent = JSON.stringify(out);
+  document.body.appendChild(pre);
+})();</script>"""
+
+
+def chromium_binary():
+    for name in ("chromium", "chromium-browser"):
+        if shutil.which(name):
+            return shutil.which(name)
+    raise AssertionError("Chromium is missing: run scripts/setup (it installs Debian's chromium)")
+
+
+def chromium(*args):
+    return run([chromium_binary(), "--headless", "--no-sandbox", "--disable-gpu",
+                "--disable-dev-shm-usage", "--no-first-run", "--hide-scrollbars", *args])
+
+
+def expected_charts(run_dir):
+    """Chart id -> {dataset label: points}, from the run's own files."""
+    out = {}
+    for path in sorted(run_dir.glob("metrics*.jsonl")):
+        records = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+        slug = re.sub(r"[^A-Za-z0-9]", "-", path.name)
+        count = lambda key: sum(1 for r in records if key in r)
+        out[f"chart-{slug}-loss"] = {k: count(k) for k in ("loss", "val_loss", "lr") if count(k)}
+        out[f"chart-{slug}-step-time"] = {"step_seconds": count("step_seconds"),
+                                          "data_wait_share": count("step_seconds")}
+    load = lambda name: json.loads((run_dir / name).read_text()) if (run_dir / name).exists() else None
+    if (baseline := load("baseline.json")) is not None:
+        out["chart-baseline-memory"] = {"bytes": 5}
+    if (profile := load("profile.json")) is not None:
+        analysis = profile["analysis"]
+        n = len(analysis["phases"])
+        out["chart-profile-phases"] = {"seconds": n, "share": n}
+        n = min(10, len(analysis["top_operators"]))
+        out["chart-profile-top-operators"] = {"self_cpu_us": n, "total_cpu_us": n}
+        n = len(analysis["memory_by_phase"])
+        out["chart-profile-memory"] = {"peak_allocated_bytes": n, "growth_bytes": n}
+    if (scale := load("scale.json")) is not None:
+        ranks = len(scale["per_rank"])
+        out["chart-scale-throughput"] = {"samples_per_second": ranks + 2}
+        out["chart-scale-compute-comm"] = {"compute_seconds": ranks, "comm_exposed_seconds": ranks}
+    if (checkpoint := load("checkpoint.json")) is not None:
+        n = sum(1 for k in ("save_seconds", "resume_seconds", "reference_seconds", "stall_seconds",
+                            "load_seconds") if k in checkpoint)
+        out["chart-checkpoint-times"] = {"seconds": n}
+    return out
+
+
+class Report(unittest.TestCase):
+    def test_report_in_chromium(self):
+        chromium_binary()  # fails, not skips, when missing
+        work = fresh("html")
+        config = write_config(work / "ladder.toml", "ladder", {
+            **gpt_sections(steps=20),
+            "baseline": {"warmup_steps": 2, "steps": 6},
+            "profile": {"wait": 0, "warmup": 1, "active": 2, "skip_first": 1},
+            "dist": {"scale_processes": 2, "scale_steps": 4, "scale_warmup_steps": 1},
+            "checkpoint": {"drill": False}})  # the drill's section: report_test.cpp (time)
+        kiln("ladder", config)
+        run_dir = work / "runs" / "ladder"
+        self.assertTrue((run_dir / "report.html").exists())  # written by the ladder
+        (run_dir / "report.html").unlink()
+        done = kiln("report", run_dir)  # and regenerated from the files
+        self.assertIn("not in this run: ", done.stdout)  # compile, checkpoint, pilot, plan: not run
+        page = (run_dir / "report.html").read_text()
+
+        library = Path(CHARTJS).read_text()
+        self.assertIn(library, page)  # Debian's file, verbatim
+        version = re.search(r"Chart\.js v(\d+\.\d+\.\d+)", library).group(1)
+        self.assertNotRegex(page, r"<script[^>]+src=")  # nothing fetched at view time
+        self.assertNotIn("http://", page.replace("http://www.w3.org", "").split("</script>")[-1])
+
+        probe = work / "probe.html"
+        probe.write_text(page.replace("<head>", "<head>" + PROBE_HEAD, 1)
+                         .replace("</body>", PROBE_TAIL + "</body>", 1))
+        dom = chromium("--virtual-time-budget=10000", "--dump-dom", probe.as_uri()).stdout
+        found = re.search(r'<pre id="kiln-probe">(.*?)</pre>', dom, re.S)
+        self.assertIsNotNone(found, dom[-2000:])
+        import html as html_module
+        result = json.loads(html_module.unescape(found.group(1)))
+        self.assertEqual(result["errors"], [])
+        self.assertEqual(result["version"], version)
+
+        expected = expected_charts(run_dir)
+        charts = {c["id"]: c for c in result["charts"]}
+        self.assertEqual(sorted(charts), sorted(expected))
+        for chart_id, datasets in expected.items():
+            got = {d["label"]: d["points"] for d in charts[chart_id]["datasets"]}
+            drawn = {d["label"]: d["drawn"] for d in charts[chart_id]["datasets"]}
+            self.assertEqual(got, datasets, chart_id)
+            self.assertEqual(drawn, datasets, chart_id)
+
+        # The screenshot, kept as the test's artifact (scripts/report-screenshot makes the README's).
+        shot = WORK / "report.png"
+        chromium("--window-size=1400,2400", f"--screenshot={shot}", (run_dir / "report.html").as_uri())
+        self.assertGreater(shot.stat().st_size, 20000)
+
+
+class HolisticTraceAnalysis(unittest.TestCase):
+    def test_hta_loads_two_rank_profile(self):
+        from hta.trace_analysis import TraceAnalysis
+
+        work = fresh("hta")
+        config = write_config(work / "hta.toml", "hta", {
+            "model": {"name": "mlp"},
+            "data": {"num_samples": 512, "val_samples": 128, "num_workers": 0},
+            "train": {"batch_size": 16, "eval_every": 0, "eval_batches": 1},
+            "profile": {"wait": 0, "warmup": 1, "active": 2, "skip_first": 1}})
+        run([os.environ["KILN_TORCHRUN"], "--standalone", "--nproc-per-node=2", "--no-python",
+             KILN, "profile", config])
+        traces = sorted((work / "runs" / "hta" / "traces").glob("*.pt.trace.json*"))
+        self.assertEqual(len(traces), 2, traces)
+        analysis = TraceAnalysis(trace_dir=str(work / "runs" / "hta" / "traces"))
+        self.assertEqual(sorted(analysis.t.get_ranks()), [0, 1])
+        for rank in (0, 1):
+            frame = analysis.t.get_trace(rank)
+            names = set(analysis.t.symbol_table.sym_table[i] for i in frame["name"].unique())
+            self.assertIn("aten::addmm", names, rank)
+
+
+if __name__ == "__main__":
+    unittest.main()
