@@ -3,6 +3,7 @@
 // at the first failed gate; `kiln <rung>` runs one.
 #pragma once
 
+#include <filesystem>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -83,6 +84,14 @@ RungResult run_scale_rung(const Config& config, const SessionOptions& options);
 /// to 2K. Gate: its losses and final parameters are bitwise equal to the reference's. Runs the
 /// kiln executable ($KILN_EXECUTABLE, else /proc/self/exe). Writes <run dir>/checkpoint.json.
 RungResult run_checkpoint_drill(const Config& config, const SessionOptions& options);
+
+/// The plan (kiln/plan.h make_plan): the job on each hardware row from the config alone, never
+/// building the model, calibrated by the pilot in `pilot_dir` when not empty (its job hash must
+/// match). Writes <run dir>/plan.json and plan.md. `passed`: some row fits a 30-day reservation
+/// (advice, not a gate of the job). Throws UserError (unknown hardware, a pilot of another job,
+/// with `require_cost` a missing price or MTBF).
+RungResult run_plan(const Config& config, const std::filesystem::path& pilot_dir = {},
+                    bool require_cost = false);
 
 struct Rung {
   std::string name;

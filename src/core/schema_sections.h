@@ -42,5 +42,7 @@ ConfigSection compile_section();     // src/compile/schema.cpp     [compile]
 ConfigSection profile_section();     // src/profile/schema.cpp     [profile]
 ConfigSection dist_section();        // src/dist/schema.cpp        [dist]
 ConfigSection checkpoint_section();  // src/ckpt/schema.cpp        [checkpoint]
+ConfigSection pilot_section();       // src/plan/schema.cpp        [pilot]
+ConfigSection plan_section();        // src/plan/schema.cpp        [plan]
 
 }  // namespace kiln

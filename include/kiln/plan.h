@@ -1,0 +1,265 @@
+// Plan: the analytic model of a training job — parameter count, FLOPs, memory, the DDP/FSDP
+// strategy rule, the hardware catalog, and the time and budget of the whole process — computed
+// from the config alone, never by allocating the model (so a 6.7B or 70B config plans in seconds
+// on a laptop). Every formula and its source is in docs/plan.md.
+//
+// Pure functions of their inputs; thread-safe. Bytes are doubles (a 70B model's state exceeds
+// what a reader can check in int64 at a glance, and every figure here is an estimate).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace kiln {
+
+class Config;
+
+// ---- strategy rule (shared with dist.strategy = "auto") ----------------------------------------
+
+/// What choose_strategy() needs, all per device of one job.
+struct StrategyInput {
+  /// Model state under DDP (every device holds all of it): parameters x bytes per parameter for
+  /// the optimizer and precision (fp32 AdamW: 4 parameter + 4 gradient + 8 moments = 16 B).
+  double ddp_model_state_bytes = 0;
+  /// Parameter bytes of the largest FSDP unit, gathered whole on every device while it runs (one
+  /// transformer block, or the embeddings + final-norm group, whichever is larger).
+  double largest_unit_parameter_bytes = 0;
+  /// Activation bytes per device for one micro-batch (measured by a pilot, or estimated).
+  double activation_bytes = 0;
+  /// Memory of one device (bytes).
+  double device_memory_bytes = 0;
+  /// Fraction of device memory kept free (allocator fragmentation, workspaces, comm buffers);
+  /// usable memory is device_memory_bytes x (1 - headroom_fraction). In [0, 1).
+  double headroom_fraction = 0.1;
+  /// Devices in the job (world size); FSDP degrees considered are the divisors of it.
+  int64_t gpu_count = 1;
+};
+
+/// The decision and the numbers behind it.
+struct StrategyDecision {
+  /// "ddp" when model state + activations fit on every device; else "fsdp" at the smallest degree
+  /// that fits; else "does-not-fit".
+  std::string strategy;
+  /// The smallest FSDP degree (a divisor of gpu_count, >= 2) at which a device fits; 0 when none.
+  int64_t fsdp_degree = 0;
+  /// usable = device_memory_bytes x (1 - headroom_fraction).
+  double usable_bytes = 0;
+  /// DDP per device: ddp_model_state_bytes + activation_bytes.
+  double ddp_bytes_per_device = 0;
+  /// FSDP per device at fsdp_degree (at gpu_count when no degree fits; equal to the DDP figure
+  /// when gpu_count is 1): state / degree + largest_unit_parameter_bytes + activation_bytes.
+  double fsdp_bytes_per_device = 0;
+  /// One line with the numbers, e.g. "ddp needs 107.3 GB/device > 72.0 GB usable; fsdp over 8
+  /// needs 14.2 GB/device". For "does-not-fit" it names the ways out: activation checkpointing,
+  /// a smaller micro-batch, more GPUs.
+  std::string reason;
+};
+
+/// The strategy rule: DDP when it fits, else FSDP at the smallest fitting degree, else
+/// does-not-fit (docs/plan.md, "Strategy"). Never throws for non-negative input; a gpu_count < 1
+/// or a headroom outside [0, 1) is a programming error (std::invalid_argument).
+StrategyDecision choose_strategy(const StrategyInput& input);
+
+/// JSON of a decision (plan.json, reports).
+nlohmann::json to_json(const StrategyDecision& decision);
+
+// ---- the model, analytically ------------------------------------------------------------------
+
+/// The shape of the configured model, read from the config without building it.
+struct ModelShape {
+  std::string architecture;                                                     // "gpt" or "mlp"
+  int64_t n_layer = 0, n_head = 0, n_embd = 0, block_size = 0, vocab_size = 0;  // gpt
+  int64_t input_dim = 0, hidden_dim = 0, num_classes = 0;                       // mlp
+};
+
+/// The config's model shape (model.name, model.preset and its overrides). Throws UserError for a
+/// shape the model cannot be built with (as resolve_gpt_config).
+ModelShape model_shape(const Config& config);
+
+/// Scalar parameters of the model kiln builds for `shape`, counted from the layer shapes (equal
+/// to parameter_count(*make_model(config)); tests hold them equal). gpt: V*C + block*C +
+/// L*(12C^2 + 13C) + 2C (tied head, biases, LayerNorm weight and bias).
+int64_t analytic_parameter_count(const ModelShape& shape);
+
+/// Parameters of the largest FSDP unit: one transformer block (12C^2 + 13C) or the embeddings +
+/// final-norm group (V*C + block*C + 2C), whichever is larger; the mlp is one unit.
+int64_t largest_unit_parameter_count(const ModelShape& shape);
+
+/// Training FLOPs (forward + backward) per token at `seq_len`: 6N + 12*L*C*T for gpt with N the
+/// parameters without the position embedding (PaLM, appendix B; as Model::train_flops_per_sample),
+/// 6N per sample for the mlp. With full activation checkpointing one more forward: 8N + 16LCT.
+double train_flops_per_token(const ModelShape& shape, int64_t seq_len,
+                             bool activation_checkpointing = false);
+
+// ---- memory model
+// --------------------------------------------------------------------------------
+
+/// The job's shape per device, as the config states it (train.batch_size is the micro-batch).
+struct JobShape {
+  int64_t micro_batch = 1;
+  int64_t seq_len = 1;  // tokens per sample (1 for the mlp)
+  int64_t grad_accum_steps = 1;
+  int64_t world_size = 1;
+  std::string optimizer = "adamw";  // "adamw" | "sgd"
+  bool momentum = false;            // sgd: a momentum buffer
+  /// "fp32" | "bf16" | "fp16": the compute precision (train.precision when declared, else fp32).
+  /// The mixed precisions keep fp32 parameters, gradients and optimizer state.
+  std::string precision = "fp32";
+  bool activation_checkpointing = false;
+};
+
+/// The config's job shape: train.batch_size, data.seq_len (gpt), train.grad_accum_steps,
+/// plan.gpus as the world size, optim.name / optim.momentum, train.precision when the schema
+/// declares it (else "fp32") and plan.activation_checkpointing.
+JobShape job_shape(const Config& config);
+
+/// Model-state bytes per parameter: 4 parameter + 4 gradient + optimizer (adamw 8, sgd with
+/// momentum 4, plain sgd 0), the same for fp32 and the mixed precisions (fp32 master state).
+double state_bytes_per_parameter(const JobShape& job);
+
+/// The analytic peak of one full optimizer step on one device, split into parts (bytes). Model
+/// state is unsharded (DDP); activations are those of one micro-batch (Korthikanti et al. 2022,
+/// adapted to kiln's block as docs/plan.md shows).
+struct MemoryEstimate {
+  double parameters = 0, gradients = 0, optimizer = 0;
+  double activations = 0;  // saved for backward by the blocks, embeddings and final norm
+  double logits = 0;       // the [b, s, V] buffers: logits, log-softmax and their gradient
+  /// Everything at once: what DDP must hold (its gradient buckets keep the gradients between
+  /// steps), the strategy rule's figure.
+  double total() const { return parameters + gradients + optimizer + activations + logits; }
+  /// The peak of one eager kiln step: gradients are freed between steps (zero_grad sets them to
+  /// none) and grow in backward while the activations are freed, so the peak is the larger of
+  /// the start of backward (activations + logits) and its end (gradients).
+  double step_peak() const {
+    return parameters + optimizer +
+           (activations + logits > gradients ? activations + logits : gradients);
+  }
+};
+MemoryEstimate estimate_memory(const ModelShape& shape, const JobShape& job);
+nlohmann::json to_json(const MemoryEstimate& estimate);
+
+/// The strategy input for `device_memory_bytes` from the analytic model (activations and logits
+/// of one micro-batch; the config's plan.headroom and the job's world size).
+StrategyInput strategy_input(const ModelShape& shape, const JobShape& job,
+                             double device_memory_bytes, double headroom_fraction);
+
+// ---- hardware catalog
+// ----------------------------------------------------------------------------
+
+/// One accelerator of the catalog (configs/hardware.toml): figures as the vendor's datasheet
+/// states them, each row with its source and date.
+struct Device {
+  std::string name;          // key, e.g. "h100-sxm"
+  std::string display_name;  // "NVIDIA H100 SXM 80GB"
+  double memory_bytes = 0;
+  double memory_bandwidth_bytes_per_second = 0;
+  std::string interconnect;                  // "NVLink 4", "Infinity Fabric"
+  double interconnect_bytes_per_second = 0;  // per GPU, both directions summed
+  int64_t gpus_per_node = 8;                 // GPUs on one interconnect domain
+  double network_bytes_per_second = 0;       // per GPU, between nodes
+  std::map<std::string, double> peak_flops;  // dense peak per precision: fp32 tf32 bf16 fp16
+  std::string source, date;                  // where the figures come from, and when
+  /// Upper-case words of a runtime device name that mean this row ("H100").
+  std::vector<std::string> match;
+  /// Dense peak FLOP/s for "fp32" | "tf32" | "bf16" | "fp16"; 0 when the row has none.
+  double peak_flops_for(std::string_view precision) const;
+};
+
+/// The built-in catalog (configs/hardware.toml of the source tree, or share/kiln/hardware.toml
+/// of an install), with the rows of `extra_file` (plan.catalog; empty = none) added, replacing
+/// built-in rows of the same name. Throws UserError naming the file and row for a malformed file.
+std::vector<Device> load_catalog(const std::filesystem::path& extra_file = {});
+/// The row called `name` (case-insensitive). Throws UserError "unknown hardware ... did you mean
+/// ..." naming `key` (e.g. "plan.hardware").
+const Device& find_device(const std::vector<Device>& catalog, std::string_view name,
+                          std::string_view key);
+/// The first catalog row whose `match` words occur in a runtime device name such as "NVIDIA H100
+/// 80GB HBM3" (case-insensitive), or nullptr.
+const Device* device_for_name(const std::vector<Device>& catalog, std::string_view device_name);
+
+// ---- time and budget ---------------------------------------------------------------------------
+
+/// Young's optimal checkpoint interval tau = sqrt(2 delta M) (Young 1974; Daly 2006's first
+/// order), with delta the time one save costs the job and M the job's mean time between failures.
+double young_interval_seconds(double save_seconds, double job_mtbf_seconds);
+
+/// The whole process's time on one hardware row (docs/plan.md, "Budget").
+struct Budget {
+  double step_seconds = 0;                 // compute + exposed communication
+  double compute_seconds = 0;              // per step
+  double communication_seconds = 0;        // per step, not overlapped
+  double train_seconds = 0;                // steps x step_seconds
+  double eval_seconds = 0;                 // all evaluations
+  double save_seconds = 0;                 // one checkpoint's stall (delta)
+  double checkpoint_interval_seconds = 0;  // Young's tau (0 when M is unknown)
+  double saves_seconds = 0;                // all saves
+  double job_mtbf_seconds = 0;             // per-GPU MTBF / GPUs (0 = failures not modelled)
+  double expected_failures = 0;
+  double lost_seconds = 0;    // failures x (tau/2 + restart)
+  double drills_seconds = 0;  // restore drills
+  double pilot_seconds = 0;
+  double margin_seconds = 0;
+  double wall_seconds = 0;  // everything, the margin included
+  double ettr = 0;          // train_seconds / wall_seconds
+};
+
+/// What budget() needs; every figure for the whole job.
+struct BudgetInput {
+  double steps = 0;                           // optimizer steps
+  double compute_seconds_per_step = 0;        // FLOPs / (GPUs x peak x MFU)
+  double communication_seconds_per_step = 0;  // exposed (not overlapped) collectives
+  double evals = 0;                           // evaluations in the run
+  double eval_seconds = 0;                    // one evaluation
+  double save_seconds = 0;                    // delta: what one checkpoint save stalls the job
+  double restart_seconds = 0;                 // per failure and per drill: reschedule, start, load
+  int64_t gpus = 1;
+  double gpu_mtbf_hours = 0;  // per GPU; 0 = failures not modelled (no saves for them either)
+  int64_t restore_drills = 0;
+  double pilot_seconds = 0;
+  double margin_fraction = 0;  // added to everything else
+};
+
+/// The whole process (docs/plan.md, "Budget"): work W = steps x step + evals; saves every Young
+/// interval tau cost W/tau x delta; failures arrive every M = MTBF/GPUs and each loses tau/2 +
+/// restart, so the run takes (W + saves) / (1 - (tau/2 + restart)/M); then drills, the pilot and
+/// the margin. wall_seconds is infinite when failures outpace progress.
+Budget budget(const BudgetInput& input);
+
+// ---- the plan ----------------------------------------------------------------------------------
+
+/// A pilot's measurements (<run dir>/pilot.json) that calibrate a plan.
+struct PilotCalibration {
+  std::filesystem::path run_dir;
+  std::string job_hash;               // job_hash() of the pilot's config
+  std::string device;                 // "cpu" or the CUDA device's name
+  double mfu = 0;                     // measured on `device` (0 = unknown)
+  double eval_seconds = 0;            // one evaluation, measured
+  double write_bytes_per_second = 0;  // checkpoint save, measured
+  double activation_ratio = 0;        // measured / estimated activations + logits (0 = none)
+  double wall_seconds = 0;            // the pilot's own duration
+};
+
+/// Hash of the config with the [plan] and [pilot] keys at their defaults: what a pilot and a plan
+/// of the same job share.
+std::string job_hash(const Config& config);
+
+/// Reads <run_dir>/pilot.json. Throws UserError when it is missing or malformed, or when the
+/// pilot ran another job (job hashes differ: "kiln pilot" the config first).
+PilotCalibration read_pilot(const std::filesystem::path& run_dir, const Config& config);
+
+/// Plans `config` on each hardware row (plan.hardware, else the whole catalog) at plan.gpus
+/// GPUs: strategy, step time, days, ETTR, checkpoint interval, 7- and 30-day fit and cost, and the
+/// recommendation. Never builds the model. With `require_cost`, a missing price or MTBF is a
+/// UserError naming the key. Returns plan.json's content.
+nlohmann::json make_plan(const Config& config, const PilotCalibration* pilot, bool require_cost);
+
+/// The plan as Markdown: the assumptions, one table row per hardware row, the recommendation.
+std::string plan_markdown(const nlohmann::json& plan);
+
+}  // namespace kiln

@@ -1,0 +1,392 @@
+// The plan: every hardware row of the catalog, from the config alone, calibrated by a pilot when
+// one is given (docs/plan.md).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <tuple>
+
+#include "core/strings.h"
+#include "kiln/config.h"
+#include "kiln/error.h"
+#include "kiln/plan.h"
+
+namespace kiln {
+namespace {
+
+using nlohmann::json;
+
+constexpr double kDay = 86400.0;
+
+std::vector<std::string> split_names(const std::string& text) {
+  std::vector<std::string> out;
+  size_t begin = 0;
+  while (begin <= text.size()) {
+    size_t end = text.find(',', begin);
+    if (end == std::string::npos) end = text.size();
+    std::string name(trim(std::string_view(text).substr(begin, end - begin)));
+    if (!name.empty()) out.push_back(name);
+    begin = end + 1;
+  }
+  return out;
+}
+
+json finite_or_null(double value) {
+  return std::isfinite(value) ? json(value) : json(nullptr);
+}
+
+std::string days_text(double seconds) {
+  return std::isfinite(seconds) ? fmt::format("{:.2f}", seconds / kDay) : "never";
+}
+
+}  // namespace
+
+std::string job_hash(const Config& config) {
+  Config job = config;
+  for (const auto& section : config.sections()) {
+    for (const auto& key : section.keys) {
+      const bool planning = section.name == "plan" || section.name == "pilot";
+      const bool where = key.full_name() == "run.dir" || key.full_name() == "run.name" ||
+                         key.full_name() == "run.progress" || key.full_name() == "run.log_every";
+      if (planning || where) job.set(key.full_name(), key.default_value);
+    }
+  }
+  return job.hash();
+}
+
+PilotCalibration read_pilot(const std::filesystem::path& run_dir, const Config& config) {
+  const auto path = run_dir / "pilot.json";
+  std::ifstream in(path);
+  if (!in) {
+    throw UserError(fmt::format("--pilot {}: no pilot.json there; run `kiln pilot CONFIG` first",
+                                run_dir.string()));
+  }
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::exception& e) {
+    throw UserError(fmt::format("{}: not JSON ({})", path.string(), e.what()));
+  }
+  PilotCalibration p;
+  p.run_dir = run_dir;
+  p.job_hash = j.value("job_hash", "");
+  const std::string mine = job_hash(config);
+  if (p.job_hash != mine) {
+    throw UserError(fmt::format(
+        "--pilot {}: that pilot ran another job (job hash {} there, {} for {}); run `kiln pilot` "
+        "on this config",
+        run_dir.string(), p.job_hash, mine, config.source_name()));
+  }
+  auto number = [&](const json& node, const char* key) {
+    return node.contains(key) && node[key].is_number() ? node[key].get<double>() : 0.0;
+  };
+  p.device = j.value("device_name", "cpu");
+  p.mfu = number(j, "mfu");
+  p.eval_seconds = number(j, "eval_seconds");
+  p.wall_seconds = number(j, "wall_seconds");
+  if (j.contains("checkpoint"))
+    p.write_bytes_per_second = number(j["checkpoint"], "write_bytes_per_second");
+  if (j.contains("memory")) p.activation_ratio = number(j["memory"], "activation_ratio");
+  return p;
+}
+
+json make_plan(const Config& config, const PilotCalibration* pilot, bool require_cost) {
+  const ModelShape shape = model_shape(config);
+  const JobShape job = job_shape(config);
+  const auto catalog = load_catalog(config.get_string("plan.catalog"));
+  std::vector<const Device*> rows;
+  const auto names = split_names(config.get_string("plan.hardware"));
+  if (names.empty()) {
+    for (const auto& d : catalog) rows.push_back(&d);
+  } else {
+    for (const auto& name : names) rows.push_back(&find_device(catalog, name, "plan.hardware"));
+  }
+
+  const double n = static_cast<double>(analytic_parameter_count(shape));
+  const MemoryEstimate memory = estimate_memory(shape, job);
+  const int64_t gpus = job.world_size;
+  const double tokens_per_step =
+      static_cast<double>(job.micro_batch * job.grad_accum_steps * job.seq_len * gpus);
+  const double planned_tokens =
+      config.get_float("plan.tokens") > 0
+          ? config.get_float("plan.tokens")
+          : static_cast<double>(config.get_int("train.steps")) * tokens_per_step;
+  const double steps = std::ceil(planned_tokens / tokens_per_step);
+  const double flops_per_token =
+      train_flops_per_token(shape, job.seq_len, job.activation_checkpointing);
+  const double flops_per_step = flops_per_token * tokens_per_step;
+  const int64_t eval_every = config.get_int("train.eval_every");
+  const double evals =
+      (eval_every > 0 ? std::floor(steps / static_cast<double>(eval_every)) : 0) + 1;
+  const double eval_tokens_per_rank =
+      static_cast<double>(config.get_int("train.eval_batches") * job.micro_batch * job.seq_len);
+  const double checkpoint_bytes = memory.parameters + memory.optimizer;
+  const double write_speed = pilot && pilot->write_bytes_per_second > 0
+                                 ? pilot->write_bytes_per_second
+                                 : config.get_float("plan.checkpoint_write_gb_per_second") * 1e9;
+  const double save_seconds = checkpoint_bytes / write_speed;
+  const double restart_seconds = config.get_float("plan.restart_minutes") * 60.0 + save_seconds;
+  const double mtbf = config.get_float("plan.gpu_mtbf_hours");
+  const double headroom = config.get_float("plan.headroom");
+  const double activation_ratio =
+      pilot && pilot->activation_ratio > 0 ? pilot->activation_ratio : 1.0;
+  const auto& price_7d = config.get_table("plan.price_7d_per_gpu_hour");
+  const auto& price_30d = config.get_table("plan.price_30d_per_gpu_hour");
+  if (require_cost && mtbf <= 0) {
+    throw UserError(
+        "plan.gpu_mtbf_hours = 0 (unknown) but --cost needs the failure model; set "
+        "plan.gpu_mtbf_hours (docs/plan.md gives a default from a public large-run report)");
+  }
+
+  std::vector<std::string> assumptions;
+  if (!pilot) {
+    assumptions.push_back(fmt::format("MFU {} (plan.mfu) on every device: no pilot given",
+                                      config.get_float("plan.mfu")));
+    assumptions.push_back("activations from the analytic model, uncalibrated");
+    assumptions.push_back(
+        fmt::format("checkpoint write speed {} GB/s (plan.checkpoint_write_gb_per_second)",
+                    config.get_float("plan.checkpoint_write_gb_per_second")));
+    assumptions.push_back("eval time from FLOPs at the planned MFU");
+    assumptions.push_back(
+        fmt::format("pilot time {} h (plan.pilot_hours)", config.get_float("plan.pilot_hours")));
+  }
+  assumptions.push_back(
+      fmt::format("GPU MTBF {} h (plan.gpu_mtbf_hours), restart {} min (plan.restart_minutes)",
+                  mtbf, config.get_float("plan.restart_minutes")));
+  assumptions.push_back("communication not overlapped with compute (an upper bound)");
+
+  json out_rows = json::array();
+  json best = nullptr;
+  double best_cost = 0, best_days = 0;
+  for (const Device* device : rows) {
+    StrategyInput input = strategy_input(shape, job, device->memory_bytes, headroom);
+    input.activation_bytes *= activation_ratio;
+    const StrategyDecision decision = choose_strategy(input);
+    const double peak = device->peak_flops_for(job.precision);
+    if (peak <= 0) {
+      throw UserError(
+          fmt::format("hardware row {} has no peak_tflops.{} (train.precision); add it "
+                      "to the catalog row",
+                      device->name, job.precision));
+    }
+    const bool measured_here =
+        pilot && pilot->mfu > 0 && device_for_name(catalog, pilot->device) == device;
+    const double mfu = measured_here ? pilot->mfu : config.get_float("plan.mfu");
+    const bool one_node = gpus <= device->gpus_per_node;
+    const double bandwidth =
+        one_node ? device->interconnect_bytes_per_second / 2.0 : device->network_bytes_per_second;
+    const double g = static_cast<double>(gpus);
+    const double accum = static_cast<double>(job.grad_accum_steps);
+    double comm = 0;
+    if (decision.strategy == "ddp" && gpus > 1) {
+      comm = 2.0 * (g - 1) / g * memory.gradients / bandwidth;  // ring all-reduce of the gradients
+    } else if (decision.strategy == "fsdp") {
+      const double d = static_cast<double>(decision.fsdp_degree);
+      const double shard_bw = decision.fsdp_degree <= device->gpus_per_node
+                                  ? device->interconnect_bytes_per_second / 2.0
+                                  : device->network_bytes_per_second;
+      // All-gather the parameters in forward and backward, reduce-scatter the gradients, each
+      // micro-batch; replicas (g / d of them) all-reduce their shard.
+      comm = accum * (2.0 * memory.parameters + memory.gradients) * (d - 1) / d / shard_bw;
+      const double replicas = g / d;
+      if (replicas > 1) comm += 2.0 * (replicas - 1) / replicas * memory.gradients / d / bandwidth;
+    }
+    BudgetInput b;
+    b.steps = steps;
+    b.compute_seconds_per_step = flops_per_step / (g * peak * mfu);
+    b.communication_seconds_per_step = comm;
+    b.evals = evals;
+    b.eval_seconds = measured_here && pilot->eval_seconds > 0
+                         ? pilot->eval_seconds
+                         : eval_tokens_per_rank * flops_per_token / 3.0 / (peak * mfu);
+    b.save_seconds = save_seconds;
+    b.restart_seconds = restart_seconds;
+    b.gpus = gpus;
+    b.gpu_mtbf_hours = mtbf;
+    b.restore_drills = config.get_int("plan.restore_drills");
+    b.pilot_seconds = pilot && pilot->wall_seconds > 0 && measured_here
+                          ? pilot->wall_seconds
+                          : config.get_float("plan.pilot_hours") * 3600.0;
+    b.margin_fraction = config.get_float("plan.margin");
+    const Budget result = budget(b);
+    const bool fits_memory = decision.strategy != "does-not-fit";
+    json row = {
+        {"hardware", device->name},
+        {"display_name", device->display_name},
+        {"gpus", gpus},
+        {"strategy", to_json(decision)},
+        {"fits_memory", fits_memory},
+        {"peak_flops_per_gpu", peak},
+        {"mfu", mfu},
+        {"mfu_source", measured_here ? "pilot (measured on this device)" : "plan.mfu (assumed)"},
+        {"step_seconds", result.step_seconds},
+        {"compute_seconds_per_step", result.compute_seconds},
+        {"communication_seconds_per_step", result.communication_seconds},
+        {"train_seconds", result.train_seconds},
+        {"eval_seconds", result.eval_seconds},
+        {"save_seconds", result.save_seconds},
+        {"checkpoint_interval_seconds", result.checkpoint_interval_seconds},
+        {"saves_seconds", result.saves_seconds},
+        {"job_mtbf_seconds", result.job_mtbf_seconds},
+        {"expected_failures", finite_or_null(result.expected_failures)},
+        {"lost_seconds", finite_or_null(result.lost_seconds)},
+        {"drills_seconds", result.drills_seconds},
+        {"pilot_seconds", result.pilot_seconds},
+        {"margin_seconds", finite_or_null(result.margin_seconds)},
+        {"wall_seconds", finite_or_null(result.wall_seconds)},
+        {"wall_days", finite_or_null(result.wall_seconds / kDay)},
+        {"ettr", result.ettr},
+    };
+    for (const auto& [days, prices, key] :
+         {std::tuple{7, &price_7d, "plan.price_7d_per_gpu_hour"},
+          std::tuple{30, &price_30d, "plan.price_30d_per_gpu_hour"}}) {
+      const bool fits = fits_memory && result.wall_seconds <= days * kDay;
+      const std::string name = fmt::format("reservation_{}d", days);
+      json r = {{"fits", fits}};
+      auto price = prices->find(device->name);
+      if (price != prices->end()) {
+        const double cost = g * days * 24.0 * price->second;
+        r["price_per_gpu_hour"] = price->second;
+        r["cost"] = cost;
+        if (fits && (best.is_null() || cost < best_cost ||
+                     (cost == best_cost && result.wall_seconds / kDay < best_days))) {
+          best = {{"hardware", device->name}, {"reservation_days", days}, {"cost", cost}};
+          best_cost = cost;
+          best_days = result.wall_seconds / kDay;
+        }
+      } else if (require_cost) {
+        throw UserError(
+            fmt::format("{} has no price for {}; set {}.{} = <price per GPU-hour> "
+                        "(prices are never built in)",
+                        key, device->name, key, device->name));
+      } else {
+        r["cost"] = nullptr;
+      }
+      row[name] = r;
+    }
+    out_rows.push_back(row);
+  }
+
+  // Without prices: the shortest reservation that fits, then the fewest days.
+  std::string recommendation;
+  if (!best.is_null()) {
+    recommendation = fmt::format(
+        "{} for {} days: the cheapest row that fits with the margin ({:.0f} in the prices given)",
+        best["hardware"].get<std::string>(), best["reservation_days"].get<int>(), best_cost);
+  } else {
+    double fewest = std::numeric_limits<double>::infinity();
+    int shortest = 0;
+    for (const auto& row : out_rows) {
+      for (int days : {7, 30}) {
+        if (!row[fmt::format("reservation_{}d", days)]["fits"].get<bool>()) continue;
+        const double wall = row["wall_seconds"].get<double>();
+        if (shortest == 0 || days < shortest || (days == shortest && wall < fewest)) {
+          best = {{"hardware", row["hardware"]}, {"reservation_days", days}};
+          shortest = days;
+          fewest = wall;
+        }
+      }
+    }
+    recommendation = best.is_null()
+                         ? "nothing fits a 30-day reservation at plan.gpus GPUs: add GPUs, lower "
+                           "plan.tokens, or "
+                           "enable activation checkpointing where memory is the limit"
+                         : fmt::format(
+                               "{} for {} days: the shortest reservation that fits with the margin "
+                               "({} days); set plan.price_7d_per_gpu_hour and "
+                               "plan.price_30d_per_gpu_hour to compare costs",
+                               best["hardware"].get<std::string>(),
+                               best["reservation_days"].get<int>(), days_text(fewest));
+  }
+
+  return {
+      {"config", config.source_name()},
+      {"job_hash", job_hash(config)},
+      {"pilot", pilot ? json(pilot->run_dir.string()) : json(nullptr)},
+      {"model",
+       {{"architecture", shape.architecture},
+        {"parameters", n},
+        {"largest_unit_parameters", largest_unit_parameter_count(shape)},
+        {"flops_per_token", flops_per_token}}},
+      {"job",
+       {{"micro_batch", job.micro_batch},
+        {"seq_len", job.seq_len},
+        {"grad_accum_steps", job.grad_accum_steps},
+        {"gpus", gpus},
+        {"precision", job.precision},
+        {"optimizer", job.optimizer},
+        {"activation_checkpointing", job.activation_checkpointing},
+        {"tokens", planned_tokens},
+        {"tokens_per_step", tokens_per_step},
+        {"steps", steps},
+        {"evals", evals}}},
+      {"memory_per_device",
+       {{"estimate", to_json(memory)},
+        {"state_bytes_per_parameter", state_bytes_per_parameter(job)},
+        {"activation_calibration", activation_ratio}}},
+      {"checkpoint",
+       {{"bytes", checkpoint_bytes},
+        {"write_bytes_per_second", write_speed},
+        {"save_seconds", save_seconds},
+        {"restart_seconds", restart_seconds}}},
+      {"assumptions", assumptions},
+      {"rows", out_rows},
+      {"recommendation", best.is_null() ? json(nullptr) : best},
+      {"recommendation_text", recommendation},
+  };
+}
+
+std::string plan_markdown(const json& plan) {
+  std::string out = fmt::format(
+      "Model: {} parameters ({}), {:.3g} FLOP/token; job: micro-batch {} x seq {} x accum {} on "
+      "{} GPUs, {:.3g} tokens in {:.0f} steps; {}.\n\n",
+      format_number(plan["model"]["parameters"].get<double>()),
+      plan["model"]["architecture"].get<std::string>(),
+      plan["model"]["flops_per_token"].get<double>(), plan["job"]["micro_batch"].get<int64_t>(),
+      plan["job"]["seq_len"].get<int64_t>(), plan["job"]["grad_accum_steps"].get<int64_t>(),
+      plan["job"]["gpus"].get<int64_t>(), plan["job"]["tokens"].get<double>(),
+      plan["job"]["steps"].get<double>(),
+      plan["pilot"].is_null() ? "no pilot: the assumptions below"
+                              : "calibrated by the pilot in " + plan["pilot"].get<std::string>());
+  out +=
+      "| hardware | fits? | strategy | GPUs | step | days | ETTR | ckpt every | 7 days | 30 days "
+      "|\n";
+  out += "|---|---|---|---|---|---|---|---|---|---|\n";
+  for (const auto& row : plan["rows"]) {
+    const auto& s = row["strategy"];
+    std::string strategy = s["strategy"].get<std::string>();
+    if (strategy == "fsdp") strategy += fmt::format(" x{}", s["fsdp_degree"].get<int64_t>());
+    auto reservation = [&](const char* key) {
+      const auto& r = row[key];
+      std::string text = r["fits"].get<bool>() ? "fits" : "no";
+      if (!r["cost"].is_null()) text += fmt::format(", {:.0f}", r["cost"].get<double>());
+      return text;
+    };
+    const double wall = row["wall_seconds"].is_null() ? std::numeric_limits<double>::infinity()
+                                                      : row["wall_seconds"].get<double>();
+    out += fmt::format(
+        "| {} | {} | {} | {} | {} | {} | {:.1f}% | {} | {} | {} |\n",
+        row["hardware"].get<std::string>(), row["fits_memory"].get<bool>() ? "yes" : "**no**",
+        strategy, row["gpus"].get<int64_t>(), format_duration(row["step_seconds"].get<double>()),
+        row["fits_memory"].get<bool>() ? days_text(wall) : "-", 100 * row["ettr"].get<double>(),
+        row["checkpoint_interval_seconds"].get<double>() > 0
+            ? format_duration(row["checkpoint_interval_seconds"].get<double>())
+            : "-",
+        reservation("reservation_7d"), reservation("reservation_30d"));
+  }
+  out += "\nRecommendation: " + plan["recommendation_text"].get<std::string>() + ".\n";
+  if (!plan["assumptions"].empty()) {
+    out += "\nAssumptions:\n";
+    for (const auto& a : plan["assumptions"]) out += "- " + a.get<std::string>() + "\n";
+  }
+  out += "\nWhy each strategy:\n";
+  for (const auto& row : plan["rows"]) {
+    out += fmt::format("- {}: {}\n", row["hardware"].get<std::string>(),
+                       row["strategy"]["reason"].get<std::string>());
+  }
+  return out;
+}
+
+}  // namespace kiln
