@@ -261,3 +261,29 @@ TEST(Fsdp, EvaluateGathersAndFreesAgain) {
 
 }  // namespace
 }  // namespace kiln::testing
+
+namespace kiln::testing {
+namespace {
+
+TEST(DistStrategy, AutoPicksFsdpOnlyWhenDdpDoesNotFit) {
+  TempDir dir;
+  auto choose = [&](const std::string& memory) {
+    const Config config =
+        gpt_config(dir.path(), {"dist.strategy=auto", "dist.device_memory_bytes=" + memory});
+    return resolve_strategy(config, *make_model(config), torch::kCPU, 2);
+  };
+  const StrategyChoice roomy = choose("1e12");
+  EXPECT_EQ(roomy.strategy, "ddp");
+  EXPECT_EQ(roomy.decision["strategy"], "ddp");
+  // Half a MB: below DDP's model state (16 B x ~0.1M parameters): fsdp, and the reason says why.
+  const StrategyChoice tight = choose("5e5");
+  EXPECT_EQ(tight.strategy, "fsdp");
+  EXPECT_THAT(tight.reason, ::testing::HasSubstr("dist.strategy = \"auto\": fsdp"));
+  EXPECT_THAT(tight.reason, ::testing::HasSubstr("dist.device_memory_bytes"));
+  const Config fixed = gpt_config(dir.path(), {"dist.strategy=ddp"});
+  EXPECT_EQ(resolve_strategy(fixed, *make_model(fixed), torch::kCPU, 2).strategy, "ddp");
+  EXPECT_TRUE(resolve_strategy(fixed, *make_model(fixed), torch::kCPU, 2).decision.is_null());
+}
+
+}  // namespace
+}  // namespace kiln::testing
