@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Python DistributedDataParallel (Gloo) on kiln's model and data, for the scale benchmark.
+"""Python DistributedDataParallel or FSDP2 (Gloo) on kiln's model and data, for the scale benchmark.
 
 Run under torchrun, one process per rank:
 
@@ -13,6 +13,10 @@ both sides see the same data in the same order. Each step is what kiln's step do
 backward (DDP's bucketed all-reduce overlapped with it; no_sync on all but the last micro-step),
 clipping on the global norm, the optimizer, and the loss averaged over the ranks for logging.
 Rank 0 writes per-step losses and step times.
+
+With --fsdp: FSDP2 instead of DDP, `fully_shard` on each of kiln's units (gpt's blocks, the mlp's
+layers) and then on the root (embeddings, final norm, tied head), as kiln's FSDP groups them;
+set_requires_gradient_sync(False) on all but the last micro-step (kiln's "unsharded" accumulation).
 """
 import argparse
 import json
@@ -36,6 +40,7 @@ def main():
     parser.add_argument("--export", required=True, help="a `kiln peer export` directory")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--result", required=True, help="rank 0 writes losses and step times here")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard instead of DDP")
     args = parser.parse_args()
 
     with open(os.path.join(args.export, "config.toml"), "rb") as f:
@@ -50,7 +55,14 @@ def main():
     model = (Mlp if cfg["model"]["name"] == "mlp" else Gpt)(cfg["model"])
     model.load_state_dict(load_file(os.path.join(args.export, "init.safetensors")), strict=True)
     model.train()
-    ddp = DistributedDataParallel(model, bucket_cap_mb=cfg["dist"]["bucket_mb"])
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+        units = list(model.transformer.h) if hasattr(model, "transformer") else [model.fc1, model.fc2]
+        for unit in units:
+            fully_shard(unit, reshard_after_forward=cfg["dist"].get("reshard_after_forward", True))
+        ddp = fully_shard(model)
+    else:
+        ddp = DistributedDataParallel(model, bucket_cap_mb=cfg["dist"]["bucket_mb"])
     optimizer = make_optimizer(model, cfg["optim"])
     accum = cfg["train"]["grad_accum_steps"]
     clip = cfg["train"]["clip_grad_norm"]
@@ -69,7 +81,9 @@ def main():
         total = torch.zeros(())
         for m, (inputs, targets) in enumerate(shards[k]):
             last = m == accum - 1
-            with (ddp.no_sync() if not last else torch.enable_grad()):
+            if args.fsdp:
+                ddp.set_requires_gradient_sync(last)
+            with (ddp.no_sync() if not last and not args.fsdp else torch.enable_grad()):
                 logits = ddp(inputs)
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)) / accum
                 loss.backward()
@@ -86,7 +100,7 @@ def main():
 
     if rank == 0:
         with open(args.result, "w") as f:
-            json.dump({"losses": losses, "step_seconds": seconds, "cpu_seconds": cpu_seconds,
+            json.dump({"losses": losses, "strategy": "fsdp2" if args.fsdp else "ddp", "step_seconds": seconds, "cpu_seconds": cpu_seconds,
                        "world_size": world,
                        "threads": torch.get_num_threads(), "torch": torch.__version__}, f)
     dist.destroy_process_group()

@@ -43,6 +43,9 @@ def main():
     parser.add_argument("--steps", type=int, default=40, help="measured steps per repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--result", help="write the comparison as JSON here")
+    parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp",
+                        help="fsdp: kiln's dist.strategy=fsdp against Python FSDP2 (fully_shard), and "
+                             "kiln's DDP once for the memory and step time side by side")
     args = parser.parse_args()
 
     total = args.warmup + args.steps
@@ -64,20 +67,21 @@ def main():
                             args.kiln, "scale", args.config, "--quiet"] +
                            sets(common + [f"train.batch_size={batch}", f"run.dir={work}/runs", "run.name=kiln",
                                           "dist.scale_baseline_steps=0", f"dist.scale_warmup_steps={args.warmup}",
-                                          f"dist.scale_steps={args.steps}"]),
+                                          f"dist.scale_steps={args.steps}", f"dist.strategy={args.strategy}"]),
                            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             with open(os.path.join(work, "runs", "kiln", "scale.json")) as f:
                 scale = json.load(f)
             kiln_medians.append(scale["per_rank"][0]["step_seconds"]["median"])
             kiln_cpu.append(scale["per_rank"][0]["cpu_seconds"] / args.steps)
             kiln_losses = scale["losses"]
+            kiln_memory = scale["per_rank"][0].get("memory")
             kiln_runs.append({k: scale["global"][k] for k in ("median_step_seconds", "compute_seconds_per_step",
                                                                "comm_busy_seconds_per_step",
                                                                "comm_exposed_seconds_per_step")})
             peer_json = os.path.join(work, "peer.json")
             subprocess.run([args.torchrun, "--standalone", f"--nproc-per-node={args.world}",
                             os.path.join(HERE, "ddp_peer.py"), "--export", export, "--steps", str(total),
-                            "--result", peer_json], check=True, stdout=subprocess.DEVNULL,
+                            "--result", peer_json] + (["--fsdp"] if args.strategy == "fsdp" else []), check=True, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
             with open(peer_json) as f:
                 peer = json.load(f)
@@ -87,6 +91,19 @@ def main():
             print(f"repeat {r + 1}: kiln {1e3 * kiln_medians[-1]:.3f} ms/step "
                   f"({1e3 * kiln_cpu[-1]:.3f} CPU ms), python {1e3 * py_medians[-1]:.3f} ms/step "
                   f"({1e3 * py_cpu[-1]:.3f} CPU ms)", flush=True)
+
+        ddp_side = None
+        if args.strategy == "fsdp":  # kiln's DDP once, for the side-by-side figures
+            subprocess.run([args.torchrun, "--standalone", f"--nproc-per-node={args.world}", "--no-python",
+                            args.kiln, "scale", args.config, "--quiet"] +
+                           sets(common + [f"train.batch_size={batch}", f"run.dir={work}/runs", "run.name=kiln-ddp",
+                                          "dist.scale_baseline_steps=0", f"dist.scale_warmup_steps={args.warmup}",
+                                          f"dist.scale_steps={args.steps}", "dist.strategy=ddp"]),
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            with open(os.path.join(work, "runs", "kiln-ddp", "scale.json")) as f:
+                ddp_scale = json.load(f)
+            ddp_side = {"median_step_seconds": ddp_scale["per_rank"][0]["step_seconds"]["median"],
+                        "memory": ddp_scale["per_rank"][0].get("memory")}
 
     k_med, p_med = statistics.median(kiln_medians), statistics.median(py_medians)
     worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(kiln_losses, py_losses))
@@ -105,6 +122,10 @@ def main():
         "kiln_cpu_per_repeat": kiln_cpu, "python_cpu_per_repeat": py_cpu,
         "kiln_breakdown_per_repeat": kiln_runs,
         "losses_max_relative_difference": worst,
+        "strategy": args.strategy, "kiln_memory_rank0": kiln_memory, "kiln_ddp": ddp_side,
+        "fsdp_over_ddp_step": (k_med / ddp_side["median_step_seconds"]) if ddp_side else None,
+        "fsdp_over_ddp_model_state": (kiln_memory["model_state"] / ddp_side["memory"]["model_state"])
+        if ddp_side and kiln_memory and ddp_side["memory"] else None,
         "kiln_losses": kiln_losses, "python_losses": py_losses,
         "method": "both under torchrun --standalone (OMP_NUM_THREADS=1 per rank), alternating; kiln: "
                   "`kiln scale` (its loader threads, bucketed all-reduce from autograd hooks); python: "

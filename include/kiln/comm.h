@@ -43,7 +43,7 @@ struct CommunicationStats {
   double blocked_seconds = 0;  // time the calling thread spent blocked in collectives
 };
 
-/// A collective started by all_reduce_sum_async, still in flight.
+/// A collective started by one of the *_async calls, still in flight.
 class PendingCollective {
  public:
   virtual ~PendingCollective() = default;
@@ -82,6 +82,28 @@ class Communicator {
   virtual std::string backend_name() const { return "none"; }
   /// What the collectives cost so far (zeros for a world of one). Thread-safe.
   virtual CommunicationStats stats() const { return {}; }
+
+  // ---- added for FSDP (kiln/dist.h); every one has a default built on all_reduce_sum ----------
+  /// Starts an all-gather: `output` (contiguous, world_size() x mine.numel() elements, mine's
+  /// dtype and device) receives every rank's `mine` (contiguous), rank r's at [r * n, (r+1) * n).
+  /// Both tensors must stay alive and untouched until wait() returns. Same threading as
+  /// all_reduce_sum_async. Default: an all-reduce of a zero-filled `output` holding `mine` at this
+  /// rank's offset, finished on return.
+  virtual std::unique_ptr<PendingCollective> all_gather_async(const torch::Tensor& mine,
+                                                              torch::Tensor& output);
+  /// Starts a sum reduce-scatter: `output` (contiguous, n elements) receives the element-wise sum
+  /// over ranks of chunk [rank * n, (rank+1) * n) of each rank's `input` (contiguous, world_size()
+  /// x n elements, output's dtype and device). Both must stay alive until wait() returns. Default:
+  /// an all-reduce of a copy of `input`, then this rank's slice, finished on return.
+  virtual std::unique_ptr<PendingCollective> reduce_scatter_sum_async(const torch::Tensor& input,
+                                                                      torch::Tensor& output);
+  /// Blocking forms of the two above.
+  void all_gather(const torch::Tensor& mine, torch::Tensor& output) {
+    all_gather_async(mine, output)->wait();
+  }
+  void reduce_scatter_sum(const torch::Tensor& input, torch::Tensor& output) {
+    reduce_scatter_sum_async(input, output)->wait();
+  }
 };
 
 /// The world of one process: rank 0 of 1; collectives return their input.

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -124,6 +125,146 @@ class DataParallel : public TrainerHook {
   explicit DataParallel(std::unique_ptr<State> state);
   std::unique_ptr<State> state_;
 };
+
+// ---- fully sharded data parallelism (FSDP) ------------------------------------------------------
+
+struct FsdpOptions {
+  /// dist.reshard_after_forward: free a unit's gathered parameters after its forward and gather
+  /// them again for its backward (ZeRO-3); false keeps them from forward until the unit's
+  /// backward is done (ZeRO-2).
+  bool reshard_after_forward = true;
+  /// dist.fsdp_accumulate: with gradient accumulation, "unsharded" keeps full gradients across
+  /// micro-steps and communicates on the last one only (like no_sync); "sharded" reduce-scatters
+  /// every micro-step into the sharded gradients (less memory, more traffic).
+  bool accumulate_sharded = false;
+  /// dist.fsdp_prefetch: issue the next unit's all-gather before the current unit computes
+  /// (forward and backward), so communication overlaps compute.
+  bool prefetch = true;
+};
+
+/// The options the config gives (dist.reshard_after_forward, dist.fsdp_accumulate,
+/// dist.fsdp_prefetch).
+FsdpOptions fsdp_options(const Config& config);
+
+/// How one parameter is sharded: on dim 0 in chunks of ceil(rows / world) rows (a 0-dim
+/// parameter counts as one row); rank r holds rows [r * rows_per_rank, (r + 1) * rows_per_rank)
+/// of the full parameter, padded with zero rows past its end (the last ranks may hold only
+/// padding).
+struct ShardLayout {
+  std::string name;            // as named_parameters() spells it
+  std::vector<int64_t> shape;  // the full parameter's shape
+  int64_t rows = 1;            // full size of dim 0
+  int64_t rows_per_rank = 1;   // ceil(rows / world_size)
+  int64_t row_numel = 1;       // elements per row
+  /// Rows of the full parameter that rank `rank` holds (the rest of its shard is padding).
+  int64_t valid_rows(int rank) const;
+  /// The shard's shape: the full shape with dim 0 = rows_per_rank.
+  std::vector<int64_t> shard_shape() const;
+};
+
+/// The layout of a parameter of `shape` over `world_size` ranks. Pure.
+ShardLayout shard_layout(const std::string& name, const std::vector<int64_t>& shape,
+                         int world_size);
+
+/// Per-rank bytes of the training state under FSDP, as the scale rung reports them.
+struct FsdpMemory {
+  int64_t parameter_shards = 0;  // this rank's parameter shards (padding included)
+  int64_t gradient_shards = 0;   // this rank's sharded gradients
+  int64_t gathered_peak = 0;     // most gathered (full) parameter bytes alive at once
+  int64_t largest_unit = 0;      // full bytes of the largest group
+  int64_t gathered_now = 0;      // gathered (full) parameter bytes alive now
+};
+
+/// FSDP as a TrainerHook and a UnitWrapper (kiln/models.h). Sharding groups: each of
+/// Model::units() and the root group (every trainable parameter in no unit: gpt's embeddings,
+/// final norm and tied head). Each rank keeps its shard of every parameter (ShardLayout); the
+/// model's parameters keep their shapes but their storage is released (0 bytes) whenever they are
+/// not gathered, and re-allocated in place before the all-gather copies into them, so autograd's
+/// saved references to them see the regathered data.
+///
+///  - forward: a unit is all-gathered (one flat all-gather per unit) before it runs, and freed
+///    after (reshard_after_forward) or kept until its backward is done; the root group is
+///    gathered at each micro-step's start (and around evaluate()) and kept until its gradients
+///    are reduced. With prefetch the next unit's all-gather is in flight while a unit computes.
+///  - backward: a hook on the unit's output gathers it again (when freed) before its backward
+///    runs and prefetches the previous unit; when every parameter of a group has accumulated its
+///    gradient, the group's full gradients are reduce-scattered (sum, then divided by the world
+///    size), asynchronously, groups in a fixed order (units last to first, then the root), and
+///    its full parameters and gradients are freed.
+///  - on_gradients_ready waits for the reduce-scatters and sets each shard's gradient; the
+///    Trainer's optimizer holds and steps the shards only (Trainer::use_sharded_parameters), and
+///    the gradient norm sums squared shard norms over the ranks.
+///
+/// Every rank must produce gradients for the same parameters in each micro-step (true for kiln's
+/// models): a group whose gradients are incomplete is reduced only at the step's end. Not
+/// thread-safe: the same threading as DataParallel. The model's parameters are not readable
+/// outside forward and backward: use full_parameters().
+class FullyShardedDataParallel : public TrainerHook,
+                                 public UnitWrapper,
+                                 public std::enable_shared_from_this<FullyShardedDataParallel> {
+ public:
+  ~FullyShardedDataParallel() override;
+  /// Broadcasts rank 0's parameters and buffers to every rank (checked with an all-gathered
+  /// weights_hash, as DataParallel), keeps this rank's shards, frees the full parameters, gives
+  /// the shards to the trainer's optimizer, and adds itself to the trainer and as the model's unit
+  /// wrapper. Throws UserError for a model with no trainable parameters; CommunicationError as
+  /// DataParallel::attach. A world of one shards nothing but runs the same code.
+  static std::shared_ptr<FullyShardedDataParallel> attach(Trainer& trainer,
+                                                          std::shared_ptr<Communicator> comm,
+                                                          const FsdpOptions& options);
+
+  /// This rank's shard of every trainable parameter, named like the parameter (the tensors the
+  /// optimizer steps; padding rows included).
+  NamedTensors shards() const;
+  /// Every trainable parameter's layout, in registration order.
+  std::vector<ShardLayout> layouts() const;
+  /// The full parameters (padding dropped), gathered from every rank: a collective, call on every
+  /// rank from the training thread outside a step. Copies.
+  NamedTensors full_parameters();
+  /// weights_hash() of the model with every parameter gathered (for the call only): what DDP
+  /// would report for the same weights. A collective, like full_parameters().
+  std::string full_weights_hash();
+  /// The sharding groups' names: the units, then "root" (when it has parameters).
+  std::vector<std::string> group_names() const;
+  /// Collectives started since attach.
+  int64_t all_gathers() const;
+  int64_t reduce_scatters() const;
+  /// Bytes of the state this rank holds, and the gathered-parameter peak since attach.
+  FsdpMemory memory() const;
+
+  void on_micro_step_begin(Trainer& trainer, int micro_step, bool last) override;
+  void on_gradients_ready(Trainer& trainer) override;
+  void on_phase_begin(Trainer& trainer, Phase phase) override;
+  void on_phase_end(Trainer& trainer, Phase phase) override;
+  torch::Tensor run(int unit, const UnitForward& forward, const torch::Tensor& input) override;
+
+  struct State;  // implementation detail (src/dist/fsdp.cpp)
+
+ private:
+  explicit FullyShardedDataParallel(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+// ---- choosing the strategy
+// -----------------------------------------------------------------------
+
+/// dist.strategy resolved for a job of `world_size` ranks, and why.
+struct StrategyChoice {
+  std::string strategy;     // "ddp" or "fsdp"
+  std::string reason;       // one line with the numbers (logged, and in scale.json)
+  nlohmann::json decision;  // auto: choose_strategy's decision (kiln/plan.h to_json); else null
+};
+
+/// "ddp" or "fsdp" when dist.strategy says so. "auto": kiln::choose_strategy (kiln/plan.h, the
+/// rule `kiln plan` uses) on this model's measured sizes: DDP's model state (its parameters x
+/// state_bytes_per_parameter for optim.name and the precision), the largest FSDP group's
+/// parameter bytes, the activations of one micro-batch (plan's estimate, calibrated by the run's
+/// pilot.json when one exists for this job), against dist.device_memory_bytes (0: the device's
+/// total; CPU: the machine's physical memory) with dist.memory_headroom. DDP when it fits, else
+/// FSDP over all ranks (also when even FSDP does not fit: the reason says so). Memory is the only
+/// reason it picks FSDP. Throws UserError (a model shape plan cannot estimate).
+StrategyChoice resolve_strategy(const Config& config, const Model& model,
+                                const torch::Device& device, int world_size);
 
 // ---- launching local ranks under torchrun -------------------------------------------------------
 

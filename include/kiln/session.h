@@ -20,6 +20,11 @@ struct Session {
   std::shared_ptr<Communicator> comm;  // the process group (a world of one when not distributed)
   std::unique_ptr<Run> run;
   std::unique_ptr<Trainer> trainer;
+  // With world size > 1: "ddp" or "fsdp" (dist.strategy, resolved), why, and FSDP's hook.
+  std::string strategy = "none";
+  std::string strategy_reason;
+  nlohmann::json strategy_decision;  // dist.strategy = "auto": the rule's numbers; else null
+  std::shared_ptr<FullyShardedDataParallel> fsdp;
 };
 
 struct SessionOptions {

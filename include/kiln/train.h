@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -205,6 +206,23 @@ class PhaseScope {
 
 // ---- the training state ------------------------------------------------------------------------
 
+/// Where a tensor that is one rank's piece of a larger one sits (TrainState::pieces).
+struct TensorPiece {
+  std::vector<int64_t> global_shape;
+  std::vector<int64_t> offsets;  // index of the piece's first element in the whole tensor
+};
+
+/// One rank's shard of a parameter under sharded data parallelism
+/// (Trainer::use_sharded_parameters).
+struct ParameterShard {
+  std::string name;     // the parameter's name
+  torch::Tensor shard;  // the tensor the optimizer steps: rows [row_offset, row_offset + rows) of
+                        // the parameter along dim 0, then padding rows (zeros)
+  std::vector<int64_t> global_shape;  // the parameter's shape
+  int64_t row_offset = 0;
+  int64_t rows = 0;  // rows that are the parameter's (0: padding only)
+};
+
 /// Everything a run needs to continue bitwise where it stopped, as one value (torchtitan's
 /// Stateful, in one place). Tensors alias the live state: capturing copies nothing (an async
 /// checkpointer stages them before the next optimizer step), and Trainer::load_state copies into
@@ -222,6 +240,10 @@ struct TrainState {
   NamedTensors rng;               // generator states of this process: "cpu", "cuda-<d>"
   nlohmann::json lr_schedule;     // the schedule's settings and next_lr (data only)
   nlohmann::json grad_scaler;     // null until mixed precision adds a loss scaler
+  /// Tensors of `model` and `optimizer` that are this rank's piece of a larger tensor (sharded
+  /// data parallelism), by their name in those lists: the whole tensor's shape and where the
+  /// piece starts in it. Every other tensor is whole (and, with DDP, the same on every rank).
+  std::map<std::string, TensorPiece> pieces;
 };
 
 // ---- the trainer -------------------------------------------------------------------------------
@@ -352,6 +374,15 @@ class Trainer {
     captured_ = std::move(captured);
   }
   bool captured() const { return captured_ != nullptr; }
+  /// Sharded data parallelism (FullyShardedDataParallel, kiln/dist.h): the optimizer is rebuilt
+  /// over `shards` (this rank's pieces of the parameters, named like them, with gradients set by
+  /// the strategy before clipping) instead of the model's parameters, and the global gradient
+  /// norm sums the squared shard norms over `comm`, so clipping and the non-finite guard agree
+  /// on every rank. Call before the first step.
+  /// state() then lists each shard's rows (padding dropped; none when it holds padding only) and
+  /// its optimizer state as pieces (TrainState::pieces) instead of the model's parameters.
+  void use_sharded_parameters(std::vector<ParameterShard> shards,
+                              std::shared_ptr<Communicator> comm);
 
   /// Marks a phase for every hook (profiler scopes, timers). Prefer PhaseScope. Components call
   /// these around their own work, e.g. a checkpointer around its staging (Phase::kCheckpoint),
@@ -385,6 +416,8 @@ class Trainer {
   std::vector<std::shared_ptr<TrainerHook>> hooks_;
   std::shared_ptr<CompiledForwardBackward> compiled_;
   std::shared_ptr<CapturedStep> captured_;
+  std::shared_ptr<Communicator> shard_norm_comm_;  // set by use_sharded_parameters
+  std::vector<ParameterShard> shards_;             // set by use_sharded_parameters
   int64_t step_ = 0;
   int64_t skipped_steps_ = 0;  // as of the last sync
   // On the device, since the last sync: non-finite steps, and the first one's number (0: none).

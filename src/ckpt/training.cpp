@@ -59,6 +59,15 @@ LoaderPosition resume_position(const TrainState& live, const CheckpointIndex& in
   return position;
 }
 
+// A model or optimizer tensor of the state: whole, or this rank's piece (FSDP) at its offsets.
+StateTensor state_tensor(const std::string& prefix, const std::string& name, torch::Tensor tensor,
+                         const TrainState& state) {
+  auto piece = state.pieces.find(name);
+  if (piece == state.pieces.end()) return {prefix + name, std::move(tensor)};
+  return StateTensor(prefix + name, std::move(tensor), piece->second.global_shape,
+                     piece->second.offsets);
+}
+
 bool is_step_count(const std::string& name) {
   return name.ends_with(".step");
 }
@@ -88,13 +97,14 @@ LoadResult restore_from(Trainer& trainer, Communicator& comm,
   bool saved_step_counts = true;                       // format 1 checkpoints have none
   try {
     state = trainer.state();
-    for (const auto& [name, tensor] : state.model) targets.push_back({"model/" + name, tensor});
+    for (const auto& [name, tensor] : state.model)
+      targets.push_back(state_tensor("model/", name, tensor, state));
     for (const auto& [name, tensor] : state.optimizer) {
       if (is_step_count(name) && !index.find("optim/" + name)) {
         saved_step_counts = false;
         continue;
       }
-      targets.push_back({"optim/" + name, tensor});
+      targets.push_back(state_tensor("optim/", name, tensor, state));
     }
     for (size_t k = 0; k < state.rng.size(); ++k) {
       const std::string name = rng_name(rank, state.rng[k].first);
@@ -231,10 +241,11 @@ SaveRequest capture_training_state(Trainer& trainer, Communicator& comm,
   for (size_t k = 0; k < state.model.size(); ++k) {
     const auto& [name, tensor] = state.model[k];
     torch::NoGradGuard no_grad;
-    request.tensors.push_back({"model/" + name, k < parameters ? tensor : tensor.clone()});
+    request.tensors.push_back(
+        state_tensor("model/", name, k < parameters ? tensor : tensor.clone(), state));
   }
   for (const auto& [name, tensor] : state.optimizer)
-    request.tensors.push_back({"optim/" + name, tensor});
+    request.tensors.push_back(state_tensor("optim/", name, tensor, state));
   json rng = {{"cpu", nullptr}, {"cuda", nullptr}};
   for (const auto& [name, tensor] : state.rng) {
     request.tensors.push_back(own_tensor(rng_name(rank, name), tensor));

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <map>
 
+#include "dist/replicas.h"
 #include "kiln/config.h"
 #include "kiln/dist.h"
 #include "kiln/error.h"
@@ -119,24 +120,6 @@ class GradientReadyHook final : public torch::autograd::PostAccumulateGradHook {
   size_t index_;
 };
 
-// Sends rank 0's tensors to every rank: one broadcast per dtype (the tensors flattened together).
-void broadcast_from_rank0(Communicator& comm, const std::vector<torch::Tensor>& tensors) {
-  torch::NoGradGuard no_grad;
-  std::map<std::pair<c10::ScalarType, std::string>, std::vector<torch::Tensor>> groups;
-  for (const auto& t : tensors) groups[{t.scalar_type(), t.device().str()}].push_back(t);
-  for (auto& [key, group] : groups) {
-    std::vector<torch::Tensor> flat_parts;
-    for (const auto& t : group) flat_parts.push_back(t.reshape(-1));
-    torch::Tensor flat = torch::cat(flat_parts);
-    comm.broadcast(flat, 0);
-    int64_t offset = 0;
-    for (auto& t : group) {
-      t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
-      offset += t.numel();
-    }
-  }
-}
-
 }  // namespace
 
 DataParallel::DataParallel(std::unique_ptr<State> state) : state_(std::move(state)) {}
@@ -152,21 +135,7 @@ std::shared_ptr<DataParallel> DataParallel::attach(Trainer& trainer,
   state->comm = std::move(comm);
   state->world_size = state->comm->world_size();
   Model& model = trainer.model();
-  std::vector<torch::Tensor> all_state;
-  for (auto& p : model.parameters()) all_state.push_back(p);
-  for (auto& b : model.buffers()) all_state.push_back(b);
-  if (state->world_size > 1) broadcast_from_rank0(*state->comm, all_state);
-
-  // Confirm: every rank now holds the same weights.
-  state->weights_hash = weights_hash(model);
-  const std::vector<std::string> hashes = state->comm->all_gather_bytes(state->weights_hash);
-  for (size_t r = 0; r < hashes.size(); ++r) {
-    if (hashes[r] != hashes[0]) {
-      throw CommunicationError(fmt::format(
-          "rank {}/{}: model weights differ after the initial broadcast (rank 0 {}, rank {} {})",
-          state->comm->rank(), state->world_size, hashes[0], r, hashes[r]));
-    }
-  }
+  state->weights_hash = dist::replicate_rank0(*state->comm, model);
 
   // Trainable parameters, last registered first, split into runs of one dtype and device.
   std::vector<torch::Tensor> params;

@@ -125,12 +125,12 @@ class PendingWork final : public PendingCollective {
  public:
   PendingWork(const ProcessGroupCommunicator* owner, std::string what,
               c10::intrusive_ptr<c10d::Work> work, std::shared_ptr<Completion> completion,
-              torch::Tensor tensor)
+              std::vector<torch::Tensor> tensors)
       : owner_(owner),
         what_(std::move(what)),
         work_(std::move(work)),
         completion_(std::move(completion)),
-        tensor_(std::move(tensor)) {}
+        tensors_(std::move(tensors)) {}
   void wait() override;
 
  private:
@@ -138,7 +138,7 @@ class PendingWork final : public PendingCollective {
   std::string what_;
   c10::intrusive_ptr<c10d::Work> work_;
   std::shared_ptr<Completion> completion_;
-  torch::Tensor tensor_;  // kept alive while in flight
+  std::vector<torch::Tensor> tensors_;  // kept alive while in flight
 };
 
 class ProcessGroupCommunicator final : public Communicator {
@@ -216,27 +216,47 @@ class ProcessGroupCommunicator final : public Communicator {
   }
 
   std::unique_ptr<PendingCollective> all_reduce_sum_async(torch::Tensor& tensor) override {
-    if (!tensor.is_contiguous() || tensor.device() != device_) {
-      throw std::invalid_argument("all_reduce_sum_async needs a contiguous tensor on " +
-                                  device_.str());
-    }
-    auto completion = std::make_shared<Completion>();
-    completion->ledger = ledger_;
-    completion->start = ledger_->started(static_cast<double>(tensor.nbytes()));
-    c10::intrusive_ptr<c10d::Work> work;
-    try {
+    require_on_device("all_reduce_sum_async", tensor);
+    return start_async("bucket all-reduce", tensor, {tensor}, [&] {
       std::vector<at::Tensor> tensors{tensor};
       c10d::AllreduceOptions options;
       options.reduceOp = c10d::ReduceOp::SUM;
-      work = backend_->allreduce(tensors, options);
-      work->getFuture()->addCallback(
-          [completion](c10::ivalue::Future&) { completion->record(false); });
-    } catch (const std::exception& e) {
-      completion->record(false);
-      fail("all-reduce", e);
+      return backend_->allreduce(tensors, options);
+    });
+  }
+
+  // c10d's all_gather_into_tensor (_allgather_base): Gloo implements it in torch >= 2.6.
+  std::unique_ptr<PendingCollective> all_gather_async(const torch::Tensor& mine,
+                                                      torch::Tensor& output) override {
+    require_on_device("all_gather_async", mine);
+    require_on_device("all_gather_async", output);
+    if (output.numel() != mine.numel() * env_.world_size || output.dtype() != mine.dtype()) {
+      throw std::invalid_argument("all_gather_async: the output must hold world_size x input");
     }
-    return std::make_unique<PendingWork>(this, "bucket all-reduce", std::move(work), completion,
-                                         tensor);
+    return start_async("all-gather", mine, {mine, output}, [&] {
+      at::Tensor out = output.view(-1);
+      at::Tensor in = mine.view(-1);
+      return backend_->_allgather_base(out, in);
+    });
+  }
+
+  // c10d's reduce_scatter_tensor (_reduce_scatter_base) with SUM: Gloo implements it in
+  // torch >= 2.6 (no PREMUL_SUM: callers divide afterwards).
+  std::unique_ptr<PendingCollective> reduce_scatter_sum_async(const torch::Tensor& input,
+                                                              torch::Tensor& output) override {
+    require_on_device("reduce_scatter_sum_async", input);
+    require_on_device("reduce_scatter_sum_async", output);
+    if (input.numel() != output.numel() * env_.world_size || output.dtype() != input.dtype()) {
+      throw std::invalid_argument(
+          "reduce_scatter_sum_async: the input must hold world_size x output");
+    }
+    return start_async("reduce-scatter", input, {input, output}, [&] {
+      at::Tensor out = output.view(-1);
+      at::Tensor in = input.view(-1);
+      c10d::ReduceScatterOptions options;
+      options.reduceOp = c10d::ReduceOp::SUM;
+      return backend_->_reduce_scatter_base(out, in, options);
+    });
   }
 
   [[noreturn]] void fail(const std::string& what, const std::exception& e) const {
@@ -249,6 +269,37 @@ class ProcessGroupCommunicator final : public Communicator {
   void account_blocked(double seconds) const { ledger_->add_blocked(seconds); }
 
  private:
+  void require_on_device(const char* what, const torch::Tensor& tensor) const {
+    if (!tensor.is_contiguous() || tensor.device() != device_) {
+      throw std::invalid_argument(
+          fmt::format("{} needs contiguous tensors on {}", what, device_.str()));
+    }
+  }
+
+  // Starts a collective whose bytes are `payload`'s and keeps `keep` alive until it finished.
+  template <typename Start>
+  std::unique_ptr<PendingCollective> start_async(const char* what, const torch::Tensor& payload,
+                                                 std::vector<torch::Tensor> keep, Start start) {
+    auto completion = std::make_shared<Completion>();
+    completion->ledger = ledger_;
+    completion->start = ledger_->started(static_cast<double>(payload.nbytes()));
+    c10::intrusive_ptr<c10d::Work> work;
+    try {
+      work = start();
+    } catch (const std::exception& e) {
+      completion->record(false);
+      fail(what, e);
+    }
+    // Gloo's _allgather_base / _reduce_scatter_base works have no future ("Work::getFuture not
+    // implemented"): their end is then recorded by wait(), which adds the wait to busy time.
+    try {
+      work->getFuture()->addCallback(
+          [completion](c10::ivalue::Future&) { completion->record(false); });
+    } catch (const c10::Error&) {
+    }
+    return std::make_unique<PendingWork>(this, what, std::move(work), completion, std::move(keep));
+  }
+
   // `tensor` itself when it is contiguous on the group's device, else a contiguous copy there.
   torch::Tensor stage(const torch::Tensor& tensor) const {
     if (tensor.device() == device_ && tensor.is_contiguous()) return tensor;
@@ -301,7 +352,7 @@ void PendingWork::wait() {
   completion_->record(false);
   owner_->account_blocked(now_seconds() - begin);
   work_.reset();
-  tensor_ = torch::Tensor();
+  tensors_.clear();
 }
 
 std::string resolve_backend(const Config& config) {

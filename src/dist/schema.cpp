@@ -33,6 +33,28 @@ ConfigSection dist_section() {
               "dist", "first_bucket_mb", 1.0, 0.0, 1e6,
               "size of the first bucket (the last layers' gradients) in MiB, so communication "
               "starts early in backward"),
+          // Strategy and FSDP
+          // ---------------------------------------------------------------------------------
+          string_key(
+              "dist", "strategy", "auto", {"auto", "ddp", "fsdp"},
+              "data parallel strategy when world size > 1: ddp replicates the training state on "
+              "every rank, fsdp shards parameters, gradients and optimizer state (docs/scale.md); "
+              "auto = ddp when its per-device memory fits dist.device_memory_bytes with "
+              "dist.memory_headroom, else fsdp"),
+          bool_key("dist", "reshard_after_forward", true,
+                   "fsdp: free a unit's gathered parameters after its forward and gather them "
+                   "again for backward (ZeRO-3); false keeps them until its backward (ZeRO-2)"),
+          string_key("dist", "fsdp_accumulate", "unsharded", {"unsharded", "sharded"},
+                     "fsdp with train.grad_accum_steps > 1: unsharded = full gradients kept "
+                     "across micro-steps, communication on the last only; sharded = "
+                     "reduce-scatter every micro-step (less memory, more traffic)"),
+          bool_key("dist", "fsdp_prefetch", true,
+                   "fsdp: start the next unit's all-gather before the current unit computes"),
+          float_key("dist", "device_memory_bytes", 0.0, 0.0, 1e18,
+                    "strategy auto: memory of one device in bytes (0 = the device's total; CPU: "
+                    "the machine's)"),
+          float_key("dist", "memory_headroom", 0.1, 0.0, 0.99,
+                    "strategy auto: fraction of device memory kept free"),
           // The scale rung
           // ---------------------------------------------------------------------------
           int_key(

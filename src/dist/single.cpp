@@ -1,3 +1,5 @@
+#include <stdexcept>
+
 #include "kiln/dist.h"
 
 namespace kiln {
@@ -23,6 +25,33 @@ class Finished final : public PendingCollective {
 
 std::unique_ptr<PendingCollective> Communicator::all_reduce_sum_async(torch::Tensor& tensor) {
   all_reduce_sum(tensor);
+  return std::make_unique<Finished>();
+}
+
+std::unique_ptr<PendingCollective> Communicator::all_gather_async(const torch::Tensor& mine,
+                                                                  torch::Tensor& output) {
+  const int64_t n = mine.numel();
+  if (output.numel() != n * world_size()) {
+    throw std::invalid_argument("all_gather: the output must hold world_size x input elements");
+  }
+  torch::NoGradGuard no_grad;
+  output.zero_();
+  output.narrow(0, n * rank(), n).copy_(mine.reshape(-1));
+  all_reduce_sum(output);
+  return std::make_unique<Finished>();
+}
+
+std::unique_ptr<PendingCollective> Communicator::reduce_scatter_sum_async(
+    const torch::Tensor& input, torch::Tensor& output) {
+  const int64_t n = output.numel();
+  if (input.numel() != n * world_size()) {
+    throw std::invalid_argument(
+        "reduce_scatter_sum: the input must hold world_size x output elements");
+  }
+  torch::NoGradGuard no_grad;
+  torch::Tensor sum = input.reshape(-1).clone();
+  all_reduce_sum(sum);
+  output.view(-1).copy_(sum.narrow(0, n * rank(), n));
   return std::make_unique<Finished>();
 }
 

@@ -16,8 +16,10 @@
 #include "kiln/dist.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
+#include "kiln/memory.h"
 #include "kiln/run.h"
 #include "kiln/rungs.h"
+#include "kiln/session.h"
 
 namespace kiln {
 namespace {
@@ -45,6 +47,54 @@ class PhaseTimer final : public TrainerHook {
 
  private:
   std::map<Phase, Clock::time_point> begun_;
+};
+
+// Memory of one step on this rank (kiln::MemoryMeter, on the training thread and the threads
+// inheriting its state): the peak of live tensor bytes above the step's start, and the bytes
+// still live at the end of each forward (the saved activations, plus gathered parameters that
+// FSDP keeps: subtracted by the caller).
+class MemoryProbe final : public TrainerHook {
+ public:
+  explicit MemoryProbe(std::shared_ptr<FullyShardedDataParallel> fsdp) : fsdp_(std::move(fsdp)) {}
+  bool armed = false;  // measure the next step
+  bool measured = false;
+  int64_t step_peak = 0, forward_live = 0, gathered_at_forward_end = 0;
+
+  void on_step_begin(Trainer&, int64_t) override {
+    if (!armed) return;
+    step_ = std::make_unique<MemoryMeter>();
+  }
+  void on_phase_begin(Trainer&, Phase phase) override {
+    if (step_ && phase == Phase::kForward) forward_ = std::make_unique<MemoryMeter>();
+  }
+  void on_phase_end(Trainer&, Phase phase) override {
+    if (!forward_ || phase != Phase::kForward) return;
+    forward_->stop();
+    const MemoryPeak peak = forward_->peaks().empty() ? MemoryPeak{} : forward_->peaks().back();
+    const int64_t gathered = fsdp_ ? fsdp_->memory().gathered_now : 0;
+    if (peak.end_bytes - gathered > forward_live - gathered_at_forward_end) {
+      forward_live = peak.end_bytes;
+      gathered_at_forward_end = gathered;
+    }
+    forward_.reset();
+  }
+  void on_step_end(Trainer&, const StepStats&) override {
+    if (!step_) return;
+    step_->stop();
+    for (const auto& peak : step_->peaks()) step_peak = std::max(step_peak, peak.peak_bytes);
+    step_.reset();
+    armed = false;
+    measured = true;
+  }
+  void on_step_failed(Trainer&, int64_t) override {
+    forward_.reset();
+    step_.reset();
+    armed = false;
+  }
+
+ private:
+  std::shared_ptr<FullyShardedDataParallel> fsdp_;
+  std::unique_ptr<MemoryMeter> step_, forward_;
 };
 
 struct Baseline {
@@ -158,12 +208,80 @@ struct StepMeasurement {
   double cpu_seconds = 0;            // process CPU time over the measured steps
   CommunicationStats before, after;  // the process group's counters around the measured steps
   std::map<Phase, double> phase_seconds;
+  json memory;  // this rank's memory parts (memory_parts)
 
   double phase(Phase p) const {
     auto it = phase_seconds.find(p);
     return it == phase_seconds.end() ? 0.0 : it->second;
   }
 };
+
+int64_t bytes_of(const NamedTensors& tensors) {
+  int64_t total = 0;
+  for (const auto& [name, t] : tensors) total += static_cast<int64_t>(t.nbytes());
+  return total;
+}
+
+// Per-rank model-state bytes of both strategies for this model and world (parameters, gradients
+// and optimizer state; FSDP's shards padded as kiln pads them): the side-by-side figures.
+json model_state_both(Trainer& trainer, int world) {
+  int64_t full = 0, sharded = 0;
+  for (const auto& item : trainer.model().named_parameters()) {
+    if (!item.value().requires_grad()) continue;
+    const ShardLayout layout = shard_layout(item.key(), item.value().sizes().vec(), world);
+    full += static_cast<int64_t>(item.value().nbytes());
+    sharded += layout.rows_per_rank * layout.row_numel * item.value().element_size();
+  }
+  const OptimOptions& o = trainer.optimizer().options();
+  const double optimizer_factor =
+      o.kind == OptimOptions::Kind::kAdamW ? 2.0 : (o.momentum > 0 ? 1.0 : 0.0);
+  auto state = [&](int64_t params) {
+    return static_cast<int64_t>(static_cast<double>(params) * (2.0 + optimizer_factor));
+  };
+  return {{"ddp", state(full)}, {"fsdp", state(sharded)}};
+}
+
+// This rank's memory parts for the strategy it ran (docs/scale.md, "Memory").
+json memory_parts(Session& session, const MemoryProbe& probe) {
+  Trainer& trainer = *session.trainer;
+  const int world = session.comm->world_size();
+  const int64_t optimizer_bytes = bytes_of(trainer.optimizer().state());
+  int64_t parameters = 0, gradients = 0, gathered_peak = 0, largest_unit = 0;
+  if (session.fsdp) {
+    const FsdpMemory m = session.fsdp->memory();
+    parameters = m.parameter_shards;
+    gradients = m.gradient_shards;
+    gathered_peak = m.gathered_peak;
+    largest_unit = m.largest_unit;
+  } else {
+    for (const auto& p : trainer.model().parameters()) {
+      parameters += static_cast<int64_t>(p.nbytes());
+      if (p.requires_grad()) gradients += static_cast<int64_t>(p.nbytes());
+    }
+  }
+  const json both = model_state_both(trainer, world);
+  return {
+      {"strategy", session.strategy},
+      {"parameters", parameters},
+      {"gradients", gradients},
+      {"optimizer_state", optimizer_bytes},
+      {"model_state", parameters + gradients + optimizer_bytes},
+      {"gathered_parameters_peak", gathered_peak},
+      {"largest_gathered_unit", largest_unit},
+      {"activations",
+       probe.measured ? json(probe.forward_live - probe.gathered_at_forward_end) : json(nullptr)},
+      {"step_peak_above_start", probe.measured ? json(probe.step_peak) : json(nullptr)},
+      {"peak", probe.measured ? json(parameters + gradients + optimizer_bytes + probe.step_peak)
+                              : json(nullptr)},
+      {"model_state_by_strategy", both},
+      {"method",
+       "parameters, gradients and optimizer state: the bytes this rank holds between steps (FSDP: "
+       "its shards, padding included); activations: live tensor bytes at the end of forward "
+       "(MemoryMeter) less the gathered parameters then alive; step_peak_above_start: MemoryMeter "
+       "over one step (gathered parameters, full gradients, activations, temporaries); peak = "
+       "model state + that"},
+  };
+}
 
 // Step 2, the step loop: `warmup` steps, then `measured` steps timed per phase by a PhaseTimer and
 // logged to metrics.jsonl. A TrainingError ends them (StepMeasurement::failure); a
@@ -174,11 +292,16 @@ StepMeasurement run_measured_steps(Session& session, int64_t warmup, int64_t mea
   const int world = comm.world_size();
   auto timer = std::make_shared<PhaseTimer>();
   auto log_hook = std::make_shared<StepLog>();
+  auto probe = std::make_shared<MemoryProbe>(session.fsdp);
   trainer.add_hook(timer);
   trainer.add_hook(log_hook);
+  trainer.add_hook(probe);
   StepMeasurement m;
   try {
-    trainer.run_steps(warmup);
+    // Memory is measured on the last warm-up step (the first measured one without warm-up).
+    if (warmup > 0) trainer.run_steps(warmup - 1);
+    probe->armed = true;
+    if (warmup > 0) trainer.run_steps(1);
     m.before = comm.stats();
     // Metrics records for the measured steps only.
     trainer.add_hook(std::make_shared<MetricsHook>(
@@ -202,6 +325,7 @@ StepMeasurement run_measured_steps(Session& session, int64_t warmup, int64_t mea
     m.samples += steps[k].samples / world;  // samples counts every rank
   }
   m.phase_seconds = timer->seconds;
+  m.memory = memory_parts(session, *probe);
   return m;
 }
 
@@ -235,6 +359,7 @@ json rank_numbers(const Communicator& comm, const StepMeasurement& m, int64_t se
       {"comm", comm_delta},
       {"comm_overlapped_share",
        busy > 0 ? std::clamp(1.0 - m.phase(Phase::kComm) / busy, 0.0, 1.0) : 0.0},
+      {"memory", m.memory},
   };
   if (seq_len > 0)
     mine["tokens_per_second"] =
@@ -305,6 +430,9 @@ json scale_numbers(const Session& session, const ScaleOutcome& o) {
   const DataParallelOptions buckets = data_parallel_options(config);
   return {
       {"world_size", o.world},
+      {"strategy", session.strategy},
+      {"strategy_reason", session.strategy_reason},
+      {"strategy_decision", session.strategy_decision},
       {"backend", session.comm->backend_name()},
       {"device", session.device.str()},
       {"threads_per_process", at::get_num_threads()},
@@ -411,6 +539,27 @@ std::vector<std::pair<std::string, std::string>> scale_table(const Session& sess
                              100 * global["comm_exposed_share_of_step"].get<double>()));
   t.emplace_back("replicas",
                  o.in_sync() ? "in sync (weights " + o.hashes[0] + ")" : std::string("DIFFER"));
+  t.emplace_back("strategy", session.strategy + " (" + session.strategy_reason + ")");
+  constexpr double kMiB = 1024.0 * 1024.0;
+  if (!o.per_rank.empty() && o.per_rank[0].contains("memory")) {
+    const json& mem = o.per_rank[0]["memory"];
+    auto mib = [&](const char* key) {
+      return mem[key].is_number() ? fmt::format("{:.2f}", mem[key].get<double>() / kMiB)
+                                  : std::string("n/a");
+    };
+    t.emplace_back(
+        "memory per rank (rank 0)",
+        fmt::format("peak {} MiB: parameters {} + gradients {} + optimizer {} MiB; gathered "
+                    "parameters {} MiB at most; activations {} MiB",
+                    mib("peak"), mib("parameters"), mib("gradients"), mib("optimizer_state"),
+                    mib("gathered_parameters_peak"), mib("activations")));
+    const json& both = mem["model_state_by_strategy"];
+    t.emplace_back("model state per rank",
+                   fmt::format("ddp {:.2f} MiB, fsdp {:.2f} MiB (+ the largest unit gathered, "
+                               "{:.2f} MiB)",
+                               both["ddp"].get<double>() / kMiB, both["fsdp"].get<double>() / kMiB,
+                               mem["largest_gathered_unit"].get<double>() / kMiB));
+  }
   return t;
 }
 
@@ -506,7 +655,8 @@ RungResult run_scale(Session& session) {
 
   // 3. The replicas must still agree bit for bit; every rank gathers every rank's numbers (each
   // needs the same verdict).
-  o.hashes = comm.all_gather_bytes(weights_hash(session.trainer->model()));
+  o.hashes = comm.all_gather_bytes(session.fsdp ? session.fsdp->full_weights_hash()
+                                                : weights_hash(session.trainer->model()));
   o.per_rank = json::array();
   for (const auto& text : comm.all_gather_bytes(rank_numbers(comm, o.steps, o.seq_len).dump()))
     o.per_rank.push_back(json::parse(text));

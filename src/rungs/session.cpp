@@ -1,5 +1,7 @@
 #include "kiln/session.h"
 
+#include <fmt/format.h>
+
 #include <fstream>
 #include <string>
 
@@ -47,8 +49,8 @@ std::shared_ptr<RunLock> lock_run_directories(const Config& config, Communicator
 }
 
 std::unique_ptr<Session> open_session(const Config& config, const SessionOptions& options) {
-  auto session = std::make_unique<Session>(
-      Session{nullptr, config, torch::kCPU, options.comm, nullptr, nullptr});
+  auto session = std::make_unique<Session>(Session{nullptr, config, torch::kCPU, options.comm,
+                                                   nullptr, nullptr, "none", "", nullptr, nullptr});
   // Without a communicator: this process's (torchrun / Slurm environment; else a world of one).
   if (!session->comm) session->comm = process_communicator(config);
   const int rank = session->comm->rank(), world_size = session->comm->world_size();
@@ -77,8 +79,25 @@ std::unique_ptr<Session> open_session(const Config& config, const SessionOptions
   trainer_options.comm = session->comm;
   session->trainer =
       std::make_unique<Trainer>(config, std::move(model), std::move(data), trainer_options);
-  if (world_size > 1) {  // DDP: broadcast rank 0's weights, average gradients during backward
-    DataParallel::attach(*session->trainer, session->comm, data_parallel_options(config));
+  if (world_size > 1) {  // DDP or FSDP: rank 0's weights everywhere, gradients averaged
+    const StrategyChoice choice =
+        resolve_strategy(config, session->trainer->model(), session->device, world_size);
+    session->strategy = choice.strategy;
+    session->strategy_reason = choice.reason;
+    session->strategy_decision = choice.decision;
+    if (session->strategy == "fsdp" && config.get_string("compile.backend") != "eager") {
+      throw UserError(fmt::format(
+          "{}: fsdp gathers parameters around each unit's eager forward, which a compiled step "
+          "bypasses; set compile.backend = \"eager\" or dist.strategy = \"ddp\"",
+          session->strategy_reason));
+    }
+    if (session->strategy == "fsdp") {
+      session->fsdp =
+          FullyShardedDataParallel::attach(*session->trainer, session->comm, fsdp_options(config));
+    } else {
+      DataParallel::attach(*session->trainer, session->comm, data_parallel_options(config));
+    }
+    log::info("strategy " + session->strategy + ": " + session->strategy_reason);
     // The same initial weights everywhere, but each rank's own random stream (dropout, ...).
     torch::manual_seed(static_cast<uint64_t>(config.get_int("run.seed")) +
                        static_cast<uint64_t>(rank));

@@ -96,6 +96,15 @@ Trainer::Trainer(const Config& config, std::shared_ptr<Model> model, Datasets da
 
 Trainer::~Trainer() = default;
 
+void Trainer::use_sharded_parameters(std::vector<ParameterShard> shards,
+                                     std::shared_ptr<Communicator> comm) {
+  NamedTensors named;
+  for (const auto& s : shards) named.emplace_back(s.name, s.shard);
+  optimizer_ = std::make_unique<Optimizer>(optimizer_->options(), std::move(named));
+  shard_norm_comm_ = comm && comm->world_size() > 1 ? std::move(comm) : nullptr;
+  shards_ = std::move(shards);
+}
+
 void Trainer::add_hook(std::shared_ptr<TrainerHook> hook) {
   hooks_.push_back(std::move(hook));
 }
@@ -266,8 +275,14 @@ torch::Tensor Trainer::device_step(int micro_steps, const std::function<Batch(in
   for (auto& [name, p] : optimizer_->parameters()) {
     if (p.grad().defined()) grads.push_back(p.grad());
   }
-  const torch::Tensor total_norm =
-      at::linalg_vector_norm(at::stack(at::_foreach_norm(grads, 2)), 2);
+  torch::Tensor total_norm;
+  if (shard_norm_comm_) {  // sharded gradients: the squared norms summed over the ranks
+    torch::Tensor squares = at::stack(at::_foreach_norm(grads, 2)).square().sum();
+    shard_norm_comm_->all_reduce_sum(squares);
+    total_norm = squares.sqrt();
+  } else {
+    total_norm = at::linalg_vector_norm(at::stack(at::_foreach_norm(grads, 2)), 2);
+  }
   if (train_options_.clip_grad_norm > 0) {
     at::_foreach_mul_(grads,
                       at::clamp_max(train_options_.clip_grad_norm / (total_norm + 1e-6), 1.0));

@@ -87,8 +87,32 @@ class ThreadCommunicator final : public Communicator {
   std::vector<std::string> all_gather_bytes(const std::string& mine) override {
     return group_->exchange(rank_, mine);
   }
+  // FSDP's collectives, finished on return (the interface's async form allows that).
+  std::unique_ptr<PendingCollective> all_gather_async(const torch::Tensor& mine,
+                                                      torch::Tensor& output) override {
+    if (output.numel() != mine.numel() * world_size())
+      throw std::invalid_argument("all_gather: output must hold world_size x input");
+    torch::NoGradGuard no_grad;
+    output.view(-1).copy_(torch::cat(gather_tensor(mine.reshape(-1))));
+    return std::make_unique<Done>();
+  }
+  std::unique_ptr<PendingCollective> reduce_scatter_sum_async(const torch::Tensor& input,
+                                                              torch::Tensor& output) override {
+    const int64_t n = output.numel();
+    if (input.numel() != n * world_size())
+      throw std::invalid_argument("reduce_scatter_sum: input must hold world_size x output");
+    torch::NoGradGuard no_grad;
+    auto all = gather_tensor(input.reshape(-1));
+    torch::Tensor sum = all[0].narrow(0, n * rank_, n).clone();
+    for (size_t r = 1; r < all.size(); ++r) sum += all[r].narrow(0, n * rank_, n);
+    output.view(-1).copy_(sum);
+    return std::make_unique<Done>();
+  }
 
  private:
+  struct Done final : PendingCollective {
+    void wait() override {}
+  };
   std::vector<torch::Tensor> gather_tensor(const torch::Tensor& tensor) {
     auto cpu = tensor.detach().to(torch::kCPU).contiguous();
     std::string bytes(static_cast<const char*>(cpu.data_ptr()), cpu.nbytes());

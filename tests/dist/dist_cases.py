@@ -245,10 +245,11 @@ def wait_for_step(proc_log, step, timeout):
     return False
 
 
-def fault_case(args, work, action, timeout_seconds):
+def fault_case(args, work, action, timeout_seconds, extra=()):
     cfg = os.path.join(args.source, "configs/mlp.toml")
     cmd = [args.kiln, "train", cfg] + sets(MLP + [f"run.dir={work}", "train.steps=100000000",
-                                                 "run.log_every=1", f"dist.timeout_seconds={timeout_seconds}"])
+                                                 "run.log_every=1", f"dist.timeout_seconds={timeout_seconds}"]
+                                           + list(extra))
     procs = spawn_ranks([cmd, cmd], 2, free_port())
     try:
         check(wait_for_step(procs[0], 5, 120), "both ranks are training (rank 0 logged step 5)")
@@ -269,6 +270,10 @@ def fault_case(args, work, action, timeout_seconds):
               f"dist.timeout_seconds = {timeout_seconds} + {FAULT_MARGIN_SECONDS}s")
         check(line.startswith("kiln: stopped: rank 0/2:") and "failed" in line,
               f"one clear line: {line!r}")
+        if extra:  # FSDP: the line names the collective that failed
+            check(any(c in line for c in ("all-gather failed", "reduce-scatter failed",
+                                          "all-reduce failed")),
+                  f"the line names the collective: {line!r}")
     finally:
         for p, _ in procs:
             if p.poll() is None:
@@ -290,6 +295,58 @@ def case_hang(args, work):
     dist.timeout_seconds also bounds the rendezvous (kiln has one timeout), so it is 30 s, not a
     few: two ranks starting on a busy 2-core machine must meet well within it."""
     fault_case(args, work, "stop", 30)
+
+
+def case_fsdp_sigkill(args, work):
+    """FSDP: a rank killed with SIGKILL mid-training (its peer blocked in an all-gather or a
+    reduce-scatter): the survivor exits non-zero within the timeout, naming the collective."""
+    fault_case(args, work, "kill", 30, ["dist.strategy=fsdp"])
+
+
+def case_fsdp_train(args, work):
+    """`kiln train` with dist.strategy = fsdp on Gloo (torchrun, 2 ranks x batch 16) against one
+    process x 32: the c10d all-gather and reduce-scatter, per-step losses within 1e-5."""
+    cfg = os.path.join(args.source, "configs/gpt-tiny.toml")
+    common = GPT_TINY_2L + ["train.steps=8", f"run.dir={work}", "data.seq_len=32"]
+    rc, _, err1, _ = run([args.kiln, "train", cfg] + sets(common + ["run.name=single", "train.batch_size=8"]))
+    check(rc == 0, f"single process trains (exit {rc})") or print(err1)
+    rc, _, err2, _ = run(torchrun(args, 2, [args.kiln, "train", cfg] +
+                                  sets(common + ["run.name=fsdp", "train.batch_size=4", "dist.strategy=fsdp"])))
+    check(rc == 0, f"torchrun with 2 FSDP ranks trains (exit {rc})") or print(err2)
+    check("fully sharded data parallel over 2 ranks (gloo)" in err2 and "strategy fsdp" in err2,
+          "the ranks log the strategy and the sharding")
+    s_loss = [m["loss"] for m in metrics(os.path.join(work, "single")) if "loss" in m]
+    f_loss = [m["loss"] for m in metrics(os.path.join(work, "fsdp")) if "loss" in m]
+    check(len(s_loss) == 8 and len(f_loss) == 8, "8 steps logged")
+    worst = max((relative(a, b) for a, b in zip(f_loss, s_loss)), default=1.0)
+    check(worst <= 1e-5, f"per-step loss agrees: max relative difference {worst:.2e} <= 1e-5")
+
+
+def case_fsdp_scale(args, work):
+    """`kiln scale` with FSDP and with auto on gpt (2 layers) at world 2: scale.json names the
+    strategy and why, and FSDP's model state per rank is <= 0.6 of DDP's."""
+    cfg = os.path.join(args.source, "configs/gpt-tiny.toml")
+    common = GPT_TINY_2L + [f"run.dir={work}", "data.seq_len=32", "train.batch_size=4",
+                            "dist.scale_warmup_steps=2", "dist.scale_steps=3", "dist.scale_baseline_steps=0"]
+    results = {}
+    for name, strategy in (("fsdp", "fsdp"), ("auto", "auto")):
+        rc, _, err, _ = run(torchrun(args, 2, [args.kiln, "scale", cfg] +
+                                     sets(common + [f"run.name={name}", f"dist.strategy={strategy}"])))
+        check(rc == 0, f"kiln scale with dist.strategy={strategy} passes (exit {rc})") or print(err)
+        with open(os.path.join(work, name, "scale.json")) as f:
+            results[name] = json.load(f)
+    fsdp, auto = results["fsdp"], results["auto"]
+    check(fsdp["strategy"] == "fsdp" and fsdp["replicas_in_sync"], "fsdp ran, replicas in sync")
+    mem = fsdp["per_rank"][0]["memory"]
+    ddp_state = mem["model_state_by_strategy"]["ddp"]
+    check(mem["model_state"] <= 0.6 * ddp_state,
+          f"FSDP model state per rank {mem['model_state']} <= 0.6 x DDP's {ddp_state}")
+    check(mem["gathered_parameters_peak"] > 0 and mem["activations"] is not None and mem["activations"] > 0,
+          f"gathered-parameter peak {mem['gathered_parameters_peak']} and activations {mem['activations']} measured")
+    check(auto["strategy"] == "ddp" and "auto" in auto["strategy_reason"] and
+          auto["strategy_decision"]["strategy"] == "ddp",
+          f"auto picks ddp (it fits) and says why: {auto['strategy_reason']!r}")
+    check(any(row[0] == "strategy" for row in fsdp["table"]), "the table names the strategy")
 
 
 def case_missing_rank(args, work):

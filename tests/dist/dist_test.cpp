@@ -296,6 +296,14 @@ class GatedModel final : public Model {
   double train_flops_per_sample(int64_t seq_len) const override {
     return inner_->train_flops_per_sample(seq_len);
   }
+  std::vector<ModelUnit> units() const override {  // the inner model's, under "inner."
+    std::vector<ModelUnit> out = inner_->units();
+    for (auto& unit : out) {
+      unit.name = "inner." + unit.name;
+      for (auto& name : unit.parameters) name = "inner." + name;
+    }
+    return out;
+  }
 
  private:
   std::shared_ptr<Model> inner_;

@@ -72,6 +72,7 @@ class Wrapped : public Model {
   std::string architecture() const override { return "wrapped"; }
   nlohmann::json describe() const override { return {}; }
   double train_flops_per_sample(int64_t) const override { return 0; }
+  std::vector<ModelUnit> units() const override { return {}; }
   int unused() const { return unused_; }
   void stop_poisoning() { poison_from_ = 0; }
 

@@ -68,6 +68,7 @@ class NanAfter final : public Model {
   std::string architecture() const override { return "nan"; }
   nlohmann::json describe() const override { return {}; }
   double train_flops_per_sample(int64_t) const override { return 0; }
+  std::vector<ModelUnit> units() const override { return {}; }
 
  private:
   std::shared_ptr<Model> inner_;

@@ -1,0 +1,100 @@
+// dist.strategy = "auto": the plan component's strategy rule (kiln/plan.h choose_strategy) on the
+// model this process built. Never a second rule: only the inputs are gathered here.
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <map>
+
+#include "kiln/config.h"
+#include "kiln/dist.h"
+#include "kiln/error.h"
+#include "kiln/plan.h"
+#include "kiln/run.h"
+
+namespace kiln {
+
+#ifdef KILN_WITH_CUDA
+double cuda_device_total_memory(const torch::Device& device);  // strategy_cuda.cpp
+#endif
+
+namespace {
+
+double device_total_memory([[maybe_unused]] const torch::Device& device) {
+#ifdef KILN_WITH_CUDA
+  if (device.is_cuda()) return cuda_device_total_memory(device);
+#endif
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 0.0;
+}
+
+std::string gib(double bytes) {
+  return fmt::format("{:.2f} GiB", bytes / (1024.0 * 1024.0 * 1024.0));
+}
+
+}  // namespace
+
+StrategyChoice resolve_strategy(const Config& config, const Model& model,
+                                const torch::Device& device, int world_size) {
+  StrategyChoice out;
+  const std::string& asked = config.get_string("dist.strategy");
+  if (asked != "auto") {
+    out.strategy = asked;
+    out.reason = fmt::format("dist.strategy = \"{}\"", asked);
+    return out;
+  }
+  JobShape job = job_shape(config);
+  job.world_size = world_size;
+  // Model state from the model itself; the largest group as FSDP gathers it.
+  double parameters = 0;
+  std::map<std::string, int> unit_of;
+  const std::vector<ModelUnit> units = model.units();
+  for (size_t u = 0; u < units.size(); ++u) {
+    for (const auto& name : units[u].parameters) unit_of[name] = static_cast<int>(u);
+  }
+  std::vector<double> group_bytes(units.size() + 1, 0.0);  // the units, then the root
+  for (const auto& item : model.named_parameters()) {
+    if (!item.value().requires_grad()) continue;
+    parameters += static_cast<double>(item.value().numel());
+    auto it = unit_of.find(item.key());
+    group_bytes[it == unit_of.end() ? units.size() : static_cast<size_t>(it->second)] +=
+        static_cast<double>(item.value().nbytes());
+  }
+  const MemoryEstimate estimate = estimate_memory(model_shape(config), job);
+  double activation_ratio = 1.0;
+  std::string activation_source = "plan's estimate";
+  try {
+    const PilotCalibration pilot = read_pilot(run_directory(config), config);
+    if (pilot.activation_ratio > 0) {
+      activation_ratio = pilot.activation_ratio;
+      activation_source =
+          fmt::format("plan's estimate x {:.2f} measured by the pilot", pilot.activation_ratio);
+    }
+  } catch (const UserError&) {
+    // No pilot of this job in the run directory: the analytic estimate alone.
+  }
+  StrategyInput input;
+  input.ddp_model_state_bytes = parameters * state_bytes_per_parameter(job);
+  input.largest_unit_parameter_bytes = *std::max_element(group_bytes.begin(), group_bytes.end());
+  input.activation_bytes = (estimate.activations + estimate.logits) * activation_ratio;
+  const double configured = config.get_float("dist.device_memory_bytes");
+  input.device_memory_bytes = configured > 0 ? configured : device_total_memory(device);
+  input.headroom_fraction = config.get_float("dist.memory_headroom");
+  input.gpu_count = world_size;
+  const StrategyDecision decision = choose_strategy(input);
+  const std::string memory_source =
+      configured > 0 ? "dist.device_memory_bytes"
+                     : (device.is_cuda() ? "the device's total" : "physical memory");
+  out.decision = to_json(decision);
+  out.decision["activation_source"] = activation_source;
+  out.decision["device_memory_source"] = memory_source;
+  out.strategy = decision.strategy == "ddp" ? "ddp" : "fsdp";  // fsdp shards over every rank
+  out.reason = fmt::format(
+      "dist.strategy = \"auto\": {}{}: {} (device memory {} from {}, activations from {})",
+      out.strategy,
+      decision.strategy == "does-not-fit" ? " over all ranks, though even that does not fit" : "",
+      decision.reason, gib(input.device_memory_bytes), memory_source, activation_source);
+  return out;
+}
+
+}  // namespace kiln

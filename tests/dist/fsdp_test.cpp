@@ -1,0 +1,289 @@
+// FSDP (kiln/dist.h FullyShardedDataParallel) with ranks as threads of this process
+// (tests/ckpt/thread_comm.h): shard layouts, the sharding collectives, equivalence with one
+// process at world 2 and 3 (mlp and a small gpt, uneven sizes), gradient accumulation in both
+// modes, ZeRO-2 / ZeRO-3, and that the full parameters really release their storage.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "ckpt/thread_comm.h"
+#include "kiln/dist.h"
+#include "kiln/error.h"
+#include "kiln/models.h"
+#include "kiln/session.h"
+#include "support/helpers.h"
+
+namespace kiln::testing {
+namespace {
+
+TEST(ShardLayout, PadsUnevenDimZeroAcrossRanks) {
+  ShardLayout l = shard_layout("w", {10, 3}, 3);
+  EXPECT_EQ(l.rows, 10);
+  EXPECT_EQ(l.rows_per_rank, 4);
+  EXPECT_EQ(l.row_numel, 3);
+  EXPECT_EQ(l.valid_rows(0), 4);
+  EXPECT_EQ(l.valid_rows(1), 4);
+  EXPECT_EQ(l.valid_rows(2), 2);
+  EXPECT_EQ(l.shard_shape(), (std::vector<int64_t>{4, 3}));
+  // More ranks than rows: the last ranks hold padding only.
+  ShardLayout small = shard_layout("b", {2}, 3);
+  EXPECT_EQ(small.rows_per_rank, 1);
+  EXPECT_EQ(small.valid_rows(2), 0);
+  EXPECT_EQ(small.shard_shape(), (std::vector<int64_t>{1}));
+  ShardLayout scalar = shard_layout("s", {}, 2);
+  EXPECT_EQ(scalar.rows, 1);
+  EXPECT_EQ(scalar.valid_rows(1), 0);
+}
+
+TEST(ShardingCollectives, AllGatherAndReduceScatterAtWorldThree) {
+  run_ranks(3, [](Communicator& comm) {
+    const int r = comm.rank();
+    torch::Tensor mine = torch::full({2}, static_cast<float>(r + 1));
+    torch::Tensor gathered = torch::empty({6});
+    comm.all_gather(mine, gathered);
+    EXPECT_TRUE(torch::equal(gathered, torch::tensor({1.f, 1.f, 2.f, 2.f, 3.f, 3.f})));
+    torch::Tensor input = torch::arange(6, torch::kFloat) * static_cast<float>(r + 1);
+    torch::Tensor out = torch::empty({2});
+    comm.reduce_scatter_sum(input, out);
+    // Sum over ranks of (r + 1) x [2r', 2r' + 1] for this rank r' = 6 x the chunk.
+    EXPECT_TRUE(torch::equal(out, torch::arange(2 * r, 2 * r + 2, torch::kFloat) * 6));
+  });
+  // The interface's defaults (all-reduce based) in a world of one.
+  auto one = single_process_communicator();
+  torch::Tensor x = torch::arange(3, torch::kFloat), y = torch::empty({3});
+  one->all_gather(x, y);
+  EXPECT_TRUE(torch::equal(x, y));
+  one->reduce_scatter_sum(x, y);
+  EXPECT_TRUE(torch::equal(x, y));
+}
+
+struct RunResult {
+  std::vector<double> losses;
+  NamedTensors parameters;
+  int64_t all_gathers = 0, reduce_scatters = 0;
+  size_t groups = 0;
+  FsdpMemory memory;
+  bool storage_released = true;  // every full parameter held 0 bytes after every step
+};
+
+RunResult train_single(const Config& config, int64_t steps) {
+  apply_runtime_settings(config);
+  Trainer trainer(config, make_model(config), make_datasets(config));
+  RunResult out;
+  for (int64_t k = 0; k < steps; ++k) out.losses.push_back(trainer.train_step().loss);
+  for (const auto& item : trainer.model().named_parameters())
+    out.parameters.emplace_back(item.key(), item.value().detach().clone());
+  return out;
+}
+
+// `world` ranks as threads, each with FSDP attached; the other ranks' models start from another
+// seed, so the initial broadcast is what makes them equal.
+std::vector<RunResult> train_fsdp(const Config& config, int world, int64_t steps,
+                                  FsdpOptions options = {}) {
+  std::vector<RunResult> results(static_cast<size_t>(world));
+  apply_runtime_settings(config);
+  run_ranks(world, [&](Communicator& borrowed) {
+    const int rank = borrowed.rank();
+    std::shared_ptr<Communicator> comm(&borrowed, [](Communicator*) {});
+    Config model_config = config;
+    if (rank > 0) model_config.set("run.seed", int64_t{777 + rank});
+    Trainer trainer(config, make_model(model_config), make_datasets(config),
+                    TrainerOptions{torch::kCPU, rank, world, comm});
+    auto fsdp = FullyShardedDataParallel::attach(trainer, comm, options);
+    RunResult& out = results[static_cast<size_t>(rank)];
+    for (int64_t k = 0; k < steps; ++k) {
+      out.losses.push_back(trainer.train_step().loss);
+      for (const auto& p : trainer.model().parameters()) {
+        if (p.unsafeGetTensorImpl()->storage().nbytes() != 0) out.storage_released = false;
+      }
+    }
+    out.parameters = fsdp->full_parameters();
+    out.all_gathers = fsdp->all_gathers();
+    out.reduce_scatters = fsdp->reduce_scatters();
+    out.groups = fsdp->group_names().size();
+    out.memory = fsdp->memory();
+  });
+  return results;
+}
+
+double relative_difference(const torch::Tensor& a, const torch::Tensor& b) {
+  const double scale = std::max(b.abs().max().item<double>(), 1e-12);
+  return (a - b).abs().max().item<double>() / scale;
+}
+
+void expect_equivalent(const RunResult& single, const RunResult& rank, double tolerance) {
+  ASSERT_EQ(single.losses.size(), rank.losses.size());
+  for (size_t k = 0; k < single.losses.size(); ++k) {
+    EXPECT_NEAR(rank.losses[k], single.losses[k], tolerance * std::abs(single.losses[k]))
+        << "step " << k + 1;
+  }
+  ASSERT_EQ(single.parameters.size(), rank.parameters.size());
+  for (size_t k = 0; k < single.parameters.size(); ++k) {
+    EXPECT_EQ(rank.parameters[k].first, single.parameters[k].first);
+    ASSERT_EQ(rank.parameters[k].second.sizes(), single.parameters[k].second.sizes());
+    EXPECT_LE(relative_difference(rank.parameters[k].second, single.parameters[k].second),
+              tolerance)
+        << single.parameters[k].first;
+  }
+}
+
+void expect_replicas_agree(const std::vector<RunResult>& ranks) {
+  for (size_t r = 1; r < ranks.size(); ++r) {
+    EXPECT_EQ(ranks[r].losses, ranks[0].losses) << "rank " << r;
+    for (size_t k = 0; k < ranks[0].parameters.size(); ++k) {
+      EXPECT_TRUE(torch::equal(ranks[r].parameters[k].second, ranks[0].parameters[k].second))
+          << "rank " << r << " " << ranks[0].parameters[k].first;
+    }
+  }
+}
+
+TEST(Fsdp, MlpAtWorldTwoAndThreeMatchesOneProcess) {
+  TempDir dir;
+  // AdamW with clipping: the optimizer steps shards, the clip uses the norm summed over ranks.
+  const std::vector<std::string> common = {"data.num_workers=0", "train.clip_grad_norm=0.5",
+                                           "model.num_classes=10"};
+  auto with = [&](int64_t batch) {
+    auto extra = common;
+    extra.push_back("train.batch_size=" + std::to_string(batch));
+    return mlp_config(dir.path(), extra);
+  };
+  const RunResult single = train_single(with(24), 20);
+  for (int world : {2, 3}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    auto ranks = train_fsdp(with(24 / world), world, 20);
+    expect_equivalent(single, ranks[0], 1e-5);
+    expect_replicas_agree(ranks);
+    EXPECT_EQ(ranks[0].groups, 2u);  // fc1, fc2: the mlp has no root group
+    EXPECT_EQ(ranks[0].reduce_scatters, 20 * 2);
+    EXPECT_TRUE(ranks[0].storage_released);
+  }
+}
+
+// SGD with momentum and clipping on the gpt, as DataParallel's tests: AdamW divides each
+// gradient element by its own running magnitude, so for elements whose gradient is a cancelling
+// sum fp32 summation-order noise becomes a visible parameter difference (1e-4 relative after 20
+// steps at equal losses; docs/scale.md, "How close is 2 x B/2 to 1 x B?").
+const std::vector<std::string> kGptSgd = {"data.num_workers=0", "optim.name=sgd", "optim.lr=0.3",
+                                          "optim.momentum=0.9", "train.clip_grad_norm=0.5"};
+
+Config small_gpt(const std::filesystem::path& dir, int64_t batch,
+                 std::vector<std::string> extra = {}) {
+  extra.insert(extra.end(), kGptSgd.begin(), kGptSgd.end());
+  extra.push_back("train.batch_size=" + std::to_string(batch));
+  return gpt_config(dir, extra);
+}
+
+TEST(Fsdp, GptAtWorldThreeMatchesOneProcess) {
+  // gpt's wte [256, 32] and layer norms [32] split unevenly over 3 ranks; the tied head makes
+  // wte's gradient come from two uses. Groups: 4 blocks and the root.
+  TempDir dir;
+  const std::vector<std::string> shape = {"model.n_layer=4", "model.n_embd=32", "data.seq_len=16"};
+  const RunResult single = train_single(small_gpt(dir.path(), 6, shape), 20);
+  auto ranks = train_fsdp(small_gpt(dir.path(), 2, shape), 3, 20);
+  expect_equivalent(single, ranks[0], 1e-5);
+  expect_replicas_agree(ranks);
+  EXPECT_EQ(ranks[0].groups, 5u);
+  // Per step: the root and unit 0 at the micro-step's start, units 1-3 prefetched in forward,
+  // the 4 units again in backward (ZeRO-3); then full_parameters() gathers each group once.
+  EXPECT_EQ(ranks[0].all_gathers, 20 * 9 + 5);
+  EXPECT_EQ(ranks[0].reduce_scatters, 20 * 5);
+  EXPECT_TRUE(ranks[0].storage_released);
+  // Shards: about a third of the parameters each (padding included).
+  int64_t full_bytes = 0, root_bytes = 0, block_bytes = 0;
+  for (const auto& [name, p] : single.parameters) {
+    full_bytes += static_cast<int64_t>(p.nbytes());
+    (name.starts_with("transformer.h.") ? block_bytes : root_bytes) +=
+        static_cast<int64_t>(p.nbytes());
+  }
+  block_bytes /= 4;
+  EXPECT_LE(ranks[0].memory.parameter_shards, full_bytes / 3 + 4096);
+  EXPECT_GE(ranks[0].memory.parameter_shards, full_bytes / 3);
+  // Gathered at once: the root, two blocks and one block's all-gather buffer in flight at most
+  // (prefetch), never the whole model.
+  EXPECT_GT(ranks[0].memory.gathered_peak, root_bytes);
+  EXPECT_LE(ranks[0].memory.gathered_peak, root_bytes + 3 * block_bytes + 4096);
+  EXPECT_LT(ranks[0].memory.gathered_peak, full_bytes);
+}
+
+TEST(Fsdp, AccumulationUnshardedCommunicatesOnTheLastMicroStepOnly) {
+  TempDir dir;
+  const std::vector<std::string> accumulate = {"train.grad_accum_steps=2", "data.seq_len=16"};
+  const RunResult single = train_single(small_gpt(dir.path(), 8, accumulate), 6);
+  FsdpOptions unsharded;
+  auto ranks = train_fsdp(small_gpt(dir.path(), 4, accumulate), 2, 6, unsharded);
+  expect_equivalent(single, ranks[0], 1e-5);
+  EXPECT_EQ(ranks[0].reduce_scatters, 6 * 3);  // once per group per step
+  FsdpOptions sharded;
+  sharded.accumulate_sharded = true;
+  auto every = train_fsdp(small_gpt(dir.path(), 4, accumulate), 2, 6, sharded);
+  expect_equivalent(single, every[0], 1e-5);
+  EXPECT_EQ(every[0].reduce_scatters, 6 * 2 * 3);  // once per group per micro-step
+  expect_replicas_agree(every);
+}
+
+TEST(Fsdp, KeepingUnitsGatheredUntilBackwardTrainsTheSame) {
+  TempDir dir;
+  const RunResult single = train_single(small_gpt(dir.path(), 4, {"data.seq_len=16"}), 4);
+  FsdpOptions zero2;
+  zero2.reshard_after_forward = false;
+  zero2.prefetch = false;
+  auto ranks = train_fsdp(small_gpt(dir.path(), 2, {"data.seq_len=16"}), 2, 4, zero2);
+  expect_equivalent(single, ranks[0], 1e-5);
+  // Each group once per step (no regather in backward), then once for full_parameters().
+  EXPECT_EQ(ranks[0].all_gathers, 4 * 3 + 3);
+  EXPECT_TRUE(ranks[0].storage_released);
+}
+
+TEST(Fsdp, EvaluateGathersAndFreesAgain) {
+  TempDir dir;
+  const Config config =
+      gpt_config(dir.path(), {"data.num_workers=0", "train.batch_size=2", "train.eval_batches=2"});
+  // One process with the global batch of the two ranks sees the same validation samples.
+  const Config whole =
+      gpt_config(dir.path(), {"data.num_workers=0", "train.batch_size=4", "train.eval_batches=2"});
+  apply_runtime_settings(whole);
+  Trainer reference(whole, make_model(whole), make_datasets(whole));
+  const double expected = reference.evaluate().loss;
+  std::vector<double> losses(2);
+  run_ranks(2, [&](Communicator& borrowed) {
+    std::shared_ptr<Communicator> comm(&borrowed, [](Communicator*) {});
+    Trainer trainer(config, make_model(config), make_datasets(config),
+                    TrainerOptions{torch::kCPU, borrowed.rank(), 2, comm});
+    FullyShardedDataParallel::attach(trainer, comm, {});
+    losses[static_cast<size_t>(borrowed.rank())] = trainer.evaluate().loss;
+    for (const auto& p : trainer.model().parameters())
+      EXPECT_EQ(p.unsafeGetTensorImpl()->storage().nbytes(), 0u);
+  });
+  EXPECT_EQ(losses[0], losses[1]);
+  EXPECT_NEAR(losses[0], expected, 1e-5 * expected);
+}
+
+}  // namespace
+}  // namespace kiln::testing
+
+namespace kiln::testing {
+namespace {
+
+TEST(DistStrategy, AutoPicksFsdpOnlyWhenDdpDoesNotFit) {
+  TempDir dir;
+  auto choose = [&](const std::string& memory) {
+    const Config config =
+        gpt_config(dir.path(), {"dist.strategy=auto", "dist.device_memory_bytes=" + memory});
+    return resolve_strategy(config, *make_model(config), torch::kCPU, 2);
+  };
+  const StrategyChoice roomy = choose("1e12");
+  EXPECT_EQ(roomy.strategy, "ddp");
+  EXPECT_EQ(roomy.decision["strategy"], "ddp");
+  // Half a MB: below DDP's model state (16 B x ~0.1M parameters): fsdp, and the reason says why.
+  const StrategyChoice tight = choose("5e5");
+  EXPECT_EQ(tight.strategy, "fsdp");
+  EXPECT_THAT(tight.reason, ::testing::HasSubstr("dist.strategy = \"auto\": fsdp"));
+  EXPECT_THAT(tight.reason, ::testing::HasSubstr("dist.device_memory_bytes"));
+  const Config fixed = gpt_config(dir.path(), {"dist.strategy=ddp"});
+  EXPECT_EQ(resolve_strategy(fixed, *make_model(fixed), torch::kCPU, 2).strategy, "ddp");
+  EXPECT_TRUE(resolve_strategy(fixed, *make_model(fixed), torch::kCPU, 2).decision.is_null());
+}
+
+}  // namespace
+}  // namespace kiln::testing
