@@ -30,11 +30,14 @@ struct ModelUnit {
 };
 
 /// The forward of one unit, from its input to its output (the unit's parameters are captured).
+/// Models capture by value what a unit's forward needs, so a copy stays callable while the model
+/// lives.
 using UnitForward = std::function<torch::Tensor(const torch::Tensor&)>;
 
 /// Runs around every unit's forward (activation checkpointing, FSDP's gather and free). A wrapper
 /// must call `forward` (once, or again to recompute) and return what it returns; it may do work
-/// before and after, and attach autograd hooks to the output. Called on the thread running the
+/// before and after, and attach autograd hooks to the output. It may keep a copy of `forward`
+/// and call it again later (in backward, to recompute). Called on the thread running the
 /// model's forward (and, for recomputation, its backward).
 class UnitWrapper {
  public:

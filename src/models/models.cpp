@@ -230,14 +230,16 @@ void Model::add_unit_wrapper(std::shared_ptr<UnitWrapper> wrapper) {
 
 torch::Tensor Model::run_unit(int unit, const UnitForward& forward, const torch::Tensor& input) {
   if (unit_wrappers_.empty()) return forward(input);
-  // Wrapper k calls the chain of wrappers k+1.. around `forward`: the first added is outermost.
-  std::function<torch::Tensor(size_t, const torch::Tensor&)> call =
-      [&](size_t k, const torch::Tensor& x) -> torch::Tensor {
-    if (k == unit_wrappers_.size()) return forward(x);
-    return unit_wrappers_[k]->run(
-        unit, [&call, k](const torch::Tensor& inner) { return call(k + 1, inner); }, x);
-  };
-  return call(0, input);
+  // Wrapper k gets the chain of wrappers k+1.. around `forward`: the first added is outermost.
+  // Each link owns its inner chain by value, so a wrapper may keep its `forward` and call it
+  // again after this returns (activation checkpointing recomputes in backward).
+  UnitForward chain = forward;
+  for (size_t k = unit_wrappers_.size() - 1; k > 0; --k) {
+    chain = [wrapper = unit_wrappers_[k], unit, inner = std::move(chain)](const torch::Tensor& x) {
+      return wrapper->run(unit, inner, x);
+    };
+  }
+  return unit_wrappers_[0]->run(unit, chain, input);
 }
 
 torch::Tensor Model::loss(const torch::Tensor& logits, const torch::Tensor& targets) const {
