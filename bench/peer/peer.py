@@ -87,6 +87,10 @@ def replay(out, steps):
     accum = cfg["train"]["grad_accum_steps"]
     clip = cfg["train"]["clip_grad_norm"]
     params = list(model.parameters())
+    # train.precision: autocast around forward and loss; fp16 adds torch.amp.GradScaler.
+    precision = cfg["train"].get("precision", "fp32")
+    dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler("cpu") if precision == "fp16-mixed" else None
     losses, norms, seconds = [], [], []
     for k in range(steps):
         micro = [(batches[f"step{k}.micro{m}.inputs"], batches[f"step{k}.micro{m}.targets"])
@@ -95,17 +99,24 @@ def replay(out, steps):
         optimizer.zero_grad(set_to_none=True)
         total = torch.zeros(())
         for inputs, targets in micro:
-            logits = model(inputs)
-            loss = models.loss(logits, targets) / accum
-            loss.backward()
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                logits = model(inputs)
+                loss = models.loss(logits, targets) / accum
+            (scaler.scale(loss) if scaler else loss).backward()
             total += loss.detach()
+        if scaler:
+            scaler.unscale_(optimizer)
         if clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, clip)
         else:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(cfg, k)
-        optimizer.step()
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         losses.append(total.item())
         norms.append(norm.item())
         seconds.append(time.perf_counter() - begin)

@@ -214,7 +214,9 @@ struct CompilerPython {
 
 /// The checks `kiln train`/`kiln compile` make before anything is written to the run directory:
 /// the backend is available on this device, Python and torch match, the cache is writable, the
-/// model has a Python twin, the combination (DDP, accumulation) is supported. Throws UserError.
+/// model has a Python twin, the combination (DDP, accumulation) is supported; train.precision is
+/// "fp32" and train.activation_checkpointing "none" (the compiled step has neither yet; also
+/// refused by CompiledStep's constructor). Throws UserError.
 void check_compile_start(const Config& config);
 
 // ---- the compiled step -------------------------------------------------------------------------

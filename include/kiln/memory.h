@@ -42,11 +42,12 @@ struct MemoryPeak {
 /// Contract:
 /// - Construct, stop and destroy it on one thread; meters on one thread nest (LIFO): an inner
 ///   meter forwards every report to the outer one, so both see the inner scope's allocations.
-/// - It must not nest with a Kineto profile (kiln's Profiler, torch.profiler) on the same thread.
-///   Started while a profile is active on the thread, the constructor throws std::logic_error
-///   (it would hide the profile's state from Kineto's operator callbacks). A profile started
-///   inside a meter's scope takes the slot while it runs: the meter receives no report until that
-///   profile stops, so its numbers miss that window (and the profile must stop before the meter).
+/// - It does not nest with a Kineto profile (kiln's Profiler, torch.profiler) on the same thread,
+///   either way: both live in c10's one PROFILER_STATE slot. Started while a profile is active on
+///   the thread, the constructor throws std::logic_error (the meter would hide the profile's
+///   state from Kineto's operator callbacks); a profile started inside a meter's scope is refused
+///   by Kineto itself ("Profiler is already enabled on this thread", a c10::Error; kiln's
+///   Profiler turns it into a TrainingError). Measure outside the profiled steps.
 /// - Reports arrive from several threads (autograd's device threads); the counters are guarded by
 ///   a mutex, so the getters may be called from any thread, also while the meter runs.
 /// - Only allocations through c10's allocators are seen (tensors and their storage); a

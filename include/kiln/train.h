@@ -27,6 +27,7 @@ namespace kiln {
 
 class Communicator;
 class Config;
+class MixedPrecision;
 class Run;
 
 using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
@@ -64,8 +65,22 @@ struct TrainOptions {
   int64_t metrics_every = 1;  // steps between device read-backs (see Trainer::train_step)
   int64_t log_every = 10;     // run.log_every
   Progress progress = Progress::kAuto;
+  /// train.precision. Mixed: fp32 parameters, gradients and optimizer state; forward and loss
+  /// under autocast (CPU and CUDA) to bf16 or fp16, the ops PyTorch's autocast lists keep in
+  /// fp32 (cross-entropy, softmax, norms on CUDA) in fp32. fp16 adds a dynamic loss scaler.
+  enum class Precision { kFp32, kBf16Mixed, kFp16Mixed };
+  Precision precision = Precision::kFp32;
+  /// train.activation_checkpointing: kBlock recomputes each model unit's activations (gpt: each
+  /// transformer block) in backward instead of keeping them from forward.
+  enum class ActivationCheckpointing { kNone, kBlock };
+  ActivationCheckpointing activation_checkpointing = ActivationCheckpointing::kNone;
   static TrainOptions from_config(const Config& config);
 };
+
+/// "fp32", "bf16-mixed", "fp16-mixed".
+const char* precision_name(TrainOptions::Precision precision);
+/// The dtype the forward computes in under `precision` (kFloat for fp32).
+torch::ScalarType compute_dtype(TrainOptions::Precision precision);
 
 // ---- optimizer and schedule --------------------------------------------------------------------
 
@@ -239,7 +254,10 @@ struct TrainState {
   NamedTensors optimizer;         // Optimizer::state() then Optimizer::step_counts()
   NamedTensors rng;               // generator states of this process: "cpu", "cuda-<d>"
   nlohmann::json lr_schedule;     // the schedule's settings and next_lr (data only)
-  nlohmann::json grad_scaler;     // null until mixed precision adds a loss scaler
+  /// train.precision = "fp16-mixed": the loss scaler's state (torch.amp.GradScaler's
+  /// state_dict fields: scale, growth_factor, backoff_factor, growth_interval, growth_tracker,
+  /// plus overflow_steps: the steps it skipped so far). null under fp32 and bf16-mixed.
+  nlohmann::json grad_scaler;
   /// Tensors of `model` and `optimizer` that are this rank's piece of a larger tensor (sharded
   /// data parallelism), by their name in those lists: the whole tensor's shape and where the
   /// piece starts in it. Every other tensor is whole (and, with DDP, the same on every rank).
@@ -418,6 +436,7 @@ class Trainer {
   std::shared_ptr<CapturedStep> captured_;
   std::shared_ptr<Communicator> shard_norm_comm_;  // set by use_sharded_parameters
   std::vector<ParameterShard> shards_;             // set by use_sharded_parameters
+  std::unique_ptr<MixedPrecision> precision_;  // train.precision (src/train/precision.h)
   int64_t step_ = 0;
   int64_t skipped_steps_ = 0;  // as of the last sync
   // On the device, since the last sync: non-finite steps, and the first one's number (0: none).

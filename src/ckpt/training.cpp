@@ -122,6 +122,7 @@ LoadResult restore_from(Trainer& trainer, Communicator& comm,
     state.step = saved.at("step").get<int64_t>();
     state.optimizer_steps = saved.at("optimizer_steps").get<int64_t>();
     state.skipped_steps = saved.value("skipped_steps", int64_t{0});
+    state.grad_scaler = saved.value("grad_scaler", json(nullptr));  // fp16-mixed's loss scaler
     state.loader = resume_position(state, index, rank);
   } catch (const json::exception& e) {
     error = step_dir.string() + ": training_state is incomplete (" + one_line_error(e) + ")";

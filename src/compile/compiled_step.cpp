@@ -31,6 +31,25 @@ struct CompiledStep::Loaded {
 
 namespace {
 
+// train.precision and train.activation_checkpointing change the step the compiled graph would
+// have to contain (autocast, the loss scaler, recomputation); the compiled step has neither yet.
+void refuse_unsupported_training(const Config& config, const CompileOptions& options) {
+  const TrainOptions train = TrainOptions::from_config(config);
+  if (train.precision != TrainOptions::Precision::kFp32) {
+    throw UserError(fmt::format(
+        "train.precision = \"{}\" is not supported by the compiled step (compile.backend = "
+        "\"{}\") yet; set train.precision = \"fp32\" or compile.backend = \"eager\"",
+        precision_name(train.precision), backend_name(options.backend)));
+  }
+  if (train.activation_checkpointing != TrainOptions::ActivationCheckpointing::kNone) {
+    throw UserError(fmt::format(
+        "train.activation_checkpointing = \"block\" is not supported by the compiled step "
+        "(compile.backend = \"{}\") yet; set train.activation_checkpointing = \"none\" or "
+        "compile.backend = \"eager\"",
+        backend_name(options.backend)));
+  }
+}
+
 int64_t max_seq_len(const Model& model) {
   const json d = model.describe();
   return d.contains("block_size") ? d["block_size"].get<int64_t>() : 0;
@@ -144,6 +163,7 @@ CompiledStep::CompiledStep(const Config& config, Model& model, torch::Device dev
       model_json_(model_json(model)),
       cache_(options_.cache_dir),
       tracker_(options_.dynamic, options_.recompile_limit, max_seq_len(model)) {
+  refuse_unsupported_training(config, options_);
   if (!options_.inductor()) {
     throw UserError(
         fmt::format("compile.backend = \"{}\" has no AOTInductor step; kiln builds one "
@@ -360,6 +380,7 @@ size_t CompiledStep::load_graph(GraphShape& shape) {
 void check_compile_start(const Config& config) {
   const CompileOptions options = CompileOptions::from_config(config);
   if (options.backend == CompileOptions::Backend::kEager) return;
+  refuse_unsupported_training(config, options);
   if (options.cuda_graphs()) {
     cuda_graph_recorders(resolve_device(config));  // CUDA device and a CUDA build, else UserError
     if (!config.get_bool("optim.fused")) {

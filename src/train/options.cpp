@@ -42,6 +42,13 @@ TrainOptions TrainOptions::from_config(const Config& config) {
                                                           {"bar", Progress::kBar},
                                                           {"log", Progress::kLog},
                                                           {"off", Progress::kOff}});
+  o.precision =
+      config.get_enum<Precision>("train.precision", {{"fp32", Precision::kFp32},
+                                                     {"bf16-mixed", Precision::kBf16Mixed},
+                                                     {"fp16-mixed", Precision::kFp16Mixed}});
+  o.activation_checkpointing = config.get_enum<ActivationCheckpointing>(
+      "train.activation_checkpointing",
+      {{"none", ActivationCheckpointing::kNone}, {"block", ActivationCheckpointing::kBlock}});
   return o;
 }
 

@@ -25,6 +25,13 @@ ConfigSection train_section() {
           int_key("train", "metrics_every", 1, 1, 1e12,
                   "steps between reading the loss and grad norm back from the device (a metrics "
                   "record and the non-finite checks); other steps never wait for the device"),
+          string_key("train", "precision", "fp32", {"fp32", "bf16-mixed", "fp16-mixed"},
+                     "mixed: fp32 parameters, gradients and optimizer state, forward and loss "
+                     "under autocast to bf16 or fp16; fp16-mixed adds a dynamic loss scaler "
+                     "(docs/training.md)"),
+          string_key("train", "activation_checkpointing", "none", {"none", "block"},
+                     "block: keep only each model unit's input (gpt: each transformer block) and "
+                     "recompute its activations in backward"),
       },
       {}};
 }

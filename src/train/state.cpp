@@ -9,6 +9,7 @@
 #include "core/strings.h"
 #include "kiln/error.h"
 #include "kiln/train.h"
+#include "train/precision.h"
 
 namespace kiln {
 namespace {
@@ -82,7 +83,7 @@ TrainState Trainer::state() {
                        {"min_lr_ratio", o.min_lr_ratio},
                        {"total_steps", train_options_.steps},
                        {"next_lr", learning_rate(o, train_options_.steps, step_)}};
-  state.grad_scaler = nullptr;
+  state.grad_scaler = precision_->state();
   return state;
 }
 
@@ -122,6 +123,7 @@ void Trainer::load_state(const TrainState& state) {
   copy_into(state.model, live.model);
   copy_into(state.optimizer, live.optimizer);  // moments, then each parameter's step count
   optimizer_->set_steps_taken(state.optimizer_steps);
+  precision_->load_state(state.grad_scaler);
   step_ = state.step;
   device_step_number_.fill_(static_cast<double>(state.step));
   skipped_steps_ = state.skipped_steps;

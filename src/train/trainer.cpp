@@ -17,6 +17,7 @@
 #include "kiln/run.h"
 #include "kiln/train.h"
 #include "train/hooks.h"
+#include "train/precision.h"
 
 namespace kiln {
 namespace {
@@ -63,6 +64,12 @@ Trainer::Trainer(const Config& config, std::shared_ptr<Model> model, Datasets da
       data_(std::move(data)),
       options_(options) {
   model_->to(options_.device);
+  precision_ = std::make_unique<MixedPrecision>(train_options_.precision, options_.device);
+  if (train_options_.activation_checkpointing == TrainOptions::ActivationCheckpointing::kBlock) {
+    // The first unit wrapper, so wrappers added later (FSDP's gather) run inside it and the
+    // recomputation in backward runs them again.
+    model_->add_unit_wrapper(make_activation_checkpointing(*model_, model_->units()));
+  }
   NamedTensors params;
   for (auto& item : model_->named_parameters()) params.emplace_back(item.key(), item.value());
   optimizer_ = std::make_unique<Optimizer>(OptimOptions::from_config(config), std::move(params));
@@ -252,12 +259,13 @@ torch::Tensor Trainer::device_step(int micro_steps, const std::function<Batch(in
     if (!loss.defined()) {
       {
         PhaseScope phase(*this, Phase::kForward);
+        const auto autocast = precision_->autocast_scope();  // train.precision
         auto logits = model_->forward(batch.inputs);
         loss = model_->loss(logits, batch.targets) / static_cast<double>(micro_steps);
       }
       {
         PhaseScope phase(*this, Phase::kBackward);
-        loss.backward();
+        precision_->scale_loss(loss).backward();
       }
     }
     loss_sum += loss.detach();
@@ -275,6 +283,8 @@ torch::Tensor Trainer::device_step(int micro_steps, const std::function<Batch(in
   for (auto& [name, p] : optimizer_->parameters()) {
     if (p.grad().defined()) grads.push_back(p.grad());
   }
+  // fp16-mixed: unscale in place; an overflow skips the step through the non-finite guard.
+  const torch::Tensor overflow = precision_->unscale_gradients(grads);
   torch::Tensor total_norm;
   if (shard_norm_comm_) {  // sharded gradients: the squared norms summed over the ranks
     torch::Tensor squares = at::stack(at::_foreach_norm(grads, 2)).square().sum();
@@ -288,10 +298,11 @@ torch::Tensor Trainer::device_step(int micro_steps, const std::function<Batch(in
                       at::clamp_max(train_options_.clip_grad_norm / (total_norm + 1e-6), 1.0));
   }
   // The non-finite guard, on the device: the optimizer update becomes a no-op.
-  const torch::Tensor nonfinite =
-      at::logical_not(at::logical_and(at::isfinite(loss_sum), at::isfinite(total_norm)))
-          .to(torch::kFloat);
+  torch::Tensor finite = at::logical_and(at::isfinite(loss_sum), at::isfinite(total_norm));
+  if (overflow.defined()) finite = at::logical_and(finite, overflow == 0);
+  const torch::Tensor nonfinite = at::logical_not(finite).to(torch::kFloat);
   optimizer_->step(stats.lr, nonfinite);
+  if (overflow.defined()) precision_->update(overflow, loss_sum);  // grow or back off the scale
   // In place, with the step number from the device: a captured step replays these as they are.
   const torch::Tensor counted = nonfinite.to(torch::kFloat64);
   device_step_number_.add_(1.0);
@@ -304,18 +315,34 @@ torch::Tensor Trainer::device_step(int micro_steps, const std::function<Batch(in
 void Trainer::sync_counters(StepStats* stats, const torch::Tensor& step_values) {
   // One device-to-host copy for everything the host needs.
   const torch::Tensor host =
-      at::cat({step_values, nonfinite_since_sync_.reshape({1}), first_nonfinite_step_.reshape({1})})
+      at::cat({step_values, nonfinite_since_sync_.reshape({1}), first_nonfinite_step_.reshape({1}),
+               precision_->sync_values()})
           .cpu();
   const double* v = host.const_data_ptr<double>();
   stats->synced = true;
   stats->loss = v[0];
   stats->grad_norm = v[1];
   stats->skipped = v[2] != 0;
-  const auto nonfinite = static_cast<int64_t>(v[3]);
-  if (nonfinite == 0) return;
+  const auto all_nonfinite = static_cast<int64_t>(v[3]);
+  if (all_nonfinite == 0) return;
   const auto first = static_cast<int64_t>(v[4]);
   nonfinite_since_sync_.zero_();
   first_nonfinite_step_.zero_();
+  precision_->reset_since_sync();
+  // fp16-mixed: gradient overflows with a finite loss are the loss scaler's business (it backed
+  // off): skipped and counted, whatever train.nonfinite says, and not held against
+  // train.max_skipped_steps.
+  const auto overflows = static_cast<int64_t>(v[5]);
+  if (overflows > 0) {
+    skipped_steps_ += overflows;
+    precision_->add_overflow_steps(overflows);
+    log::info(
+        fmt::format("fp16 loss scaler: {} step(s) up to step {} skipped on a gradient "
+                    "overflow; loss scale now {}",
+                    overflows, stats->step, v[6]));
+  }
+  const int64_t nonfinite = all_nonfinite - overflows;
+  if (nonfinite == 0) return;
   std::string what =
       first == stats->step
           ? fmt::format("non-finite {} at step {} (loss {}, grad norm {})",
@@ -331,8 +358,9 @@ void Trainer::sync_counters(StepStats* stats, const torch::Tensor& step_values) 
                         "train.nonfinite = \"skip\"");
   }
   skipped_steps_ += nonfinite;
-  if (skipped_steps_ > train_options_.max_skipped_steps) {
-    throw TrainingError(what + "; " + std::to_string(skipped_steps_) +
+  if (skipped_steps_ - precision_->overflow_steps() > train_options_.max_skipped_steps) {
+    throw TrainingError(what + "; " +
+                        std::to_string(skipped_steps_ - precision_->overflow_steps()) +
                         " steps skipped, more than train.max_skipped_steps; lower optim.lr");
   }
   log::warn(what + "; step skipped (train.nonfinite = \"skip\")");
@@ -353,6 +381,7 @@ EvalStats Trainer::evaluate() {
       Batch batch = data_.val->get(val_sampler_->indices(0, b));
       auto inputs = batch.inputs.to(options_.device);
       auto targets = batch.targets.to(options_.device);
+      const auto autocast = precision_->autocast_scope();  // train.precision
       auto logits = model_->forward(inputs);
       loss_sum += model_->loss(logits, targets).item<double>();
       if (logits.dim() == 2) correct += logits.argmax(1).eq(targets).sum().item<int64_t>();
