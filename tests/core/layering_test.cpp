@@ -46,7 +46,8 @@ std::string public_header_component(const std::string& name) {
       {"run.h", "core"},        {"build_info.h", "core"}, {"comm.h", "comm"},
       {"models.h", "models"},   {"data.h", "data"},       {"train.h", "train"},
       {"dist.h", "dist"},       {"checkpoint.h", "ckpt"}, {"safetensors.h", "ckpt"},
-      {"profile.h", "profile"}, {"peer.h", "peer"},       {"compile.h", "compile"},       {"session.h", "rungs"},
+      {"profile.h", "profile"}, {"memory.h", "profile"},  {"peer.h", "peer"},
+      {"compile.h", "compile"}, {"session.h", "rungs"},
       {"rungs.h", "rungs"}};
   auto it = table.find(name);
   return it == table.end() ? "" : it->second;
