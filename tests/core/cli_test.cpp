@@ -53,6 +53,8 @@ TEST(Cli, ConfigShowPrintsEveryKeyWithOverrides) {
 
 TEST(Cli, ValidateAcceptsEveryBundledConfig) {
   for (const auto& entry : std::filesystem::directory_iterator(source_dir() / "configs")) {
+    // The hardware catalog is `kiln plan`'s data, not a training config (tests/plan load it).
+    if (entry.path().filename() == "hardware.toml") continue;
     auto r = run_kiln("config validate " + entry.path().string());
     EXPECT_EQ(r.exit_code, 0) << entry.path() << ": " << r.err;
   }

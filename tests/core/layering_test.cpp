@@ -29,6 +29,7 @@ const std::map<std::string, std::set<std::string>>& allowed() {
     }
     t["peer"].insert("ckpt");                // the peer export writes safetensors
     t["plan"] = {"core", "models", "plan"};  // reads model shapes, never builds a model
+    t["dist"].insert("plan");                // dist.strategy = "auto" asks the plan's rule
     // report: metrics sinks (TensorBoard) and report.html, above the Trainer it hooks into.
     t["report"] = {"core", "comm", "models", "data", "train", "report"};
     std::set<std::string> every;

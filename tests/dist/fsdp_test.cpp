@@ -2,6 +2,7 @@
 // (tests/ckpt/thread_comm.h): shard layouts, the sharding collectives, equivalence with one
 // process at world 2 and 3 (mlp and a small gpt, uneven sizes), gradient accumulation in both
 // modes, ZeRO-2 / ZeRO-3, and that the full parameters really release their storage.
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -170,7 +171,7 @@ const std::vector<std::string> kGptSgd = {"data.num_workers=0", "optim.name=sgd"
 Config small_gpt(const std::filesystem::path& dir, int64_t batch,
                  std::vector<std::string> extra = {}) {
   extra.insert(extra.end(), kGptSgd.begin(), kGptSgd.end());
-  extra.push_back("train.batch_size=" + std::to_string(batch));
+  extra.push_back(fmt::format("train.batch_size={}", batch));
   return gpt_config(dir, extra);
 }
 
