@@ -20,7 +20,7 @@ RungResult run_plan(const Config& config, const std::filesystem::path& pilot_dir
                     bool require_cost) {
   std::optional<PilotCalibration> pilot;
   if (!pilot_dir.empty()) pilot = read_pilot(pilot_dir, config);
-  const nlohmann::json plan = make_plan(config, pilot ? &*pilot : nullptr, require_cost);
+  nlohmann::json plan = make_plan(config, pilot ? &*pilot : nullptr, require_cost);
   RungResult result;
   result.rung = "plan";
   result.numbers = plan;
@@ -56,6 +56,8 @@ RungResult run_plan(const Config& config, const std::filesystem::path& pilot_dir
   result.verdict = any_fits ? plan["recommendation_text"].get<std::string>()
                             : "nothing fits a 30-day reservation: " +
                                   plan["recommendation_text"].get<std::string>();
+  plan["passed"] = result.passed;  // as every rung's JSON: the ladder's report reads them
+  plan["verdict"] = result.verdict;
   const auto dir = run_directory(config);
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);

@@ -290,9 +290,13 @@ def expected_charts(run_dir):
         records = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
         slug = re.sub(r"[^A-Za-z0-9]", "-", path.name)
         count = lambda key: sum(1 for r in records if key in r)
-        out[f"chart-{slug}-loss"] = {k: count(k) for k in ("loss", "val_loss", "lr") if count(k)}
-        out[f"chart-{slug}-step-time"] = {"step_seconds": count("step_seconds"),
-                                          "data_wait_share": count("step_seconds")}
+        # A chart is drawn only when it has points (a rung's metrics file may hold no steps).
+        losses = {k: count(k) for k in ("loss", "val_loss", "lr") if count(k)}
+        if losses:
+            out[f"chart-{slug}-loss"] = losses
+        if count("step_seconds"):
+            out[f"chart-{slug}-step-time"] = {"step_seconds": count("step_seconds"),
+                                              "data_wait_share": count("step_seconds")}
     load = lambda name: json.loads((run_dir / name).read_text()) if (run_dir / name).exists() else None
     if (baseline := load("baseline.json")) is not None:
         out["chart-baseline-memory"] = {"bytes": 5}
