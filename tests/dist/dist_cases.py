@@ -271,8 +271,10 @@ def fault_case(args, work, action, timeout_seconds, extra=()):
         check(line.startswith("kiln: stopped: rank 0/2:") and "failed" in line,
               f"one clear line: {line!r}")
         if extra:  # FSDP: the line names the collective that failed
-            check(any(c in line for c in ("all-gather failed", "reduce-scatter failed",
-                                          "all-reduce failed")),
+            # e.g. "reduce-scatter failed", "all-gather (lengths) failed": whichever the
+            # survivor was blocked in when its peer died.
+            check(re.search(r"(all-gather|reduce-scatter|all-reduce|broadcast)( \([a-z ]+\))? "
+                            r"failed", line) is not None,
                   f"the line names the collective: {line!r}")
     finally:
         for p, _ in procs:
