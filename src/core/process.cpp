@@ -1,7 +1,10 @@
 #include "core/process.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -35,7 +38,8 @@ std::filesystem::path kiln_executable() {
   throw UserError("cannot find the kiln executable to start; set KILN_EXECUTABLE=/path/to/kiln");
 }
 
-pid_t spawn_process(const std::vector<std::string>& argv, const std::filesystem::path& log) {
+pid_t spawn_process(const std::vector<std::string>& argv, const std::filesystem::path& log,
+                    const std::vector<std::pair<std::string, std::string>>& overrides) {
   if (argv.empty()) throw UserError("spawn_process: empty command");
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
@@ -50,10 +54,20 @@ pid_t spawn_process(const std::vector<std::string>& argv, const std::filesystem:
   const std::string handoff = run_lock_handoff();
   const std::string prefix = std::string(kRunLockEnv) + "=";
   std::vector<std::string> assignments;
+  auto overridden = [&](std::string_view assignment) {
+    if (assignment.rfind(prefix, 0) == 0) return true;
+    for (const auto& [name, value] : overrides) {
+      if (assignment.size() > name.size() && assignment.rfind(name, 0) == 0 &&
+          assignment[name.size()] == '=')
+        return true;
+    }
+    return false;
+  };
   for (char** e = environ; *e != nullptr; ++e) {
-    if (std::string_view(*e).rfind(prefix, 0) != 0) assignments.emplace_back(*e);
+    if (!overridden(*e)) assignments.emplace_back(*e);
   }
   if (!handoff.empty()) assignments.push_back(prefix + handoff);
+  for (const auto& [name, value] : overrides) assignments.push_back(name + "=" + value);
   std::vector<char*> env;
   for (auto& a : assignments) env.push_back(a.data());
   env.push_back(nullptr);
@@ -62,6 +76,22 @@ pid_t spawn_process(const std::vector<std::string>& argv, const std::filesystem:
   posix_spawn_file_actions_destroy(&actions);
   if (rc != 0) throw UserError("cannot start " + argv[0] + ": " + std::strerror(rc));
   return pid;
+}
+
+int free_tcp_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw UserError(std::string("cannot open a TCP socket: ") + std::strerror(errno));
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_ANY);
+  address.sin_port = 0;
+  socklen_t length = sizeof(address);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
+  const int error = errno;
+  ::close(fd);
+  if (!ok) throw UserError(std::string("cannot find a free TCP port: ") + std::strerror(error));
+  return ntohs(address.sin_port);
 }
 
 int wait_process(pid_t pid) {

@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kiln {
@@ -17,8 +18,14 @@ std::filesystem::path kiln_executable();
 
 /// Starts argv (argv[0] is a path) with the current environment, plus KILN_RUN_LOCK naming the
 /// directories this process holds (kiln/run.h: the child runs under their lock). With a `log`, stdout and stderr
-/// are appended to it; otherwise they are inherited. Returns the child's pid. Throws UserError.
-pid_t spawn_process(const std::vector<std::string>& argv, const std::filesystem::path& log = {});
+/// are appended to it; otherwise they are inherited. `env` sets (or replaces) variables in the
+/// child's environment only. Returns the child's pid. Throws UserError.
+pid_t spawn_process(const std::vector<std::string>& argv, const std::filesystem::path& log = {},
+                    const std::vector<std::pair<std::string, std::string>>& env = {});
+
+/// A TCP port that is free on this host now (bound to port 0, then released): for a rendezvous
+/// that must not meet the one this process is in. Throws UserError when no socket can be bound.
+int free_tcp_port();
 
 /// Waits for a child: its exit status, or 128 + the signal that ended it. Retries on EINTR;
 /// throws UserError if the child cannot be waited for.

@@ -68,13 +68,20 @@ std::vector<Device> read_rows(const std::filesystem::path& file) {
     throw UserError(
         fmt::format("{}: no [device.<name>] tables; see configs/hardware.toml", file.string()));
   }
+  // toml++ keeps a table's keys sorted; rows keep the file's order (the order plans print).
+  std::vector<std::pair<std::string, const toml::node*>> in_file_order;
+  for (const auto& [key, node] : *devices) in_file_order.emplace_back(key.str(), &node);
+  std::stable_sort(in_file_order.begin(), in_file_order.end(), [](const auto& a, const auto& b) {
+    return a.second->source().begin.line < b.second->source().begin.line;
+  });
   std::vector<Device> out;
-  for (const auto& [key, node] : *devices) {
-    const std::string where = fmt::format("{}: [device.{}]", file.string(), key.str());
+  for (const auto& [key_text, node_ptr] : in_file_order) {
+    const toml::node& node = *node_ptr;
+    const std::string where = fmt::format("{}: [device.{}]", file.string(), key_text);
     const toml::table* row = node.as_table();
     if (row == nullptr) throw UserError(where + " is not a table");
     Device d;
-    d.name = lower(key.str());
+    d.name = lower(key_text);
     d.display_name = row->contains("display_name") ? text(*row, "display_name", where) : d.name;
     d.memory_bytes = number(*row, "memory_gb", where) * 1e9;
     d.memory_bandwidth_bytes_per_second = number(*row, "memory_bandwidth_gb_per_s", where) * 1e9;

@@ -1,6 +1,7 @@
 // The plan: every hardware row of the catalog, from the config alone, calibrated by a pilot when
 // one is given (docs/plan.md).
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -123,11 +124,8 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
   const double eval_tokens_per_rank =
       static_cast<double>(config.get_int("train.eval_batches") * job.micro_batch * job.seq_len);
   const double checkpoint_bytes = memory.parameters + memory.optimizer;
-  const double write_speed = pilot && pilot->write_bytes_per_second > 0
-                                 ? pilot->write_bytes_per_second
-                                 : config.get_float("plan.checkpoint_write_gb_per_second") * 1e9;
-  const double save_seconds = checkpoint_bytes / write_speed;
-  const double restart_seconds = config.get_float("plan.restart_minutes") * 60.0 + save_seconds;
+  // The pilot's write speed is its own machine's storage: it calibrates only that device's row.
+  const double assumed_write_speed = config.get_float("plan.checkpoint_write_gb_per_second") * 1e9;
   const double mtbf = config.get_float("plan.gpu_mtbf_hours");
   const double headroom = config.get_float("plan.headroom");
   const double activation_ratio =
@@ -140,23 +138,9 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
         "plan.gpu_mtbf_hours (docs/plan.md gives a default from a public large-run report)");
   }
 
-  std::vector<std::string> assumptions;
-  if (!pilot) {
-    assumptions.push_back(fmt::format("MFU {} (plan.mfu) on every device: no pilot given",
-                                      config.get_float("plan.mfu")));
-    assumptions.push_back("activations from the analytic model, uncalibrated");
-    assumptions.push_back(
-        fmt::format("checkpoint write speed {} GB/s (plan.checkpoint_write_gb_per_second)",
-                    config.get_float("plan.checkpoint_write_gb_per_second")));
-    assumptions.push_back("eval time from FLOPs at the planned MFU");
-    assumptions.push_back(
-        fmt::format("pilot time {} h (plan.pilot_hours)", config.get_float("plan.pilot_hours")));
-  }
-  assumptions.push_back(
-      fmt::format("GPU MTBF {} h (plan.gpu_mtbf_hours), restart {} min (plan.restart_minutes)",
-                  mtbf, config.get_float("plan.restart_minutes")));
-  assumptions.push_back("communication not overlapped with compute (an upper bound)");
-
+  // Rows the pilot measured (its own device) use its MFU, eval time, write speed and duration;
+  // every other row uses the assumed figures, listed below with the rows they apply to.
+  std::vector<std::string> measured_rows, assumed_rows;
   json out_rows = json::array();
   json best = nullptr;
   double best_cost = 0, best_days = 0;
@@ -174,6 +158,12 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
     const bool measured_here =
         pilot && pilot->mfu > 0 && device_for_name(catalog, pilot->device) == device;
     const double mfu = measured_here ? pilot->mfu : config.get_float("plan.mfu");
+    (measured_here ? measured_rows : assumed_rows).push_back(device->name);
+    const double write_speed = measured_here && pilot->write_bytes_per_second > 0
+                                   ? pilot->write_bytes_per_second
+                                   : assumed_write_speed;
+    const double save_seconds = checkpoint_bytes / write_speed;
+    const double restart_seconds = config.get_float("plan.restart_minutes") * 60.0 + save_seconds;
     const bool one_node = gpus <= device->gpus_per_node;
     const double bandwidth =
         one_node ? device->interconnect_bytes_per_second / 2.0 : device->network_bytes_per_second;
@@ -227,6 +217,8 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
         {"train_seconds", result.train_seconds},
         {"eval_seconds", result.eval_seconds},
         {"save_seconds", result.save_seconds},
+        {"write_bytes_per_second", write_speed},
+        {"restart_seconds", restart_seconds},
         {"checkpoint_interval_seconds", result.checkpoint_interval_seconds},
         {"saves_seconds", result.saves_seconds},
         {"job_mtbf_seconds", result.job_mtbf_seconds},
@@ -268,6 +260,29 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
     }
     out_rows.push_back(row);
   }
+
+  std::vector<std::string> assumptions;
+  if (!assumed_rows.empty()) {
+    const std::string where =
+        measured_rows.empty()
+            ? (pilot ? fmt::format("on every row (the pilot ran on {}, not a catalog row)",
+                                   pilot->device)
+                     : "on every row: no pilot given")
+            : fmt::format("on {} (the pilot measured {})", fmt::join(assumed_rows, ", "),
+                          fmt::join(measured_rows, ", "));
+    assumptions.push_back(fmt::format("MFU {} (plan.mfu) {}", config.get_float("plan.mfu"), where));
+    assumptions.push_back(
+        fmt::format("checkpoint write speed {} GB/s (plan.checkpoint_write_gb_per_second) {}",
+                    config.get_float("plan.checkpoint_write_gb_per_second"), where));
+    assumptions.push_back("eval time from FLOPs at the planned MFU " + where);
+    assumptions.push_back(fmt::format("pilot time {} h (plan.pilot_hours) {}",
+                                      config.get_float("plan.pilot_hours"), where));
+  }
+  if (!pilot) assumptions.push_back("activations from the analytic model, uncalibrated");
+  assumptions.push_back(
+      fmt::format("GPU MTBF {} h (plan.gpu_mtbf_hours), restart {} min (plan.restart_minutes)",
+                  mtbf, config.get_float("plan.restart_minutes")));
+  assumptions.push_back("communication not overlapped with compute (an upper bound)");
 
   // Without prices: the shortest reservation that fits, then the fewest days.
   std::string recommendation;
@@ -328,9 +343,10 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
         {"activation_calibration", activation_ratio}}},
       {"checkpoint",
        {{"bytes", checkpoint_bytes},
-        {"write_bytes_per_second", write_speed},
-        {"save_seconds", save_seconds},
-        {"restart_seconds", restart_seconds}}},
+        {"assumed_write_bytes_per_second", assumed_write_speed},
+        {"pilot_write_bytes_per_second",
+         pilot && pilot->write_bytes_per_second > 0 ? json(pilot->write_bytes_per_second)
+                                                    : json(nullptr)}}},
       {"assumptions", assumptions},
       {"rows", out_rows},
       {"recommendation", best.is_null() ? json(nullptr) : best},

@@ -92,7 +92,7 @@ std::vector<std::string> lock_args(const std::filesystem::path& dir, const std::
 
 std::vector<std::string> under_torchrun(int ranks, std::vector<std::string> kiln_args) {
   std::vector<std::string> argv = {KILN_TORCHRUN, "--standalone",
-                                   "--nproc-per-node=" + std::to_string(ranks), "--no-python",
+                                   fmt::format("--nproc-per-node={}", ranks), "--no-python",
                                    KILN_CLI};
   argv.insert(argv.end(), kiln_args.begin(), kiln_args.end());
   return argv;
