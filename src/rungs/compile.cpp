@@ -153,6 +153,12 @@ RungResult run_compile(Session& session) {
         "resolved to \"{}\" ({}); set dist.strategy = \"ddp\"",
         session.strategy, session.strategy_reason));
   }
+  if (distributed && options.cuda_graphs()) {
+    throw UserError(fmt::format(
+        "compile.backend = \"{}\" with {} processes is not built yet (DDP's all-reduce inside "
+        "the capture); run the rung in one process, or use compile.backend = \"inductor\"",
+        backend_name(options.backend), session.comm->world_size()));
+  }
   RungResult result;
   result.rung = "compile";
   Trainer& eager = *session.trainer;
