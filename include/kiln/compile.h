@@ -241,7 +241,7 @@ struct CompileReport {
   };
   std::vector<Graph> graphs;  // the training step's (forward+backward)
   std::vector<Recompile> recompiles;
-  int64_t eager_micro_steps = 0;  // micro-steps that ran eager over the recompile limit
+  int64_t eager_micro_steps = 0;   // micro-steps that ran eager over the recompile limit
   std::vector<Graph> eval_graphs;  // evaluation's (forward and loss)
   std::vector<Recompile> eval_recompiles;
   int64_t eval_eager_batches = 0;  // eval batches that ran eager over the recompile limit

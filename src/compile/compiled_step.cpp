@@ -181,10 +181,10 @@ CompiledStep::CompiledStep(const Config& config, Model& model, torch::Device dev
       device_(device),
       model_json_(model_json(model)),
       cache_(options_.cache_dir),
-      train_{false, ShapeTracker(options_.dynamic, options_.recompile_limit, max_seq_len(model)),
-             {}},
-      eval_{true, ShapeTracker(options_.dynamic, options_.recompile_limit, max_seq_len(model)),
-            {}} {
+      train_{
+          false, ShapeTracker(options_.dynamic, options_.recompile_limit, max_seq_len(model)), {}},
+      eval_{
+          true, ShapeTracker(options_.dynamic, options_.recompile_limit, max_seq_len(model)), {}} {
   refuse_unsupported_training(config, options_);
   if (!options_.inductor()) {
     throw UserError(
@@ -292,9 +292,10 @@ size_t CompiledStep::load_graph(Kind& kind, GraphShape& shape) {
   entry.cache_hit = hit.has_value();
   if (!hit) {
     entry.cache_note = why_not;
-    log::info(fmt::format(
-        "compile: building the {} graph for {} with AOTInductor ({}; cache {}: {})",
-        kind.eval ? "eval (forward and loss)" : "forward+backward", shape.str(), python.torch_version, cache_.dir().string(), why_not));
+    log::info(
+        fmt::format("compile: building the {} graph for {} with AOTInductor ({}; cache {}: {})",
+                    kind.eval ? "eval (forward and loss)" : "forward+backward", shape.str(),
+                    python.torch_version, cache_.dir().string(), why_not));
     const auto begin = SteadyClock::now();
     const fs::path scratch = cache_.scratch_dir(fingerprint);
     const bool tokens = model_json_.value("name", "") == "gpt";

@@ -384,12 +384,13 @@ RungResult run_compile(Session& session) {
   // Under DDP: the overlap the compiled step loses (every rank's numbers, averaged).
   std::string ddp_row;
   if (distributed) {
-    torch::Tensor sums = torch::tensor(
-        {eager_comm->exposed_seconds, eager_comm->busy_seconds,
-         static_cast<double>(eager_comm->launched_in_backward), compiled_comm->exposed_seconds,
-         compiled_comm->busy_seconds, static_cast<double>(compiled_comm->launched_in_backward),
-         static_cast<double>(eager_comm->steps)},
-        torch::kFloat64).to(session.device);
+    torch::Tensor sums = torch::tensor({eager_comm->exposed_seconds, eager_comm->busy_seconds,
+                                        static_cast<double>(eager_comm->launched_in_backward),
+                                        compiled_comm->exposed_seconds, compiled_comm->busy_seconds,
+                                        static_cast<double>(compiled_comm->launched_in_backward),
+                                        static_cast<double>(eager_comm->steps)},
+                                       torch::kFloat64)
+                             .to(session.device);
     session.comm->all_reduce_sum(sums);
     sums = sums.cpu();
     const double world = session.comm->world_size();
@@ -397,11 +398,11 @@ RungResult run_compile(Session& session) {
     auto side = [&](int base) {
       const double exposed = sums[base].item<double>() / per;
       const double busy = sums[base + 1].item<double>() / per;
-      return json{{"comm_exposed_seconds_per_step", exposed},
-                  {"comm_busy_seconds_per_step", busy},
-                  {"comm_overlapped_share",
-                   busy > 0 ? std::clamp(1.0 - exposed / busy, 0.0, 1.0) : 0.0},
-                  {"collectives_started_in_backward_per_step", sums[base + 2].item<double>() / per}};
+      return json{
+          {"comm_exposed_seconds_per_step", exposed},
+          {"comm_busy_seconds_per_step", busy},
+          {"comm_overlapped_share", busy > 0 ? std::clamp(1.0 - exposed / busy, 0.0, 1.0) : 0.0},
+          {"collectives_started_in_backward_per_step", sums[base + 2].item<double>() / per}};
     };
     const json e = side(0), c = side(3);
     const double lost = c["comm_exposed_seconds_per_step"].get<double>() -

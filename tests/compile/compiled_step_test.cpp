@@ -6,8 +6,8 @@
 #include <fmt/format.h>
 
 #include <map>
-#include <sstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "kiln/run.h"
 #include "support/helpers.h"
