@@ -3,10 +3,11 @@
 // and run in the Trainer's step loop in place of eager autograd. Python runs only to build a
 // package (python/kiln_py/compile.py, a child process), never in the step loop.
 //
-// What is compiled, and what is not: the package computes the loss and every parameter's
-// gradient from (inputs, targets); clipping, the optimizer, DDP's all-reduce and everything else
-// stay kiln's eager code. Evaluation runs eager. The CUDA-graph backends are refused (not built
-// yet): see docs/compile.md.
+// What is compiled, and what is not: the "train" package computes the loss and every parameter's
+// gradient from (inputs, targets); evaluation runs through an "eval" package of its own (forward
+// and loss only; for a classifier also the count of correct predictions); clipping, the
+// optimizer, DDP's all-reduce and everything else stay kiln's eager code. CUDA graphs capture
+// the whole step on top (CapturedGraphStep): see docs/compile.md.
 //
 // Packages are shared libraries: the one thing kiln loads from disk that executes code. kiln
 // loads only packages it built itself into compile.cache_dir, each checked against the xxh3 hash
@@ -221,11 +222,14 @@ void check_compile_start(const Config& config);
 
 // ---- the compiled step -------------------------------------------------------------------------
 
-/// What compiling did, for reports and compile.json.
+/// What compiling did, for reports and compile.json. The training step's graphs and the eval
+/// graphs are kept apart: each graph kind has its own packages, shapes, recompiles and
+/// compile.recompile_limit (eval is a forward-only graph of its own, not a recompile of the step).
 struct CompileReport {
   std::string backend;
   std::string dynamic;
-  bool fallback_to_eager = false;  // graph breaks with fullgraph = false: every step runs eager
+  /// Graph breaks with fullgraph = false: every step and every evaluation runs eager.
+  bool fallback_to_eager = false;
   std::vector<GraphBreak> breaks;
   struct Graph {
     GraphShape shape;
@@ -235,16 +239,24 @@ struct CompileReport {
     double load_seconds = 0;
     std::string package;
   };
-  std::vector<Graph> graphs;
+  std::vector<Graph> graphs;  // the training step's (forward+backward)
   std::vector<Recompile> recompiles;
-  int64_t eager_micro_steps = 0;  // micro-steps that ran eager over the recompile limit
+  int64_t eager_micro_steps = 0;   // micro-steps that ran eager over the recompile limit
+  std::vector<Graph> eval_graphs;  // evaluation's (forward and loss)
+  std::vector<Recompile> eval_recompiles;
+  int64_t eval_eager_batches = 0;  // eval batches that ran eager over the recompile limit
+  /// "graphs", "recompiles", "eager_micro_steps" (the step's), "eval": {"graphs", "recompiles",
+  /// "eager_batches"}, and the rest; each graph names its kind ("graph": "train" | "eval").
   nlohmann::json to_json() const;
 };
 
-/// The Trainer's compiled forward+backward (compile.backend = "inductor"). Builds or loads one
-/// package per graph shape on first use of that shape; binds the model's own parameter tensors
-/// to the package's constants by name without copying, so the optimizer's in-place updates are
-/// what the next step reads. Not thread-safe: the training thread only.
+/// The Trainer's compiled forward+backward and eval forward (compile.backend = "inductor").
+/// Builds or loads one package per graph kind ("train": loss and gradients; "eval": loss, and
+/// correct predictions for a classifier) and shape, on first use of that shape; binds the
+/// model's own parameter tensors to the package's constants by name without copying, so the
+/// optimizer's in-place updates are what the next step and the next evaluation read. Each kind
+/// has its own ShapeTracker (compile.dynamic, compile.recompile_limit). Not thread-safe: the
+/// training thread only.
 class CompiledStep : public CompiledForwardBackward {
  public:
   /// Throws UserError (bad setup, see check_compile_start), TrainingError (graph breaks with
@@ -253,17 +265,28 @@ class CompiledStep : public CompiledForwardBackward {
   ~CompiledStep() override;
 
   torch::Tensor forward_backward(const Batch& batch, double scale) override;
-  /// Builds (or finds in the cache) the graph for `shapes` now, as the first step would.
+  /// Through the eval package of the batch's shape (built or loaded on first use); undefined
+  /// outputs when the batch runs eager (graph breaks with fullgraph = false, over the limit).
+  /// Throws as the constructor does, when the eval package is built.
+  EvalOutputs evaluate(const Batch& batch) override;
+  /// Builds (or finds in the cache) the training graph for `shapes` now, as the first step would.
   void prepare(const InputShapes& shapes);
+  /// The same for the eval graph, as the first evaluation would.
+  void prepare_eval(const InputShapes& shapes);
   const CompileReport& report() const { return report_; }
 
   struct Loaded;  // implementation detail (src/compile/compiled_step.cpp)
 
  private:
-  /// Builds or loads the package for `shape` (narrowed to what the package accepts); returns its
-  /// index, or SIZE_MAX when graph breaks made the step fall back to eager.
-  size_t load_graph(GraphShape& shape);
-  size_t resolve(const InputShapes& shapes);
+  struct Kind {  // one graph kind's shapes and loaded packages
+    bool eval = false;
+    ShapeTracker tracker;
+    std::vector<std::unique_ptr<Loaded>> loaded;
+  };
+  /// Builds or loads the package of `kind` for `shape` (narrowed to what the package accepts);
+  /// returns its index, or SIZE_MAX when graph breaks made the step fall back to eager.
+  size_t load_graph(Kind& kind, GraphShape& shape);
+  size_t resolve(Kind& kind, const InputShapes& shapes);
 
   CompileOptions options_;
   Model& model_;
@@ -271,8 +294,7 @@ class CompiledStep : public CompiledForwardBackward {
   nlohmann::json model_json_;
   std::vector<std::pair<std::string, torch::Tensor>> parameters_;
   PackageCache cache_;
-  ShapeTracker tracker_;
-  std::vector<std::unique_ptr<Loaded>> loaded_;
+  Kind train_, eval_;
   CompileReport report_;
 };
 

@@ -33,10 +33,13 @@ RungResult run_baseline(Session& session);
 /// "eager") in one process, from the same initial weights on the same batches: compile time
 /// (cold or cached cache), compile.warmup_steps untimed then compile.steps interleaved timed
 /// steps, the shape probe (compile.probe_seq_lens: recompiles and their reasons), peak memory of
-/// a step on each side. Writes <run dir>/compile.json. Gate: every step's loss and the final
-/// parameters agree within compile.tolerance, and no graph break under compile.fullgraph. The
-/// verdict keeps the compiled step at compile.min_speedup or more. Throws UserError (bad
-/// setup: Python, torch version, cache directory, an unbuilt backend).
+/// a step on each side, an evaluation on each side (the compiled side through its eval graph).
+/// Under torchrun both sides are DDP and compile.json's "ddp" reports the overlap the compiled
+/// step loses. Writes <run dir>/compile.json. Gate: every step's loss, the eval losses and the
+/// final parameters agree within compile.tolerance, and no graph break under compile.fullgraph.
+/// The verdict keeps the compiled step at compile.min_speedup or more. Throws UserError (bad
+/// setup: Python, torch version, cache directory, an unbuilt backend, FSDP, CUDA graphs with
+/// more than one process).
 RungResult run_compile(Session& session);
 
 /// Profile rung: runs the schedule (skip_first + max(repeat, 1) cycles) on the session's

@@ -278,6 +278,15 @@ class CompiledForwardBackward {
   /// Autograd's gradient hooks do not fire for a compiled micro-step (DDP reduces every bucket
   /// in on_gradients_ready instead, without overlap).
   virtual torch::Tensor forward_backward(const Batch& batch, double scale) = 0;
+  /// Evaluate's forward of one validation batch (already on the device), through a forward-only
+  /// graph of its own: `loss` the batch's mean loss (0-dim), `correct` for a classifier the
+  /// number of samples whose argmax is the target (0-dim int64; undefined for token models).
+  /// Undefined `loss`: this batch runs eager (the default: no eval graph). Called on the training
+  /// thread inside Phase::kEval, under NoGradGuard, with the model in eval mode.
+  struct EvalOutputs {
+    torch::Tensor loss, correct;
+  };
+  virtual EvalOutputs evaluate(const Batch& /*batch*/) { return {}; }
 };
 
 /// A captured step (CUDA graphs, kiln/compile.h builds one) that runs the Trainer's whole device

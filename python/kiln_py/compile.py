@@ -239,6 +239,19 @@ def joint_graph(ep, notes):
     return ep._update(gm, signature)
 
 
+class EvalOutputs(models.WithLoss):
+    """The "eval" graph's module: forward(inputs, targets) -> the loss, and for a classifier
+    ([B, C] logits) also the number of samples whose argmax is the target (an int64 scalar), as
+    kiln's Trainer::evaluate counts them. Same parameter names as WithLoss."""
+
+    def forward(self, inputs, targets):
+        logits = self.model(inputs)
+        loss = models.loss(logits, targets)
+        if logits.dim() == 2:
+            return loss, logits.argmax(1).eq(targets).sum()
+        return loss
+
+
 def export(module, args, spec, notes):
     """The exported program of the spec's graph: "train" the joint graph, "eval" the forward loss."""
     shapes = dynamic_shapes(spec, notes)
@@ -251,12 +264,16 @@ def export(module, args, spec, notes):
 
 def outputs_of(ep):
     """(parameters, outputs): the parameter of each gradient output in order, and every output's
-    name ("loss", "grad:<parameter>")."""
+    name ("loss", "grad:<parameter>"; an eval graph: "loss", then "correct" for a classifier)."""
     from torch.export.graph_signature import OutputKind
     parameters, outputs = [], []
+    user_names = ["loss", "correct"]
     for s in ep.graph_signature.output_specs:
         if s.kind in (OutputKind.LOSS_OUTPUT, OutputKind.USER_OUTPUT):
-            outputs.append("loss")
+            users = sum(1 for o in outputs if not o.startswith("grad:"))
+            if users >= len(user_names):
+                raise RuntimeError(f"unexpected output {users + 1} ({s.arg}) in the exported graph")
+            outputs.append(user_names[users])
         elif s.kind == OutputKind.GRADIENT_TO_PARAMETER:
             parameters.append(s.target)
             outputs.append(f"grad:{s.target}")
@@ -332,7 +349,7 @@ def run(spec, result):
     except ValueError as e:
         raise SpecError(str(e))
     device = torch.device(spec["device"])
-    module = models.WithLoss(model).to(device)
+    module = (models.WithLoss(model) if spec["graph"] == "train" else EvalOutputs(model)).to(device)
     if spec["graph"] == "train":
         module.train()
     else:

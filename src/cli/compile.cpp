@@ -20,7 +20,7 @@ void add_compile_command(CLI::App& app, Action& action) {
       check_compile_start(config);  // Python, torch, cache: before anything is written
       auto session = open_session(config, {process_argv()});
       RungResult result = run_compile(*session);
-      print_rung(result);
+      if (session->comm->rank() == 0) print_rung(result);  // torchrun: one report
       if (!result.passed) throw TrainingError("compile gate failed: " + result.verdict);
       return 0;
     };

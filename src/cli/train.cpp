@@ -52,9 +52,12 @@ void add_train_command(CLI::App& app, Action& action) {
       if (s.skipped_steps > 0) fmt::print("skipped {} non-finite steps\n", s.skipped_steps);
       if (compiled) {
         const CompileReport& report = compiled->report();
-        fmt::print("compiled step: {}, {} graph(s), {} recompile(s){}\n", report.backend,
-                   report.graphs.size(), report.recompiles.size(),
-                   report.fallback_to_eager ? ", graph breaks: ran eager" : "");
+        fmt::print(
+            "compiled step: {}, {} graph(s), {} recompile(s); eval: {} graph(s), {} "
+            "recompile(s){}\n",
+            report.backend, report.graphs.size(), report.recompiles.size(),
+            report.eval_graphs.size(), report.eval_recompiles.size(),
+            report.fallback_to_eager ? ", graph breaks: ran eager" : "");
       }
       fmt::print("run directory: {}\n", session->run->dir().string());
       return 0;

@@ -26,7 +26,9 @@ using nlohmann::json;
 
 struct CompiledStep::Loaded {
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader;
-  std::vector<size_t> gradient_of;  // output k + 1 is the gradient of parameters_[gradient_of[k]]
+  std::vector<size_t> gradient_of;  // train: output k + 1 is the gradient of
+                                    // parameters_[gradient_of[k]]
+  bool correct = false;             // eval: output 1 counts the correct predictions
 };
 
 namespace {
@@ -103,9 +105,13 @@ std::string dtype_name(const torch::Tensor& t) {
   return t.scalar_type() == torch::kLong ? "int64" : "float32";
 }
 
-// What a graph's package depends on.
-Fingerprint fingerprint_of(const CompilerPython& python, const json& model, const GraphShape& shape,
-                           torch::Device device, const Batch* example) {
+const char* kind_name(bool eval) {
+  return eval ? "eval" : "train";
+}
+
+// What a graph's package depends on: `graph` is "train" or "eval".
+Fingerprint fingerprint_of(const CompilerPython& python, const json& model, const char* graph,
+                           const GraphShape& shape, torch::Device device, const Batch* example) {
   json fields = {
       {"kiln", build_info().version},
       {"torch", python.torch_version},
@@ -114,7 +120,7 @@ Fingerprint fingerprint_of(const CompilerPython& python, const json& model, cons
       {"device", device.is_cuda() ? "cuda" : "cpu"},
       {"arch", cpu_model()},
       {"model", model},
-      {"graph", "train"},
+      {"graph", graph},
       {"param_dtype", "float32"},
       {"deterministic", at::globalContext().deterministicAlgorithms()},
       // Symbolic: a dynamic dimension's example size does not change the package's meaning.
@@ -129,31 +135,44 @@ Fingerprint fingerprint_of(const CompilerPython& python, const json& model, cons
 }  // namespace
 
 json CompileReport::to_json() const {
-  json graph_list = json::array();
-  for (const Graph& g : graphs) {
-    graph_list.push_back({{"shape", g.shape.str()},
-                          {"spec", g.shape.to_json()},
-                          {"cache_hit", g.cache_hit},
-                          {"cache_note", g.cache_note},
-                          {"build_seconds", g.build_seconds},
-                          {"load_seconds", g.load_seconds},
-                          {"package", g.package}});
-  }
+  auto graph_list = [](const std::vector<Graph>& list, const char* kind) {
+    json out = json::array();
+    for (const Graph& g : list) {
+      out.push_back({{"graph", kind},
+                     {"shape", g.shape.str()},
+                     {"spec", g.shape.to_json()},
+                     {"cache_hit", g.cache_hit},
+                     {"cache_note", g.cache_note},
+                     {"build_seconds", g.build_seconds},
+                     {"load_seconds", g.load_seconds},
+                     {"package", g.package}});
+    }
+    return out;
+  };
+  auto recompile_list = [](const std::vector<Recompile>& list, const char* kind) {
+    json out = json::array();
+    for (const Recompile& r : list) {
+      out.push_back({{"graph", kind},
+                     {"shapes", r.shapes.str()},
+                     {"reason", r.reason},
+                     {"compiled", r.compiled}});
+    }
+    return out;
+  };
   json break_list = json::array();
   for (const GraphBreak& b : breaks)
     break_list.push_back({{"reason", b.reason}, {"where", b.where}});
-  json recompile_list = json::array();
-  for (const Recompile& r : recompiles) {
-    recompile_list.push_back(
-        {{"shapes", r.shapes.str()}, {"reason", r.reason}, {"compiled", r.compiled}});
-  }
   return {{"backend", backend},
           {"dynamic", dynamic},
           {"fallback_to_eager", fallback_to_eager},
           {"graph_breaks", break_list},
-          {"graphs", graph_list},
-          {"recompiles", recompile_list},
-          {"eager_micro_steps", eager_micro_steps}};
+          {"graphs", graph_list(graphs, "train")},
+          {"recompiles", recompile_list(recompiles, "train")},
+          {"eager_micro_steps", eager_micro_steps},
+          {"eval",
+           {{"graphs", graph_list(eval_graphs, "eval")},
+            {"recompiles", recompile_list(eval_recompiles, "eval")},
+            {"eager_batches", eval_eager_batches}}}};
 }
 
 CompiledStep::CompiledStep(const Config& config, Model& model, torch::Device device)
@@ -162,7 +181,10 @@ CompiledStep::CompiledStep(const Config& config, Model& model, torch::Device dev
       device_(device),
       model_json_(model_json(model)),
       cache_(options_.cache_dir),
-      tracker_(options_.dynamic, options_.recompile_limit, max_seq_len(model)) {
+      train_{
+          false, ShapeTracker(options_.dynamic, options_.recompile_limit, max_seq_len(model)), {}},
+      eval_{
+          true, ShapeTracker(options_.dynamic, options_.recompile_limit, max_seq_len(model)), {}} {
   refuse_unsupported_training(config, options_);
   if (!options_.inductor()) {
     throw UserError(
@@ -185,40 +207,62 @@ CompiledStep::CompiledStep(const Config& config, Model& model, torch::Device dev
 CompiledStep::~CompiledStep() = default;
 
 void CompiledStep::prepare(const InputShapes& shapes) {
-  resolve(shapes);
+  resolve(train_, shapes);
 }
 
-// The graph that runs `shapes` (building or loading it on first sight), or SIZE_MAX when they run
-// eager: graph breaks under fullgraph = false, or a shape over the recompile limit.
-size_t CompiledStep::resolve(const InputShapes& shapes) {
-  using Kind = ShapeTracker::Decision::Kind;
+void CompiledStep::prepare_eval(const InputShapes& shapes) {
+  resolve(eval_, shapes);
+}
+
+// The graph of `kind` that runs `shapes` (building or loading it on first sight), or SIZE_MAX
+// when they run eager: graph breaks under fullgraph = false, or a shape over the recompile limit.
+size_t CompiledStep::resolve(Kind& kind, const InputShapes& shapes) {
+  using Decision = ShapeTracker::Decision::Kind;
   if (report_.fallback_to_eager) return SIZE_MAX;
-  ShapeTracker::Decision decision = tracker_.decide(shapes);
-  if (decision.kind == Kind::kReuse) return decision.graph;
-  if (decision.kind == Kind::kEager) {
-    const auto& eager = tracker_.eager_shapes();
+  std::vector<Recompile>& recompiles = kind.eval ? report_.eval_recompiles : report_.recompiles;
+  const std::string prefix = kind.eval ? "compile: eval graph: " : "compile: ";
+  ShapeTracker::Decision decision = kind.tracker.decide(shapes);
+  if (decision.kind == Decision::kReuse) return decision.graph;
+  if (decision.kind == Decision::kEager) {
+    const auto& eager = kind.tracker.eager_shapes();
     if (std::find(eager.begin(), eager.end(), shapes) == eager.end()) {
-      log::warn("compile: " + decision.reason);
-      tracker_.record(shapes, decision);
-      report_.recompiles = tracker_.recompiles();
+      log::warn(prefix + decision.reason);
+      kind.tracker.record(shapes, decision);
+      recompiles = kind.tracker.recompiles();
     }
     return SIZE_MAX;
   }
-  const size_t graph = load_graph(decision.shape);
+  const size_t graph = load_graph(kind, decision.shape);
   if (graph == SIZE_MAX) return SIZE_MAX;  // breaks, fullgraph = false: eager from now on
-  tracker_.record(shapes, decision);
-  report_.recompiles = tracker_.recompiles();
-  if (!decision.reason.empty()) log::info("compile: recompile: " + decision.reason);
+  kind.tracker.record(shapes, decision);
+  recompiles = kind.tracker.recompiles();
+  if (!decision.reason.empty()) log::info(prefix + "recompile: " + decision.reason);
   return graph;
 }
 
+CompiledForwardBackward::EvalOutputs CompiledStep::evaluate(const Batch& batch) {
+  const size_t index = resolve(eval_, InputShapes::of(batch));
+  if (index == SIZE_MAX) {
+    if (!report_.fallback_to_eager) ++report_.eval_eager_batches;  // over the recompile limit
+    return {};
+  }
+  const Loaded& graph = *eval_.loaded[index];
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> outputs =
+      graph.loader->run({batch.inputs.contiguous(), batch.targets.contiguous()});
+  EvalOutputs out;
+  out.loss = outputs[0];
+  if (graph.correct) out.correct = outputs[1];
+  return out;
+}
+
 torch::Tensor CompiledStep::forward_backward(const Batch& batch, double scale) {
-  const size_t index = resolve(InputShapes::of(batch));
+  const size_t index = resolve(train_, InputShapes::of(batch));
   if (index == SIZE_MAX) {
     if (!report_.fallback_to_eager) ++report_.eager_micro_steps;  // over the recompile limit
     return {};
   }
-  Loaded& graph = *loaded_[index];
+  Loaded& graph = *train_.loaded[index];
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> outputs =
       graph.loader->run({batch.inputs.contiguous(), batch.targets.contiguous()});
@@ -234,9 +278,11 @@ torch::Tensor CompiledStep::forward_backward(const Batch& batch, double scale) {
   return scale == 1.0 ? outputs[0] : outputs[0].mul(scale);
 }
 
-size_t CompiledStep::load_graph(GraphShape& shape) {
+size_t CompiledStep::load_graph(Kind& kind, GraphShape& shape) {
   const CompilerPython& python = CompilerPython::probe(options_.python);
-  const Fingerprint fingerprint = fingerprint_of(python, model_json_, shape, device_, nullptr);
+  const char* graph_kind = kind_name(kind.eval);
+  const Fingerprint fingerprint =
+      fingerprint_of(python, model_json_, graph_kind, shape, device_, nullptr);
   CompileReport::Graph entry;
   entry.shape = shape;
   std::string why_not;
@@ -246,15 +292,16 @@ size_t CompiledStep::load_graph(GraphShape& shape) {
   entry.cache_hit = hit.has_value();
   if (!hit) {
     entry.cache_note = why_not;
-    log::info(fmt::format(
-        "compile: building the {} graph for {} with AOTInductor ({}; cache {}: {})",
-        "forward+backward", shape.str(), python.torch_version, cache_.dir().string(), why_not));
+    log::info(
+        fmt::format("compile: building the {} graph for {} with AOTInductor ({}; cache {}: {})",
+                    kind.eval ? "eval (forward and loss)" : "forward+backward", shape.str(),
+                    python.torch_version, cache_.dir().string(), why_not));
     const auto begin = SteadyClock::now();
     const fs::path scratch = cache_.scratch_dir(fingerprint);
     const bool tokens = model_json_.value("name", "") == "gpt";
     json spec = {
         {"model", model_json_},
-        {"graph", "train"},
+        {"graph", graph_kind},
         {"inputs", {{"shape", shape.shapes.inputs}, {"dtype", tokens ? "int64" : "float32"}}},
         {"targets", {{"shape", shape.shapes.targets}, {"dtype", "int64"}}},
         {"dynamic", shape.to_json()["dynamic"]},
@@ -350,6 +397,17 @@ size_t CompiledStep::load_graph(GraphShape& shape) {
       entry.shape = accepted;
     }
   }
+  if (kind.eval) {
+    const json outputs = report.value("outputs", json::array());
+    if (outputs.empty() || outputs[0] != "loss" || outputs.size() > 2 ||
+        (outputs.size() == 2 && outputs[1] != "correct")) {
+      throw UserError(fmt::format(
+          "the compiled eval package {} returns {}, not the loss (and correct predictions); "
+          "remove it from compile.cache_dir",
+          hit->package.string(), outputs.dump()));
+    }
+    loaded->correct = outputs.size() == 2;
+  }
   for (const auto& name : report.value("parameters", json::array())) {
     auto it = index.find(name.get<std::string>());
     if (it == index.end()) {
@@ -360,7 +418,7 @@ size_t CompiledStep::load_graph(GraphShape& shape) {
     }
     loaded->gradient_of.push_back(it->second);
   }
-  if (loaded->gradient_of.size() != parameters_.size()) {
+  if (!kind.eval && loaded->gradient_of.size() != parameters_.size()) {
     throw UserError(
         fmt::format("the compiled package {} returns {} gradients for {} parameters; "
                     "remove it from compile.cache_dir",
@@ -369,12 +427,13 @@ size_t CompiledStep::load_graph(GraphShape& shape) {
   entry.load_seconds = seconds_since(load_begin);
   entry.package = hit->package.string();
   log::info(fmt::format(
-      "compile: graph {} for {}: {} (load {:.2f} s)", loaded_.size(), shape.str(),
+      "compile: {} graph {} for {}: {} (load {:.2f} s)", graph_kind, kind.loaded.size(),
+      shape.str(),
       entry.cache_hit ? "cached package" : fmt::format("built in {:.1f} s", entry.build_seconds),
       entry.load_seconds));
-  report_.graphs.push_back(std::move(entry));
-  loaded_.push_back(std::move(loaded));
-  return loaded_.size() - 1;
+  (kind.eval ? report_.eval_graphs : report_.graphs).push_back(std::move(entry));
+  kind.loaded.push_back(std::move(loaded));
+  return kind.loaded.size() - 1;
 }
 
 void check_compile_start(const Config& config) {
@@ -401,6 +460,12 @@ std::shared_ptr<CompiledStep> attach_compiled_step(Trainer& trainer, const Confi
   if (options.inductor()) {
     step = std::make_shared<CompiledStep>(config, trainer.model(), trainer.options().device);
     trainer.set_compiled_step(step);
+    if (trainer.options().world_size > 1) {
+      log::info(
+          "compile: under DDP the package returns the gradients, so their all-reduce starts only "
+          "after it (no overlap with backward); `kiln compile` under torchrun measures the "
+          "overlap lost");
+    }
   }
   if (options.cuda_graphs()) {
     if (trainer.options().world_size > 1) {

@@ -1,16 +1,19 @@
 // The compile rung: eager against the compiled step (compile.backend, or "inductor" when that is
 // eager) in one process, from the same initial weights on the same batches. Compile time apart
 // (cold or cached), warm-up untimed, then interleaved timed steps, the shape probe (recompiles),
-// the numerics gate (losses and parameters), peak memory of a step on each side, the verdict.
+// the numerics gate (losses, eval losses through the eval graph, parameters), peak memory of a
+// step on each side, the verdict.
 #include "kiln/compile.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "core/clock.h"
 #include "core/strings.h"
+#include "kiln/dist.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/models.h"
@@ -36,6 +39,30 @@ struct ParameterDifference {
   std::string worst_name;
 };
 
+// The eval loss (and correct predictions) of one batch, eager, with the model in eval mode.
+CompiledForwardBackward::EvalOutputs eager_eval(Model& model, const Batch& batch) {
+  torch::NoGradGuard no_grad;
+  model.eval();
+  const torch::Tensor logits = model.forward(batch.inputs);
+  CompiledForwardBackward::EvalOutputs out{model.loss(logits, batch.targets), {}};
+  if (logits.dim() == 2) out.correct = logits.argmax(1).eq(batch.targets).sum();
+  model.train();
+  return out;
+}
+
+// The same through the compiled step's eval graph (eager when the batch must run eager).
+CompiledForwardBackward::EvalOutputs compiled_eval(CompiledStep& step, Model& model,
+                                                   const Batch& batch) {
+  CompiledForwardBackward::EvalOutputs out;
+  {
+    torch::NoGradGuard no_grad;
+    model.eval();
+    out = step.evaluate(batch);
+    model.train();
+  }
+  return out.loss.defined() ? out : eager_eval(model, batch);
+}
+
 ParameterDifference parameter_difference(Model& compiled, Model& eager) {
   ParameterDifference out;
   double diff_squared = 0, norm_squared = 0;
@@ -56,6 +83,47 @@ ParameterDifference parameter_difference(Model& compiled, Model& eager) {
   if (std::isnan(out.overall)) out.overall = INFINITY;
   return out;
 }
+
+// Under DDP: per timed step, the wall time the training thread spent in Phase::kComm (waiting
+// for the gradient buckets and the loss mean: communication not hidden behind compute), the
+// collectives' busy time, and the collectives started before the gradients were ready (from
+// autograd's hooks, during backward: the ones that can overlap it).
+class CommMeter final : public TrainerHook {
+ public:
+  explicit CommMeter(const Communicator& comm) : comm_(comm) {}
+  bool measuring = false;
+  double exposed_seconds = 0, busy_seconds = 0;
+  int64_t steps = 0, launched_in_backward = 0;
+
+  void on_step_begin(Trainer&, int64_t) override {
+    before_ = comm_.stats();
+    in_step_ = true;
+    seen_comm_ = false;
+  }
+  void on_phase_begin(Trainer&, Phase phase) override {
+    if (phase != Phase::kComm) return;
+    begun_ = SteadyClock::now();
+    if (in_step_ && !seen_comm_ && measuring) {
+      launched_in_backward += comm_.stats().collectives - before_.collectives;
+    }
+    seen_comm_ = true;
+  }
+  void on_phase_end(Trainer&, Phase phase) override {
+    if (phase == Phase::kComm && measuring) exposed_seconds += seconds_since(begun_);
+  }
+  void on_step_end(Trainer&, const StepStats&) override {
+    in_step_ = false;
+    if (!measuring) return;
+    busy_seconds += comm_.stats().busy_seconds - before_.busy_seconds;
+    ++steps;
+  }
+
+ private:
+  const Communicator& comm_;
+  CommunicationStats before_;
+  SteadyClock::time_point begun_{};
+  bool in_step_ = false, seen_comm_ = false;
+};
 
 json step_time_json(const std::vector<double>& seconds, int64_t tokens_per_step,
                     int64_t samples_per_step) {
@@ -78,8 +146,18 @@ RungResult run_compile(Session& session) {
     compiled_config.set("compile.backend", std::string("inductor"));
     options.backend = CompileOptions::Backend::kInductor;
   }
-  if (session.comm && session.comm->world_size() > 1) {
-    throw UserError("the compile rung runs in one process; run `kiln compile` without torchrun");
+  const bool distributed = session.comm && session.comm->world_size() > 1;
+  if (distributed && session.strategy != "ddp") {
+    throw UserError(fmt::format(
+        "the compile rung under torchrun measures the compiled step under DDP, but dist.strategy "
+        "resolved to \"{}\" ({}); set dist.strategy = \"ddp\"",
+        session.strategy, session.strategy_reason));
+  }
+  if (distributed && options.cuda_graphs()) {
+    throw UserError(fmt::format(
+        "compile.backend = \"{}\" with {} processes is not built yet (DDP's all-reduce inside "
+        "the capture); run the rung in one process, or use compile.backend = \"inductor\"",
+        backend_name(options.backend), session.comm->world_size()));
   }
   RungResult result;
   result.rung = "compile";
@@ -87,6 +165,13 @@ RungResult run_compile(Session& session) {
   // The compiled side: the same job built again (same seed: same initial weights and batches).
   Trainer compiled(compiled_config, make_model(compiled_config), make_datasets(compiled_config),
                    eager.options());
+  // Under torchrun both sides are DDP (the session attached eager's): the compiled side's
+  // gradients come back from the package, and DDP reduces its buckets after it returns.
+  std::shared_ptr<DataParallel> compiled_ddp;
+  if (distributed) {
+    compiled_ddp =
+        DataParallel::attach(compiled, session.comm, data_parallel_options(compiled_config));
+  }
   std::shared_ptr<CompiledStep> step;  // AOTInductor
   if (options.inductor()) {
     step = std::make_shared<CompiledStep>(compiled_config, compiled.model(),
@@ -105,12 +190,20 @@ RungResult run_compile(Session& session) {
   compiled.add_hook(compiled_log);
   eager.add_hook(std::make_shared<MetricsHook>(
       *session.run, [](json& record) { record["side"] = "eager"; }, /*record_evals=*/false));
+  std::shared_ptr<CommMeter> eager_comm, compiled_comm;
+  if (distributed) {
+    eager_comm = std::make_shared<CommMeter>(*session.comm);
+    compiled_comm = std::make_shared<CommMeter>(*session.comm);
+    eager.add_hook(eager_comm);
+    compiled.add_hook(compiled_comm);
+  }
 
   json numbers = {{"backend", backend_name(options.backend)},
                   {"dynamic", dynamic_name(options.dynamic)},
                   {"fullgraph", options.fullgraph},
                   {"recompile_limit", options.recompile_limit},
-                  {"device", session.device.str()}};
+                  {"device", session.device.str()},
+                  {"world_size", distributed ? session.comm->world_size() : 1}};
   auto finish = [&](bool passed, const std::string& verdict) {
     result.passed = passed;
     result.verdict = verdict;
@@ -128,12 +221,19 @@ RungResult run_compile(Session& session) {
   for (size_t k = 0; k < first_indices.size(); ++k) first_indices[k] = static_cast<int64_t>(k);
   const Batch example = eager.data().train->get(first_indices);
   const InputShapes train_shapes = InputShapes::of(example);
+  // The eval graph's shape: a validation batch (Trainer::evaluate's batches have the train
+  // batch size).
+  std::optional<InputShapes> eval_shapes;
+  if (eager.data().val->size() >= static_cast<int64_t>(first_indices.size())) {
+    eval_shapes = InputShapes::of(eager.data().val->get(first_indices));
+  }
   log::info(fmt::format("compile: {} step for {} (dynamic = {}, cache {})",
                         backend_name(options.backend), train_shapes.str(),
                         dynamic_name(options.dynamic), options.cache_dir.string()));
   const auto compile_begin = SteadyClock::now();
   try {
     if (step) step->prepare(train_shapes);
+    if (step && eval_shapes) step->prepare_eval(*eval_shapes);
     // A capture warms up, probes for host synchronisations and captures on its first steps:
     // take them (both sides, untimed) before timing.
     for (int64_t k = 0; captured && k <= options.warmup_steps; ++k) {
@@ -168,6 +268,7 @@ RungResult run_compile(Session& session) {
   double worst_loss_difference = 0;
   int64_t worst_loss_step = 0;
   for (int64_t k = 0; k < options.warmup_steps + options.steps; ++k) {
+    if (distributed) eager_comm->measuring = compiled_comm->measuring = k >= options.warmup_steps;
     const StepStats e = eager.train_step(/*sync=*/true);
     const StepStats c = compiled.train_step(/*sync=*/true);
     eager_losses.push_back(e.loss);
@@ -181,6 +282,7 @@ RungResult run_compile(Session& session) {
     eager_seconds.push_back(e.step_seconds);
     compiled_seconds.push_back(c.step_seconds);
   }
+  if (distributed) eager_comm->measuring = compiled_comm->measuring = false;
   const int64_t samples_per_step = eager_log->steps.back().samples;
   const int64_t tokens_per_step = eager_log->steps.back().tokens;
 
@@ -197,6 +299,26 @@ RungResult run_compile(Session& session) {
     if (!(diff <= worst_loss_difference)) {
       worst_loss_difference = diff;
       worst_loss_step = eager_log->steps.back().step;
+    }
+  }
+
+  // 3b. Evaluation on both sides (the compiled side through its eval graph, as kiln train
+  //     evaluates): the same validation batches, after the same steps.
+  double worst_eval_difference = 0;
+  std::string worst_eval_where;
+  json eval_numbers = json::object();
+  if (eval_shapes) {
+    const EvalStats e = eager.evaluate();
+    const EvalStats c = compiled.evaluate();
+    worst_eval_difference = relative_difference(c.loss, e.loss);
+    worst_eval_where = fmt::format("the validation batches after step {}", eager.step());
+    eval_numbers = {{"loss_eager", e.loss},
+                    {"loss_compiled", c.loss},
+                    {"relative_difference", worst_eval_difference},
+                    {"samples", e.samples}};
+    if (e.accuracy >= 0) {
+      eval_numbers["accuracy_eager"] = e.accuracy;
+      eval_numbers["accuracy_compiled"] = c.accuracy;
     }
   }
 
@@ -220,13 +342,31 @@ RungResult run_compile(Session& session) {
         worst_loss_step = e.step;
       }
       const auto& recompiles = report_of().recompiles;
-      probe.push_back(
-          {{"seq_len", length},
-           {"recompiled", recompiles.size() > recompiles_before},
-           {"new_graph", report_of().graphs.size() > graphs_before},
-           {"eager", recompiles.size() > recompiles_before && !recompiles.back().compiled},
-           {"loss_eager", e.loss},
-           {"loss_compiled", c.loss}});
+      json entry = {{"seq_len", length},
+                    {"recompiled", recompiles.size() > recompiles_before},
+                    {"new_graph", report_of().graphs.size() > graphs_before},
+                    {"eager", recompiles.size() > recompiles_before && !recompiles.back().compiled},
+                    {"loss_eager", e.loss},
+                    {"loss_compiled", c.loss}};
+      if (step) {  // the eval graph on the same batch: eval's own recompiles
+        const size_t eval_recompiles_before = step->report().eval_recompiles.size();
+        const size_t eval_graphs_before = step->report().eval_graphs.size();
+        const double want = eager_eval(eager.model(), truncated).loss.item<double>();
+        const double got = compiled_eval(*step, compiled.model(), truncated).loss.item<double>();
+        const auto& eval_recompiles = step->report().eval_recompiles;
+        const bool recompiled = eval_recompiles.size() > eval_recompiles_before;
+        entry["eval"] = {{"recompiled", recompiled},
+                         {"new_graph", step->report().eval_graphs.size() > eval_graphs_before},
+                         {"eager", recompiled && !eval_recompiles.back().compiled},
+                         {"loss_eager", want},
+                         {"loss_compiled", got}};
+        const double eval_diff = relative_difference(got, want);
+        if (!(eval_diff <= worst_eval_difference)) {
+          worst_eval_difference = eval_diff;
+          worst_eval_where = fmt::format("the probe's batch of length {}", length);
+        }
+      }
+      probe.push_back(entry);
     }
   }
 
@@ -235,16 +375,74 @@ RungResult run_compile(Session& session) {
   const double parameter_diff = parameters.overall;
   const bool losses_agree = worst_loss_difference <= options.tolerance;
   const bool parameters_agree = parameter_diff <= options.tolerance;
+  const bool evals_agree = worst_eval_difference <= options.tolerance;
   const double eager_median = percentile(eager_seconds, 0.5);
   const double compiled_median = percentile(compiled_seconds, 0.5);
   const double speedup = eager_median / compiled_median;
   const auto& report = report_of();
-  int64_t recompiled = 0;
-  for (const Recompile& r : report.recompiles) recompiled += r.compiled ? 1 : 0;
 
-  numbers["graphs"] = report.graphs.size();
+  // Under DDP: the overlap the compiled step loses (every rank's numbers, averaged).
+  std::string ddp_row;
+  if (distributed) {
+    torch::Tensor sums = torch::tensor({eager_comm->exposed_seconds, eager_comm->busy_seconds,
+                                        static_cast<double>(eager_comm->launched_in_backward),
+                                        compiled_comm->exposed_seconds, compiled_comm->busy_seconds,
+                                        static_cast<double>(compiled_comm->launched_in_backward),
+                                        static_cast<double>(eager_comm->steps)},
+                                       torch::kFloat64)
+                             .to(session.device);
+    session.comm->all_reduce_sum(sums);
+    sums = sums.cpu();
+    const double world = session.comm->world_size();
+    const double per = world * std::max(1.0, sums[6].item<double>() / world);  // rank-steps
+    auto side = [&](int base) {
+      const double exposed = sums[base].item<double>() / per;
+      const double busy = sums[base + 1].item<double>() / per;
+      return json{
+          {"comm_exposed_seconds_per_step", exposed},
+          {"comm_busy_seconds_per_step", busy},
+          {"comm_overlapped_share", busy > 0 ? std::clamp(1.0 - exposed / busy, 0.0, 1.0) : 0.0},
+          {"collectives_started_in_backward_per_step", sums[base + 2].item<double>() / per}};
+    };
+    const json e = side(0), c = side(3);
+    const double lost = c["comm_exposed_seconds_per_step"].get<double>() -
+                        e["comm_exposed_seconds_per_step"].get<double>();
+    numbers["ddp"] = {
+        {"world_size", session.comm->world_size()},
+        {"backend", session.comm->backend_name()},
+        {"bucket_bytes", compiled_ddp->bucket_bytes()},
+        {"eager", e},
+        {"compiled", c},
+        {"overlap_lost_seconds_per_step", lost},
+        {"overlap_lost_share_of_compiled_step", compiled_median > 0 ? lost / compiled_median : 0.0},
+        {"method",
+         "per timed step, averaged over ranks: comm_exposed = wall time in the comm phase (waiting "
+         "for the gradient buckets and the loss mean), comm_busy = time with a collective in "
+         "flight; the compiled step returns its gradients at once, so its buckets start only "
+         "after it (no overlap with backward)"}};
+    ddp_row = fmt::format(
+        "{} ranks ({}): all-reduce exposed per step eager {:.2f} ms of {:.2f} ms busy ({:.0f}% "
+        "overlapped, {:.1f} bucket(s) started in backward), compiled {:.2f} ms of {:.2f} ms "
+        "({:.0f}% overlapped, {:.1f} in backward); overlap lost {:.2f} ms per step",
+        session.comm->world_size(), session.comm->backend_name(),
+        1e3 * e["comm_exposed_seconds_per_step"].get<double>(),
+        1e3 * e["comm_busy_seconds_per_step"].get<double>(),
+        100 * e["comm_overlapped_share"].get<double>(),
+        e["collectives_started_in_backward_per_step"].get<double>(),
+        1e3 * c["comm_exposed_seconds_per_step"].get<double>(),
+        1e3 * c["comm_busy_seconds_per_step"].get<double>(),
+        100 * c["comm_overlapped_share"].get<double>(),
+        c["collectives_started_in_backward_per_step"].get<double>(), 1e3 * lost);
+    log::info("compile: DDP overlap: " + ddp_row);
+  }
+
+  numbers["graphs"] = report.graphs.size();  // the training step's; eval's apart
+  numbers["eval_graphs"] = step ? step->report().eval_graphs.size() : 0;
   numbers["graph_breaks"] = report.to_json()["graph_breaks"];
   numbers["recompiles"] = report.to_json()["recompiles"];
+  numbers["eval_recompiles"] =
+      step ? step->report().to_json()["eval"]["recompiles"] : json::array();
+  numbers["eval"] = eval_numbers;
   numbers["probe"] = probe;
   numbers["warmup_steps"] = options.warmup_steps;
   numbers["timed_steps"] = options.steps;
@@ -261,6 +459,8 @@ RungResult run_compile(Session& session) {
                          {"max_relative_parameter_difference", parameter_diff},
                          {"worst_parameter", parameters.worst_name},
                          {"worst_parameter_relative_difference", parameters.worst_tensor},
+                         {"max_relative_eval_loss_difference", worst_eval_difference},
+                         {"worst_eval", worst_eval_where},
                          {"eager_losses", eager_losses},
                          {"compiled_losses", compiled_losses}};
 
@@ -268,22 +468,37 @@ RungResult run_compile(Session& session) {
   t.emplace_back("backend",
                  fmt::format("{} (dynamic = {}, fullgraph = {})", backend_name(options.backend),
                              dynamic_name(options.dynamic), options.fullgraph));
-  std::string graph_text;
-  for (const auto& g : report.graphs) {
-    if (!graph_text.empty()) graph_text += "; ";
-    graph_text += fmt::format("{}: {}", g.shape.str(),
-                              g.cache_hit ? fmt::format("cached (load {:.2f} s)", g.load_seconds)
-                                          : fmt::format("built in {:.1f} s", g.build_seconds));
-  }
+  auto graph_text = [](const std::vector<CompileReport::Graph>& list) {
+    std::string text;
+    for (const auto& g : list) {
+      if (!text.empty()) text += "; ";
+      text += fmt::format("{}: {}", g.shape.str(),
+                          g.cache_hit ? fmt::format("cached (load {:.2f} s)", g.load_seconds)
+                                      : fmt::format("built in {:.1f} s", g.build_seconds));
+    }
+    return text;
+  };
+  auto recompile_text = [&](const std::vector<Recompile>& list) {
+    int64_t count = 0;
+    std::string text;
+    for (const Recompile& r : list) {
+      count += r.compiled ? 1 : 0;
+      text += fmt::format("; {}{}", r.reason, r.compiled ? "" : " [eager]");
+    }
+    return fmt::format("{} (limit {}){}", count, options.recompile_limit, text);
+  };
   t.emplace_back("compile time",
                  fmt::format("{:.1f} s, {} cache", compile_seconds, cold ? "cold" : "warm"));
-  t.emplace_back("graphs", fmt::format("{}: {}", report.graphs.size(), graph_text));
-  t.emplace_back("graph breaks", "none (fullgraph)");
-  std::string recompile_text = fmt::format("{} (limit {})", recompiled, options.recompile_limit);
-  for (const Recompile& r : report.recompiles) {
-    recompile_text += fmt::format("; {}{}", r.reason, r.compiled ? "" : " [eager]");
+  t.emplace_back("graphs", fmt::format("{}: {}", report.graphs.size(), graph_text(report.graphs)));
+  if (step) {
+    const auto& eval_graphs = step->report().eval_graphs;
+    t.emplace_back("eval graphs", fmt::format("{}: {}", eval_graphs.size(),
+                                              eval_graphs.empty() ? std::string("none (eager)")
+                                                                  : graph_text(eval_graphs)));
   }
-  t.emplace_back("recompiles", recompile_text);
+  t.emplace_back("graph breaks", "none (fullgraph)");
+  t.emplace_back("recompiles", recompile_text(report.recompiles));
+  if (step) t.emplace_back("eval recompiles", recompile_text(step->report().eval_recompiles));
   auto time_row = [&](const std::vector<double>& seconds) {
     const double median = percentile(seconds, 0.5);
     return fmt::format(
@@ -298,14 +513,21 @@ RungResult run_compile(Session& session) {
                                         "steps after {} warm-up)",
                                         speedup, options.steps, options.warmup_steps));
   t.emplace_back("numerics",
-                 fmt::format("losses max rel diff {:.2e}, parameters {:.2e} (most in {}: {:.2e}; "
-                             "tolerance {:.0e})",
+                 fmt::format("losses max rel diff {:.2e}, parameters {:.2e} (most in {}: {:.2e}), "
+                             "eval losses {:.2e}; tolerance {:.0e}",
                              worst_loss_difference, parameter_diff, parameters.worst_name,
-                             parameters.worst_tensor, options.tolerance));
+                             parameters.worst_tensor, worst_eval_difference, options.tolerance));
+  if (!ddp_row.empty()) t.emplace_back("DDP overlap", ddp_row);
   t.emplace_back("peak memory",
                  fmt::format("eager {}, compiled {} ({})", format_bytes(eager_peak.allocated_bytes),
                              format_bytes(compiled_peak.allocated_bytes), eager_peak.method));
 
+  if (losses_agree && parameters_agree && !evals_agree) {
+    return finish(false, fmt::format("compiled and eager eval losses differ by {:.2e} relative on "
+                                     "{} (tolerance compile.tolerance = {:.0e}); keep evaluation "
+                                     "eager and report the model",
+                                     worst_eval_difference, worst_eval_where, options.tolerance));
+  }
   if (!losses_agree || !parameters_agree) {
     return finish(
         false,

@@ -381,11 +381,20 @@ EvalStats Trainer::evaluate() {
       Batch batch = data_.val->get(val_sampler_->indices(0, b));
       auto inputs = batch.inputs.to(options_.device);
       auto targets = batch.targets.to(options_.device);
+      samples += batch.samples();
+      if (compiled_) {  // the compiled eval graph, unless this batch must run eager
+        const auto out = compiled_->evaluate(Batch{inputs, targets});
+        const bool classifier = data_.train->tokens_per_sample() == 0;
+        if (out.loss.defined() && (out.correct.defined() || !classifier)) {
+          loss_sum += out.loss.item<double>();
+          if (classifier) correct += out.correct.item<int64_t>();
+          continue;
+        }
+      }
       const auto autocast = precision_->autocast_scope();  // train.precision
       auto logits = model_->forward(inputs);
       loss_sum += model_->loss(logits, targets).item<double>();
       if (logits.dim() == 2) correct += logits.argmax(1).eq(targets).sum().item<int64_t>();
-      samples += batch.samples();
     }
     model_->train();
     if (options_.comm && options_.comm->world_size() > 1) {  // every rank evaluated its shard

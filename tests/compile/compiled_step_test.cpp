@@ -7,6 +7,7 @@
 
 #include <map>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "kiln/run.h"
 #include "support/helpers.h"
@@ -33,6 +34,18 @@ json read_json(const std::filesystem::path& path) {
   return json::parse(slurp(path));
 }
 
+// The last evaluation record of a metrics file ({} when there is none).
+json read_last_eval(const std::filesystem::path& path) {
+  json last = json::object();
+  std::istringstream lines(slurp(path));
+  for (std::string line; std::getline(lines, line);) {
+    if (line.empty()) continue;
+    json record = json::parse(line);
+    if (record.contains("val_loss")) last = record;
+  }
+  return last;
+}
+
 TEST(CompiledStep, TheRungCompilesColdThenLoadsTheCachedPackage) {
   TempDir dir;
   const std::string args = "compile " + mlp_args(dir.path(), "c") +
@@ -57,6 +70,16 @@ TEST(CompiledStep, TheRungCompilesColdThenLoadsTheCachedPackage) {
   EXPECT_TRUE(verdict.rfind("keep the compiled step", 0) == 0 || verdict.rfind("stay eager", 0) == 0)
       << verdict;
   EXPECT_NE(cold.out.find("compile — PASSED"), std::string::npos) << cold.out;
+  // Evaluation ran through its own forward-only package (built cold too) and agrees with eager.
+  ASSERT_EQ(first["eval_graphs"], 1);
+  const json eval_graph = first["compile"]["eval"]["graphs"][0];
+  EXPECT_EQ(eval_graph["graph"], "eval");
+  EXPECT_FALSE(eval_graph["cache_hit"].get<bool>());
+  EXPECT_NE(eval_graph["package"], first["compile"]["graphs"][0]["package"]);
+  EXPECT_TRUE(first["eval_recompiles"].empty());
+  EXPECT_LE(first["eval"]["relative_difference"].get<double>(), 1e-4) << first["eval"];
+  EXPECT_LE(first["numerics"]["max_relative_eval_loss_difference"].get<double>(), 1e-4);
+  EXPECT_EQ(first["eval"]["accuracy_compiled"], first["eval"]["accuracy_eager"]) << first["eval"];
 
   const CommandResult warm = run_kiln(args + " --set run.name=w");
   ASSERT_EQ(warm.exit_code, 0) << warm.out << warm.err;
@@ -64,6 +87,8 @@ TEST(CompiledStep, TheRungCompilesColdThenLoadsTheCachedPackage) {
   EXPECT_EQ(second["cache"], "cached");
   EXPECT_TRUE(second["compile"]["graphs"][0]["cache_hit"].get<bool>());
   EXPECT_EQ(second["compile"]["graphs"][0]["package"], first["compile"]["graphs"][0]["package"]);
+  EXPECT_TRUE(second["compile"]["eval"]["graphs"][0]["cache_hit"].get<bool>());
+  EXPECT_EQ(second["compile"]["eval"]["graphs"][0]["package"], eval_graph["package"]);
 
   // A package whose bytes changed is rejected with the reason and rebuilt, never loaded.
   const std::filesystem::path package = first["compile"]["graphs"][0]["package"].get<std::string>();
@@ -93,6 +118,15 @@ TEST(CompiledStep, TrainingWithAccumulationMatchesEagerTraining) {
   EXPECT_NE(compiled.out.find("compiled step: inductor, 1 graph(s), 0 recompile(s)"),
             std::string::npos)
       << compiled.out;
+  // The final evaluation ran through the eval package: the same validation loss and accuracy.
+  EXPECT_NE(compiled.out.find("eval: 1 graph(s), 0 recompile(s)"), std::string::npos)
+      << compiled.out;
+  const json eager_eval = read_last_eval(dir / "eager" / "metrics.jsonl");
+  const json compiled_eval = read_last_eval(dir / "compiled" / "metrics.jsonl");
+  ASSERT_TRUE(eager_eval.contains("val_loss")) << eager_eval;
+  EXPECT_NEAR(compiled_eval["val_loss"].get<double>(), eager_eval["val_loss"].get<double>(),
+              1e-5 * eager_eval["val_loss"].get<double>());
+  EXPECT_EQ(compiled_eval["val_accuracy"], eager_eval["val_accuracy"]);
   const auto a = read_step_losses(dir / "eager" / "metrics.jsonl");
   const auto b = read_step_losses(dir / "compiled" / "metrics.jsonl");
   ASSERT_EQ(a.size(), 6u);
@@ -121,6 +155,38 @@ TEST(CompiledStep, UnderDataParallelTheGradientsAreReducedAfterThePackageReturns
   for (const auto& [step, loss] : losses[0]) {
     EXPECT_NEAR(losses[1].at(step), loss, 1e-5 * std::abs(loss)) << "step " << step;
   }
+}
+
+TEST(CompiledStep, TheRungUnderDdpReportsTheOverlapLost) {
+  // Two ranks on Gloo, the packages of the tests above (shared cache): both sides are DDP; the
+  // eager side starts its bucket all-reduces from autograd's hooks during backward, the compiled
+  // side only after the package returned its gradients.
+  TempDir dir;
+  const CommandResult r = run_shell(
+      std::string(KILN_TORCHRUN) + " --standalone --nproc-per-node=2 --no-python " + KILN_CLI +
+      " compile " + mlp_args(dir.path(), "d") +
+      " --set compile.backend=inductor --set compile.warmup_steps=1 --set compile.steps=3" +
+      shared_cache());
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  json j = read_json(dir / "d" / "compile.json");
+  EXPECT_EQ(j["world_size"], 2);
+  EXPECT_TRUE(j["passed"].get<bool>()) << j["verdict"];
+  ASSERT_TRUE(j.contains("ddp")) << j;
+  const json& ddp = j["ddp"];
+  EXPECT_EQ(ddp["backend"], "gloo");
+  for (const char* side : {"eager", "compiled"}) {
+    EXPECT_GT(ddp[side]["comm_busy_seconds_per_step"].get<double>(), 0.0) << side;
+    EXPECT_GE(ddp[side]["comm_exposed_seconds_per_step"].get<double>(), 0.0) << side;
+    const double share = ddp[side]["comm_overlapped_share"].get<double>();
+    EXPECT_TRUE(share >= 0.0 && share <= 1.0) << side << share;
+  }
+  EXPECT_GE(ddp["eager"]["collectives_started_in_backward_per_step"].get<double>(), 1.0) << ddp;
+  EXPECT_EQ(ddp["compiled"]["collectives_started_in_backward_per_step"].get<double>(), 0.0) << ddp;
+  EXPECT_DOUBLE_EQ(ddp["overlap_lost_seconds_per_step"].get<double>(),
+                   ddp["compiled"]["comm_exposed_seconds_per_step"].get<double>() -
+                       ddp["eager"]["comm_exposed_seconds_per_step"].get<double>());
+  EXPECT_NE(r.out.find("DDP overlap"), std::string::npos) << r.out;
+  EXPECT_LE(j["eval"]["relative_difference"].get<double>(), 1e-4) << j["eval"];
 }
 
 // A one-layer GPT with a dynamic sequence dimension (one package shared by the two tests below).
@@ -167,7 +233,17 @@ TEST(CompiledStep, ADynamicGraphServesTheProbesShorterSequences) {
     EXPECT_FALSE(p["new_graph"].get<bool>()) << p;
     EXPECT_NEAR(p["loss_compiled"].get<double>(), p["loss_eager"].get<double>(),
                 1e-4 * p["loss_eager"].get<double>());
+    // The eval graph (its own package, dynamic too) serves the shorter batch without recompiling.
+    EXPECT_FALSE(p["eval"]["recompiled"].get<bool>()) << p;
+    EXPECT_FALSE(p["eval"]["new_graph"].get<bool>()) << p;
+    EXPECT_NEAR(p["eval"]["loss_compiled"].get<double>(), p["eval"]["loss_eager"].get<double>(),
+                1e-4 * p["eval"]["loss_eager"].get<double>());
   }
+  EXPECT_EQ(j["eval_graphs"], 1);
+  EXPECT_TRUE(j["eval_recompiles"].empty()) << j["eval_recompiles"];
+  EXPECT_NE(j["compile"]["eval"]["graphs"][0]["shape"].get<std::string>().find("seq in [2, 16]"),
+            std::string::npos);
+  EXPECT_LE(j["eval"]["relative_difference"].get<double>(), 1e-4) << j["eval"];
   EXPECT_NE(j["compile"]["graphs"][0]["shape"].get<std::string>().find("seq in [2, 16]"),
             std::string::npos);
   EXPECT_TRUE(j["passed"].get<bool>()) << j["verdict"];

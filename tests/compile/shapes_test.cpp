@@ -117,6 +117,29 @@ TEST(GraphBreaks, EachBreakIsOneClauseWithItsPlace) {
             "x.py:2 in f: print");
 }
 
+TEST(CompileReport, TheEvalGraphsAndTheirRecompilesAreListedApartFromTheSteps) {
+  // The eval graph is a forward-only graph of its own: its shapes are tracked by a tracker of
+  // their own (same dynamic setting and limit), and compile.json lists them under "eval".
+  CompileReport report;
+  report.graphs.push_back({GraphShape{tokens(4, 16), {}}, false, "not built yet", 2.0, 0.1, "a"});
+  const ShapeTracker eval = feed(D::kStatic, 1, kProbe);
+  for (const GraphShape& g : eval.graphs()) report.eval_graphs.push_back({g, true, "", 0, 0, "b"});
+  report.eval_recompiles = eval.recompiles();
+  const nlohmann::json j = report.to_json();
+  ASSERT_EQ(j["graphs"].size(), 1u);
+  EXPECT_EQ(j["graphs"][0]["graph"], "train");
+  EXPECT_TRUE(j["recompiles"].empty());
+  ASSERT_EQ(j["eval"]["graphs"].size(), 1u);
+  EXPECT_EQ(j["eval"]["graphs"][0]["graph"], "eval");
+  ASSERT_EQ(j["eval"]["recompiles"].size(), 2u);  // both probe lengths, over the limit of 1
+  EXPECT_EQ(j["eval"]["recompiles"][0]["graph"], "eval");
+  EXPECT_EQ(j["eval"]["recompiles"][0]["reason"].get<std::string>().find(
+                "inputs dim 1 changed 16 -> 8 (seq)"),
+            0u)
+      << j["eval"]["recompiles"][0]["reason"];
+  EXPECT_FALSE(j["eval"]["recompiles"][0]["compiled"].get<bool>());
+}
+
 // ---- the package cache ---------------------------------------------------------------------
 
 Fingerprint fingerprint(const std::string& model) {

@@ -118,6 +118,23 @@ class EvalGraph(unittest.TestCase):
             got = ep.module()(inputs, targets)
         self.assertLessEqual(abs(got.item() - want.item()) / abs(want.item()), TOLERANCE)
 
+    def test_classifier_eval_graph_also_counts_correct_predictions(self):
+        spec = dict(spec_for(support.MLP, [6, 12], [6]), graph="eval")
+        torch.manual_seed(0)
+        module = kc.EvalOutputs(models.build(spec["model"])).eval()
+        ep, make_joint = kc.export(module, kc.example_inputs(spec, "cpu"), spec, [])
+        self.assertIsNone(make_joint)
+        self.assertEqual(kc.outputs_of(ep), ([], ["loss", "correct"]))
+        self.assertEqual([n for n, _ in module.named_parameters()],
+                         [n for n, _ in models.WithLoss(module.model).named_parameters()])
+        inputs, targets = kc.example_inputs(spec, "cpu")
+        with torch.no_grad():
+            loss, correct = ep.module()(inputs, targets)
+            logits = module.model(inputs)
+        want = models.loss(logits, targets)
+        self.assertLessEqual(abs(loss.item() - want.item()) / abs(want.item()), TOLERANCE)
+        self.assertEqual(correct.item(), logits.argmax(1).eq(targets).sum().item())
+
 
 if __name__ == "__main__":
     unittest.main()
