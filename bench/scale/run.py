@@ -88,6 +88,7 @@ def main():
             py_medians.append(statistics.median(peer["step_seconds"][args.warmup:]))
             py_cpu.append(sum(peer["cpu_seconds"][args.warmup:]) / args.steps)
             py_losses = peer["losses"]
+            py_peak_rss = peer.get("peak_rss_bytes")
             print(f"repeat {r + 1}: kiln {1e3 * kiln_medians[-1]:.3f} ms/step "
                   f"({1e3 * kiln_cpu[-1]:.3f} CPU ms), python {1e3 * py_medians[-1]:.3f} ms/step "
                   f"({1e3 * py_cpu[-1]:.3f} CPU ms)", flush=True)
@@ -123,6 +124,7 @@ def main():
         "kiln_breakdown_per_repeat": kiln_runs,
         "losses_max_relative_difference": worst,
         "strategy": args.strategy, "kiln_memory_rank0": kiln_memory, "kiln_ddp": ddp_side,
+        "python_peak_rss_bytes_rank0": py_peak_rss,
         "fsdp_over_ddp_step": (k_med / ddp_side["median_step_seconds"]) if ddp_side else None,
         "fsdp_over_ddp_model_state": (kiln_memory["model_state"] / ddp_side["memory"]["model_state"])
         if ddp_side and kiln_memory and ddp_side["memory"] else None,
