@@ -21,6 +21,7 @@ set_requires_gradient_sync(False) on all but the last micro-step (kiln's "unshar
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 import tomllib
@@ -31,8 +32,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "peer"))
-from peer import Gpt, Mlp, learning_rate, make_optimizer  # noqa: E402  (the peer's PyTorch models)
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "peer"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+from kiln_py import models  # noqa: E402  (kiln's Python model twins)
+from peer import learning_rate, make_optimizer  # noqa: E402  (the peer's optimizer and schedule)
 
 
 def main():
@@ -52,7 +56,7 @@ def main():
     if cfg["run"]["deterministic"]:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
-    model = (Mlp if cfg["model"]["name"] == "mlp" else Gpt)(cfg["model"])
+    model = models.from_config(cfg["model"])
     model.load_state_dict(load_file(os.path.join(args.export, "init.safetensors")), strict=True)
     model.train()
     if args.fsdp:
@@ -102,7 +106,12 @@ def main():
         with open(args.result, "w") as f:
             json.dump({"losses": losses, "strategy": "fsdp2" if args.fsdp else "ddp", "step_seconds": seconds, "cpu_seconds": cpu_seconds,
                        "world_size": world,
-                       "threads": torch.get_num_threads(), "torch": torch.__version__}, f)
+                       "threads": torch.get_num_threads(), "torch": torch.__version__,
+                       # this process's peak resident set (Linux reports KiB)
+                       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, f)
+    # Every rank past its last collective before the group goes: FSDP2 on Gloo otherwise
+    # sometimes aborts at teardown ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

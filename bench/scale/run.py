@@ -25,6 +25,13 @@ import tomllib
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+FSDP_METHOD = ("; --strategy fsdp: kiln `dist.strategy=fsdp` against FSDP2 (fully_shard per block, "
+               "then the root; set_requires_gradient_sync(False) on non-final micro-steps) in "
+               "place of DDP, and kiln's DDP once (kiln_ddp) for step time and memory side by side; "
+               "kiln memory: scale.json's per-rank parts (tensor bytes, MemoryMeter); python: "
+               "peak RSS of rank 0's process (libraries included), a different measure")
+
+
 def sets(overrides):
     out = []
     for o in overrides:
@@ -88,6 +95,7 @@ def main():
             py_medians.append(statistics.median(peer["step_seconds"][args.warmup:]))
             py_cpu.append(sum(peer["cpu_seconds"][args.warmup:]) / args.steps)
             py_losses = peer["losses"]
+            py_peak_rss = peer.get("peak_rss_bytes")
             print(f"repeat {r + 1}: kiln {1e3 * kiln_medians[-1]:.3f} ms/step "
                   f"({1e3 * kiln_cpu[-1]:.3f} CPU ms), python {1e3 * py_medians[-1]:.3f} ms/step "
                   f"({1e3 * py_cpu[-1]:.3f} CPU ms)", flush=True)
@@ -106,6 +114,7 @@ def main():
                         "memory": ddp_scale["per_rank"][0].get("memory")}
 
     k_med, p_med = statistics.median(kiln_medians), statistics.median(py_medians)
+    peer_name = "FSDP2" if args.strategy == "fsdp" else "DDP"
     worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(kiln_losses, py_losses))
     result = {
         "config": args.config, "overrides": args.overrides, "world_size": args.world,
@@ -123,6 +132,7 @@ def main():
         "kiln_breakdown_per_repeat": kiln_runs,
         "losses_max_relative_difference": worst,
         "strategy": args.strategy, "kiln_memory_rank0": kiln_memory, "kiln_ddp": ddp_side,
+        "python_peak_rss_bytes_rank0": py_peak_rss,
         "fsdp_over_ddp_step": (k_med / ddp_side["median_step_seconds"]) if ddp_side else None,
         "fsdp_over_ddp_model_state": (kiln_memory["model_state"] / ddp_side["memory"]["model_state"])
         if ddp_side and kiln_memory and ddp_side["memory"] else None,
@@ -132,11 +142,12 @@ def main():
                   "DistributedDataParallel(bucket_cap_mb=dist.bucket_mb) on the same weights and "
                   "shards, preloaded in memory; step time = rank 0's median over the measured steps; "
                   "CPU time = rank 0's process CPU time (every thread) over the measured steps / steps, "
-                  "less sensitive than wall time to other jobs on a shared machine",
+                  "less sensitive than wall time to other jobs on a shared machine" + FSDP_METHOD
+                  * (args.strategy == "fsdp"),
         "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    print(f"median step: kiln {1e3 * k_med:.3f} ms, python DDP {1e3 * p_med:.3f} ms, "
+    print(f"median step: kiln {1e3 * k_med:.3f} ms, python {peer_name} {1e3 * p_med:.3f} ms, "
           f"kiln/python = {k_med / p_med:.3f} (target <= 0.9); CPU time per step (rank 0, all "
           f"threads) kiln/python = {result['cpu_ratio_kiln_over_python']:.3f}; best repeats "
           f"kiln/python = {result['best_repeat_ratio_kiln_over_python']:.3f}; losses agree to {worst:.1e}")

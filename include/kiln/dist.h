@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -140,6 +141,11 @@ struct FsdpOptions {
   /// dist.fsdp_prefetch: issue the next unit's all-gather before the current unit computes
   /// (forward and backward), so communication overlaps compute.
   bool prefetch = true;
+  /// The dtype parameters are all-gathered and computed in (FSDP2's MixedPrecisionPolicy
+  /// param_dtype): fsdp_options() sets train.precision's compute dtype (bf16-mixed: bfloat16,
+  /// fp16-mixed: float16); unset: the parameters' own dtype. The shards, the optimizer state and
+  /// the gradients' reduce-scatter stay in the shards' dtype (fp32: FSDP2's reduce_dtype).
+  std::optional<torch::ScalarType> param_dtype;
 };
 
 /// The options the config gives (dist.reshard_after_forward, dist.fsdp_accumulate,
@@ -194,6 +200,14 @@ struct FsdpMemory {
 ///  - on_gradients_ready waits for the reduce-scatters and sets each shard's gradient; the
 ///    Trainer's optimizer holds and steps the shards only (Trainer::use_sharded_parameters), and
 ///    the gradient norm sums squared shard norms over the ranks.
+///  - mixed precision (FsdpOptions::param_dtype, e.g. bfloat16): the shards stay in their dtype
+///    (fp32); each all-gather sends a cast copy of the shard, so the model's parameters are
+///    param_dtype while gathered (compute under the Trainer's autocast) and their gradients too;
+///    the gradients are cast to the shards' dtype before the reduce-scatter (reduced in fp32).
+///  - activation checkpointing (a unit wrapper added before this one, kiln/models.h): its
+///    forward runs without grad, so the unit is freed after it; its recomputation in backward
+///    runs this wrapper again, which gathers the unit (when freed), prefetches the previous one
+///    and leaves the unit gathered for the backward that follows.
 ///
 /// Every rank must produce gradients for the same parameters in each micro-step (true for kiln's
 /// models): a group whose gradients are incomplete is reduced only at the step's end. Not
@@ -218,11 +232,13 @@ class FullyShardedDataParallel : public TrainerHook,
   NamedTensors shards() const;
   /// Every trainable parameter's layout, in registration order.
   std::vector<ShardLayout> layouts() const;
-  /// The full parameters (padding dropped), gathered from every rank: a collective, call on every
+  /// The full parameters (padding dropped) in the shards' dtype (fp32 also under mixed
+  /// precision), gathered from every rank: one all-gather per group, a collective, call on every
   /// rank from the training thread outside a step. Copies.
   NamedTensors full_parameters();
-  /// weights_hash() of the model with every parameter gathered (for the call only): what DDP
-  /// would report for the same weights. A collective, like full_parameters().
+  /// weights_hash() of the model with every parameter's full value (full_parameters(), in the
+  /// shards' dtype) in place for the call only: what DDP would report for the same weights. A
+  /// collective, like full_parameters().
   std::string full_weights_hash();
   /// The sharding groups' names: the units, then "root" (when it has parameters).
   std::vector<std::string> group_names() const;

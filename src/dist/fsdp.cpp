@@ -8,8 +8,15 @@
 // _alloc_storage resize the storage to 0 and back. The copy goes through variable_data() (a
 // tensor sharing the storage but not the version counter), so autograd does not see the regather
 // as an in-place modification of a saved tensor.
+//
+// Mixed precision (FsdpOptions::param_dtype, FSDP2's MixedPrecisionPolicy(param_dtype,
+// reduce_dtype = the shards' dtype)): the module's parameters are set (set_data) to param_dtype
+// tensors at attach, so they are gathered, computed with and differentiated in that dtype; the
+// all-gather sends a param_dtype copy of the shard (half the bytes for bf16), and the full
+// gradients are copied into the shards' dtype for the reduce-scatter.
 #include <fmt/format.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
@@ -29,6 +36,8 @@ FsdpOptions fsdp_options(const Config& config) {
   options.reshard_after_forward = config.get_bool("dist.reshard_after_forward");
   options.accumulate_sharded = config.get_string("dist.fsdp_accumulate") == "sharded";
   options.prefetch = config.get_bool("dist.fsdp_prefetch");
+  const TrainOptions::Precision precision = TrainOptions::from_config(config).precision;
+  if (precision != TrainOptions::Precision::kFp32) options.param_dtype = compute_dtype(precision);
   return options;
 }
 
@@ -80,7 +89,10 @@ struct FullyShardedDataParallel::State {
     torch::Tensor param;       // the module's parameter; storage released while not gathered
     torch::Tensor shard;       // this rank's rows: a view of the group's flat shard
     torch::Tensor grad_shard;  // its gradient: a view of the group's flat gradient
-    int64_t offset = 0;        // elements into the group's flat shard
+    // Mixed precision, unsharded accumulation: the full gradient of the micro-steps so far, in
+    // the shards' dtype (as FSDP2 upcasts to reduce_dtype), the low-precision .grad cleared.
+    torch::Tensor accumulated;
+    int64_t offset = 0;  // elements into the group's flat shard
     size_t group = 0;
     bool ready = false;  // gradient accumulated in this micro-step
   };
@@ -90,6 +102,7 @@ struct FullyShardedDataParallel::State {
     torch::Tensor flat_shard, flat_grad;  // [S]
     int64_t full_bytes = 0;
     bool gathered = false;
+    torch::Tensor gather_input;   // [S] the shard cast to the gather dtype, while in flight
     torch::Tensor gather_buffer;  // [W * S] while its all-gather is in flight
     std::unique_ptr<PendingCollective> gather;
     size_t ready = 0;       // parameters whose gradient accumulated this micro-step
@@ -103,7 +116,8 @@ struct FullyShardedDataParallel::State {
   Model* model = nullptr;
   FsdpOptions options;
   int rank = 0, world = 1;
-  std::vector<Param> params;         // trainable parameters, registration order
+  torch::ScalarType gather_dtype = torch::kFloat;  // of the all-gather and the full parameters
+  std::vector<Param> params;                       // trainable parameters, registration order
   std::vector<Group> groups;         // the units in forward order, then the root (when not empty)
   int units = 0;                     // groups [0, units) are Model::units()
   int root = -1;                     // index of the root group, -1 when empty
@@ -127,10 +141,38 @@ struct FullyShardedDataParallel::State {
     if (g.gathered || g.gather) return;
     const int64_t S = shard_numel(g);
     if (S == 0) return;
-    g.gather_buffer = torch::empty({world * S}, g.flat_shard.options());
+    if (g.flat_shard.scalar_type() != gather_dtype) {
+      torch::NoGradGuard no_grad;
+      g.gather_input = g.flat_shard.to(gather_dtype);
+      account_gathered(static_cast<int64_t>(g.gather_input.nbytes()));
+    }
+    g.gather_buffer = torch::empty({world * S}, g.flat_shard.options().dtype(gather_dtype));
     account_gathered(static_cast<int64_t>(g.gather_buffer.nbytes()));
-    g.gather = comm->all_gather_async(g.flat_shard, g.gather_buffer);
+    g.gather = comm->all_gather_async(g.gather_input.defined() ? g.gather_input : g.flat_shard,
+                                      g.gather_buffer);
     ++all_gathers;
+  }
+
+  // Drops the all-gather's buffers (after its data was copied out, or for a prefetch unused).
+  void release_gather_buffers(Group& g) {
+    for (torch::Tensor* t : {&g.gather_input, &g.gather_buffer}) {
+      if (!t->defined()) continue;
+      account_gathered(-static_cast<int64_t>(t->nbytes()));
+      *t = torch::Tensor();
+    }
+  }
+
+  // Parameter p's rows out of a group's all-gathered [W * S] buffer into `full` (flat, numel of
+  // the full parameter), padding dropped.
+  void copy_rows(const Param& p, int64_t S, const torch::Tensor& gathered,
+                 torch::Tensor full) const {
+    const ShardLayout& l = p.layout;
+    for (int r = 0; r < world; ++r) {
+      const int64_t n = l.valid_rows(r) * l.row_numel;
+      if (n == 0) continue;
+      full.narrow(0, r * l.rows_per_rank * l.row_numel, n)
+          .copy_(gathered.narrow(0, r * S + p.offset, n));
+    }
   }
 
   void ensure_gathered(size_t index) {
@@ -146,19 +188,9 @@ struct FullyShardedDataParallel::State {
     for (size_t k : g.params) {
       Param& p = params[k];
       allocate_storage(p.param);
-      torch::Tensor full = torch::Tensor(p.param.variable_data()).view(-1);
-      const ShardLayout& l = p.layout;
-      for (int r = 0; r < world; ++r) {
-        const int64_t n = l.valid_rows(r) * l.row_numel;
-        if (n == 0) continue;
-        full.narrow(0, r * l.rows_per_rank * l.row_numel, n)
-            .copy_(g.gather_buffer.narrow(0, r * S + p.offset, n));
-      }
+      copy_rows(p, S, g.gather_buffer, torch::Tensor(p.param.variable_data()).view(-1));
     }
-    if (g.gather_buffer.defined()) {
-      account_gathered(-static_cast<int64_t>(g.gather_buffer.nbytes()));
-      g.gather_buffer = torch::Tensor();
-    }
+    release_gather_buffers(g);
     g.gathered = true;
     account_gathered(g.full_bytes);
   }
@@ -168,8 +200,7 @@ struct FullyShardedDataParallel::State {
     if (g.gather) {  // a prefetch nobody used: finish it, so no collective is left behind
       g.gather->wait();
       g.gather.reset();
-      account_gathered(-static_cast<int64_t>(g.gather_buffer.nbytes()));
-      g.gather_buffer = torch::Tensor();
+      release_gather_buffers(g);
     }
     if (!g.gathered) return;
     for (size_t k : g.params) free_storage(params[k].param);
@@ -177,8 +208,9 @@ struct FullyShardedDataParallel::State {
     account_gathered(-g.full_bytes);
   }
 
-  // The group's full gradients (zeros where undefined) into its reduce-scatter input, this
-  // rank's chunk after a sum over ranks; frees the full gradients and parameters.
+  // The group's full gradients (zeros where undefined) into its reduce-scatter input, in the
+  // shards' dtype (a mixed-precision gradient is cast here), this rank's chunk after a sum over
+  // ranks; frees the full gradients and parameters.
   void launch_reduce(size_t index) {
     Group& g = groups[index];
     g.launched = true;
@@ -188,7 +220,12 @@ struct FullyShardedDataParallel::State {
     g.reduce_input = torch::zeros({world * S}, g.flat_shard.options());
     for (size_t k : g.params) {
       Param& p = params[k];
-      const torch::Tensor grad = p.param.grad();
+      torch::Tensor grad = p.param.grad();
+      if (p.accumulated.defined()) {
+        if (grad.defined()) p.accumulated.add_(grad);
+        grad = p.accumulated;
+        p.accumulated = torch::Tensor();
+      }
       if (!grad.defined()) continue;
       const torch::Tensor flat = grad.reshape(-1);
       const ShardLayout& l = p.layout;
@@ -217,6 +254,16 @@ struct FullyShardedDataParallel::State {
 
   void gradient_accumulated(size_t k) {
     Param& p = params[k];
+    if (!communicating && p.param.scalar_type() != p.shard.scalar_type() &&
+        p.param.grad().defined()) {  // mixed precision: accumulate in the shards' dtype
+      torch::NoGradGuard no_grad;
+      if (p.accumulated.defined()) {
+        p.accumulated.add_(p.param.grad());
+      } else {
+        p.accumulated = p.param.grad().to(p.shard.scalar_type());
+      }
+      p.param.mutable_grad() = torch::Tensor();
+    }
     if (p.ready) return;
     p.ready = true;
     Group& g = groups[p.group];
@@ -263,6 +310,28 @@ struct FullyShardedDataParallel::State {
     ensure_gathered(static_cast<size_t>(unit));
     if (options.prefetch && options.reshard_after_forward && unit > 0)
       start_gather(static_cast<size_t>(unit - 1));
+  }
+
+  // Group `index`'s full parameters in the shards' dtype, from an all-gather of the shards
+  // (whatever the gather dtype): copies, the module's parameters untouched.
+  std::vector<torch::Tensor> gather_exact(size_t index) {
+    Group& g = groups[index];
+    std::vector<torch::Tensor> out;
+    const int64_t S = shard_numel(g);
+    torch::Tensor buffer;
+    if (S > 0) {
+      buffer = torch::empty({world * S}, g.flat_shard.options());
+      comm->all_gather_async(g.flat_shard, buffer)->wait();
+      ++all_gathers;
+    }
+    torch::NoGradGuard no_grad;
+    for (size_t k : g.params) {
+      const Param& p = params[k];
+      torch::Tensor full = torch::empty(p.layout.shape, g.flat_shard.options());
+      if (full.numel() > 0) copy_rows(p, S, buffer, full.view(-1));
+      out.push_back(full);
+    }
+    return out;
   }
 };
 
@@ -335,6 +404,7 @@ std::shared_ptr<FullyShardedDataParallel> FullyShardedDataParallel::attach(
   }
   if (s.params.empty())
     throw UserError("fully sharded training needs trainable parameters; the model has none");
+  s.gather_dtype = options.param_dtype.value_or(s.params.front().param.scalar_type());
 
   // Each group's flat shard: its parameters' rows of this rank, padded, one after the other.
   torch::NoGradGuard no_grad;
@@ -350,7 +420,7 @@ std::shared_ptr<FullyShardedDataParallel> FullyShardedDataParallel::attach(
       }
       p.offset = elements;
       elements += p.layout.rows_per_rank * p.layout.row_numel;
-      g.full_bytes += static_cast<int64_t>(p.param.nbytes());
+      g.full_bytes += p.param.numel() * static_cast<int64_t>(c10::elementSize(s.gather_dtype));
     }
     const auto options_of =
         g.params.empty() ? torch::TensorOptions() : s.params[g.params.front()].param.options();
@@ -366,6 +436,9 @@ std::shared_ptr<FullyShardedDataParallel> FullyShardedDataParallel::attach(
       if (valid > 0) {
         g.flat_shard.narrow(0, p.offset, valid)
             .copy_(p.param.reshape(-1).narrow(0, s.rank * l.rows_per_rank * l.row_numel, valid));
+      }
+      if (p.param.scalar_type() != s.gather_dtype) {  // mixed precision: compute in gather dtype
+        p.param.set_data(torch::empty(l.shape, p.param.options().dtype(s.gather_dtype)));
       }
       free_storage(p.param);
     }
@@ -423,10 +496,8 @@ NamedTensors FullyShardedDataParallel::full_parameters() {
   State& s = *state_;
   std::vector<torch::Tensor> copies(s.params.size());
   for (size_t index = 0; index < s.groups.size(); ++index) {
-    const bool was_gathered = s.groups[index].gathered;
-    s.ensure_gathered(index);
-    for (size_t k : s.groups[index].params) copies[k] = s.params[k].param.detach().clone();
-    if (!was_gathered) s.free_group(index);
+    std::vector<torch::Tensor> full = s.gather_exact(index);
+    for (size_t j = 0; j < full.size(); ++j) copies[s.groups[index].params[j]] = full[j];
   }
   NamedTensors out;
   for (size_t k = 0; k < s.params.size(); ++k) out.emplace_back(s.params[k].layout.name, copies[k]);
@@ -435,15 +506,16 @@ NamedTensors FullyShardedDataParallel::full_parameters() {
 
 std::string FullyShardedDataParallel::full_weights_hash() {
   State& s = *state_;
-  std::vector<bool> was_gathered;
-  for (size_t index = 0; index < s.groups.size(); ++index) {
-    was_gathered.push_back(s.groups[index].gathered);
-    s.ensure_gathered(index);
+  const NamedTensors full = full_parameters();
+  // The full values in the module for the hash only; set_data back restores each parameter's
+  // own storage (gathered or released) and dtype.
+  std::vector<torch::Tensor> own;
+  for (size_t k = 0; k < s.params.size(); ++k) {
+    own.emplace_back(s.params[k].param.variable_data());
+    s.params[k].param.set_data(full[k].second);
   }
   const std::string hash = weights_hash(*s.model);
-  for (size_t index = 0; index < s.groups.size(); ++index) {
-    if (!was_gathered[index]) s.free_group(index);
-  }
+  for (size_t k = 0; k < s.params.size(); ++k) s.params[k].param.set_data(own[k]);
   return hash;
 }
 
@@ -470,6 +542,7 @@ void FullyShardedDataParallel::on_micro_step_begin(Trainer&, int micro_step, boo
   State& s = *state_;
   if (micro_step == 0) {
     for (auto& g : s.groups) g.has_gradient = false;
+    for (auto& p : s.params) p.accumulated = torch::Tensor();
   } else if (s.options.accumulate_sharded) {
     s.finish_reduces();  // the previous micro-step's
   }
@@ -509,6 +582,14 @@ torch::Tensor FullyShardedDataParallel::run(int unit, const UnitForward& forward
                                             const torch::Tensor& input) {
   State& s = *state_;
   const auto index = static_cast<size_t>(unit);
+  if (torch::autograd::get_current_graph_task_id() != -1) {
+    // Called from backward: activation checkpointing recomputes the unit. Gathered for the
+    // backward that follows, which frees it (gradient_accumulated); the previous unit's
+    // all-gather overlaps it, as in before_unit_backward.
+    s.ensure_gathered(index);
+    if (s.options.prefetch && unit > 0) s.start_gather(index - 1);
+    return forward(input);
+  }
   s.ensure_gathered(index);
   if (s.options.prefetch && unit + 1 < s.units) s.start_gather(index + 1);
   torch::Tensor out = forward(input);

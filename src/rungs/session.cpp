@@ -91,16 +91,6 @@ std::unique_ptr<Session> open_session(const Config& config, const SessionOptions
           "bypasses; set compile.backend = \"eager\" or dist.strategy = \"ddp\"",
           session->strategy_reason));
     }
-    if (session->strategy == "fsdp" && (config.get_string("train.precision") != "fp32" ||
-                                        config.get_string("train.activation_checkpointing") !=
-                                            "none")) {
-      throw UserError(fmt::format(
-          "{}: fsdp with train.precision = \"{}\" and train.activation_checkpointing = \"{}\" "
-          "is not built yet (fsdp runs fp32 without recomputation); set train.precision = "
-          "\"fp32\" and train.activation_checkpointing = \"none\", or dist.strategy = \"ddp\"",
-          session->strategy_reason, config.get_string("train.precision"),
-          config.get_string("train.activation_checkpointing")));
-    }
     if (session->strategy == "fsdp") {
       session->fsdp =
           FullyShardedDataParallel::attach(*session->trainer, session->comm, fsdp_options(config));

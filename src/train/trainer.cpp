@@ -284,11 +284,18 @@ torch::Tensor Trainer::device_step(int micro_steps, const std::function<Batch(in
     if (p.grad().defined()) grads.push_back(p.grad());
   }
   // fp16-mixed: unscale in place; an overflow skips the step through the non-finite guard.
-  const torch::Tensor overflow = precision_->unscale_gradients(grads);
+  torch::Tensor overflow = precision_->unscale_gradients(grads);
   torch::Tensor total_norm;
   if (shard_norm_comm_) {  // sharded gradients: the squared norms summed over the ranks
     torch::Tensor squares = at::stack(at::_foreach_norm(grads, 2)).square().sum();
-    shard_norm_comm_->all_reduce_sum(squares);
+    if (overflow.defined()) {  // and the overflow flags: every rank's scaler backs off together
+      torch::Tensor both = at::stack({squares, overflow.to(squares.scalar_type())});
+      shard_norm_comm_->all_reduce_sum(both);
+      squares = both[0];
+      overflow = (both[1] > 0).to(overflow.scalar_type());
+    } else {
+      shard_norm_comm_->all_reduce_sum(squares);
+    }
     total_norm = squares.sqrt();
   } else {
     total_norm = at::linalg_vector_norm(at::stack(at::_foreach_norm(grads, 2)), 2);

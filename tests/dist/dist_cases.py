@@ -324,6 +324,54 @@ def case_fsdp_train(args, work):
     check(worst <= 1e-5, f"per-step loss agrees: max relative difference {worst:.2e} <= 1e-5")
 
 
+def case_fsdp_bf16(args, work):
+    """`kiln train` with dist.strategy = fsdp and train.precision = bf16-mixed over torchrun (Gloo's
+    bf16 all-gather, fp32 reduce-scatter) against one process under bf16-mixed: per-step losses
+    within 2e-2 relative (FSDP computes with bf16 parameters, one process with autocast-cast fp32
+    ones; bf16 rounds at ~4e-3)."""
+    cfg = os.path.join(args.source, "configs/gpt-tiny.toml")
+    common = GPT_TINY_2L + ["train.steps=6", f"run.dir={work}", "data.seq_len=32",
+                            "train.precision=bf16-mixed"]
+    rc, _, err1, _ = run([args.kiln, "train", cfg] + sets(common + ["run.name=single", "train.batch_size=8"]))
+    check(rc == 0, f"single process trains under bf16-mixed (exit {rc})") or print(err1)
+    rc, _, err2, _ = run(torchrun(args, 2, [args.kiln, "train", cfg] +
+                                  sets(common + ["run.name=fsdp", "train.batch_size=4", "dist.strategy=fsdp"])))
+    check(rc == 0, f"torchrun with 2 FSDP ranks trains under bf16-mixed (exit {rc})") or print(err2)
+    s_loss = [m["loss"] for m in metrics(os.path.join(work, "single")) if "loss" in m]
+    f_loss = [m["loss"] for m in metrics(os.path.join(work, "fsdp")) if "loss" in m]
+    check(len(s_loss) == 6 and len(f_loss) == 6, "6 steps logged")
+    worst = max((relative(a, b) for a, b in zip(f_loss, s_loss)), default=1.0)
+    check(worst <= 2e-2, f"per-step loss agrees: max relative difference {worst:.2e} <= 2e-2")
+
+
+def case_fsdp_python_peer(args, work):
+    """kiln's FSDP against Python's FSDP2 (`fully_shard` per block, then the root; Gloo; the
+    bench's peer bench/scale/ddp_peer.py --fsdp) on the same initial weights and batches
+    (`kiln peer export`), both at world 2 under torchrun: per-step losses within 1e-5."""
+    cfg = os.path.join(args.source, "configs/gpt-tiny.toml")
+    steps = 10
+    common = GPT_TINY_2L + [f"train.steps={steps}", f"run.dir={work}", "data.seq_len=32", "run.threads=1"]
+    export = os.path.join(work, "export")
+    rc, _, err, _ = run([args.kiln, "peer", "export", cfg, "--steps", str(steps), "--out", export] +
+                        sets(common + ["train.batch_size=8", "run.name=export"]))
+    check(rc == 0, f"kiln peer export writes the weights and global batches (exit {rc})") or print(err)
+    rc, _, err, _ = run(torchrun(args, 2, [args.kiln, "train", cfg] +
+                                 sets(common + ["run.name=fsdp", "train.batch_size=4", "dist.strategy=fsdp"])))
+    check(rc == 0, f"kiln: 2 FSDP ranks train (exit {rc})") or print(err)
+    peer_json = os.path.join(work, "peer.json")
+    rc, _, err, _ = run([args.torchrun, "--standalone", "--nproc-per-node=2",
+                         os.path.join(args.source, "bench", "scale", "ddp_peer.py"), "--export", export,
+                         "--steps", str(steps), "--result", peer_json, "--fsdp"])
+    check(rc == 0, f"python: 2 FSDP2 ranks train (exit {rc})") or print(err)
+    with open(peer_json) as f:
+        peer = json.load(f)
+    k_loss = [m["loss"] for m in metrics(os.path.join(work, "fsdp")) if "loss" in m]
+    check(peer["strategy"] == "fsdp2" and len(k_loss) == steps and len(peer["losses"]) == steps,
+          f"{steps} steps on each side")
+    worst = max((relative(a, b) for a, b in zip(k_loss, peer["losses"])), default=1.0)
+    check(worst <= 1e-5, f"per-step losses agree with FSDP2: max relative difference {worst:.2e} <= 1e-5")
+
+
 def case_fsdp_scale(args, work):
     """`kiln scale` with FSDP and with auto on gpt (2 layers) at world 2: scale.json names the
     strategy and why, and FSDP's model state per rank is <= 0.6 of DDP's."""

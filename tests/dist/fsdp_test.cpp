@@ -66,6 +66,8 @@ struct RunResult {
   size_t groups = 0;
   FsdpMemory memory;
   bool storage_released = true;  // every full parameter held 0 bytes after every step
+  bool shards_fp32 = true;       // every shard and its gradient fp32 after every step
+  nlohmann::json grad_scaler;    // TrainState::grad_scaler after the last step
 };
 
 RunResult train_single(const Config& config, int64_t steps) {
@@ -75,6 +77,7 @@ RunResult train_single(const Config& config, int64_t steps) {
   for (int64_t k = 0; k < steps; ++k) out.losses.push_back(trainer.train_step().loss);
   for (const auto& item : trainer.model().named_parameters())
     out.parameters.emplace_back(item.key(), item.value().detach().clone());
+  out.grad_scaler = trainer.state().grad_scaler;
   return out;
 }
 
@@ -98,7 +101,12 @@ std::vector<RunResult> train_fsdp(const Config& config, int world, int64_t steps
       for (const auto& p : trainer.model().parameters()) {
         if (p.unsafeGetTensorImpl()->storage().nbytes() != 0) out.storage_released = false;
       }
+      for (const auto& [name, shard] : fsdp->shards()) {
+        if (shard.scalar_type() != torch::kFloat || shard.grad().scalar_type() != torch::kFloat)
+          out.shards_fp32 = false;
+      }
     }
+    out.grad_scaler = trainer.state().grad_scaler;
     out.parameters = fsdp->full_parameters();
     out.all_gathers = fsdp->all_gathers();
     out.reduce_scatters = fsdp->reduce_scatters();
@@ -234,6 +242,103 @@ TEST(Fsdp, KeepingUnitsGatheredUntilBackwardTrainsTheSame) {
   // Each group once per step (no regather in backward), then once for full_parameters().
   EXPECT_EQ(ranks[0].all_gathers, 4 * 3 + 3);
   EXPECT_TRUE(ranks[0].storage_released);
+}
+
+// bf16-mixed: the shards, their gradients and the optimizer stay fp32; the all-gather sends bf16
+// copies and the units compute with bf16 parameters (FSDP2's MixedPrecisionPolicy(param_dtype =
+// bf16, reduce_dtype = fp32)). One process under bf16-mixed keeps fp32 parameters and lets
+// autocast cast them per matmul, so the two round differently (FSDP's embeddings, norms and
+// residual stream are bf16 too); 2e-2 relative is the precision tests' bf16 tolerance (bf16 has
+// 8 bits of mantissa: ~4e-3 per rounding), far below the ~5e-1 the losses fall over the run.
+TEST(Fsdp, Bf16MixedGathersBf16AndMatchesOneProcessBf16) {
+  TempDir dir;
+  const std::vector<std::string> bf16 = {"train.precision=bf16-mixed", "data.seq_len=16"};
+  const Config one = small_gpt(dir.path(), 4, bf16);
+  const RunResult single = train_single(one, 8);
+  const Config config = small_gpt(dir.path(), 2, bf16);
+  const FsdpOptions options = fsdp_options(config);
+  ASSERT_EQ(options.param_dtype, torch::kBFloat16);
+  auto ranks = train_fsdp(config, 2, 8, options);
+  expect_equivalent(single, ranks[0], 2e-2);
+  expect_replicas_agree(ranks);
+  EXPECT_TRUE(ranks[0].shards_fp32);
+  EXPECT_TRUE(ranks[0].storage_released);
+  for (const auto& [name, p] : ranks[0].parameters) EXPECT_EQ(p.scalar_type(), torch::kFloat);
+  // The gathered units are bf16: half the bytes of the fp32 block.
+  int64_t block_bytes = 0;
+  for (const auto& [name, p] : single.parameters) {
+    if (name.starts_with("transformer.h.0.")) block_bytes += static_cast<int64_t>(p.nbytes());
+  }
+  EXPECT_EQ(ranks[0].memory.largest_unit * 2, block_bytes);
+  // And it is not fp32 FSDP: the same run without the bf16 gather differs.
+  FsdpOptions fp32_gather = options;
+  fp32_gather.param_dtype.reset();
+  auto autocast_only = train_fsdp(config, 2, 8, fp32_gather);
+  EXPECT_NE(autocast_only[0].losses, ranks[0].losses);
+}
+
+// Unsharded accumulation under bf16-mixed keeps the full gradients in fp32 between micro-steps
+// (FSDP2 upcasts to reduce_dtype): equal to sharded accumulation, which reduces each micro-step's
+// gradient in fp32, up to the order of the fp32 sums.
+TEST(Fsdp, Bf16MixedAccumulatesInFp32) {
+  TempDir dir;
+  const Config config = small_gpt(
+      dir.path(), 2, {"train.precision=bf16-mixed", "data.seq_len=16", "train.grad_accum_steps=2"});
+  FsdpOptions unsharded = fsdp_options(config);
+  FsdpOptions sharded = unsharded;
+  sharded.accumulate_sharded = true;
+  auto a = train_fsdp(config, 2, 4, unsharded);
+  auto b = train_fsdp(config, 2, 4, sharded);
+  for (size_t k = 0; k < a[0].losses.size(); ++k)
+    EXPECT_NEAR(a[0].losses[k], b[0].losses[k], 1e-5 * std::abs(b[0].losses[k])) << k;
+  EXPECT_TRUE(a[0].shards_fp32);
+}
+
+// fp16-mixed: the loss scaler's overflow flag is summed over the ranks with the squared shard
+// norms, so every rank skips the same steps and holds the same scale; the losses follow one
+// process's fp16-mixed run within fp16's tolerance (10 bits of mantissa, 2e-2 as for bf16).
+TEST(Fsdp, Fp16MixedScalerAgreesAcrossRanks) {
+  TempDir dir;
+  const std::vector<std::string> fp16 = {"train.precision=fp16-mixed", "data.seq_len=16"};
+  const RunResult single = train_single(small_gpt(dir.path(), 4, fp16), 8);
+  const Config config = small_gpt(dir.path(), 2, fp16);
+  auto ranks = train_fsdp(config, 2, 8, fsdp_options(config));
+  expect_equivalent(single, ranks[0], 2e-2);
+  expect_replicas_agree(ranks);
+  ASSERT_FALSE(ranks[0].grad_scaler.is_null());
+  EXPECT_EQ(ranks[0].grad_scaler, ranks[1].grad_scaler);
+  EXPECT_EQ(ranks[0].grad_scaler["scale"], single.grad_scaler["scale"]);
+  EXPECT_TRUE(ranks[0].shards_fp32);
+}
+
+// Activation checkpointing (the Trainer's wrapper, outside FSDP's): the recomputation in
+// backward gathers the freed unit again; losses and parameters are bitwise those without it,
+// with the same number of all-gathers (the unit is gathered once in forward, once in backward).
+TEST(Fsdp, ActivationCheckpointingTrainsBitwiseTheSame) {
+  TempDir dir;
+  const std::vector<std::string> shape = {"model.n_layer=3", "data.seq_len=16"};
+  auto with_ac = shape;
+  with_ac.push_back("train.activation_checkpointing=block");
+  auto plain = train_fsdp(small_gpt(dir.path(), 2, shape), 2, 4);
+  auto checkpointed = train_fsdp(small_gpt(dir.path(), 2, with_ac), 2, 4);
+  EXPECT_EQ(checkpointed[0].losses, plain[0].losses);
+  for (size_t k = 0; k < plain[0].parameters.size(); ++k) {
+    EXPECT_TRUE(torch::equal(checkpointed[0].parameters[k].second, plain[0].parameters[k].second))
+        << plain[0].parameters[k].first;
+  }
+  EXPECT_EQ(checkpointed[0].all_gathers, plain[0].all_gathers);
+  EXPECT_TRUE(checkpointed[0].storage_released);
+  expect_replicas_agree(checkpointed);
+  // Under bf16-mixed too (the recomputation repeats the forward's autocast state).
+  auto bf16 = with_ac;
+  bf16.push_back("train.precision=bf16-mixed");
+  auto bf16_plain_config = shape;
+  bf16_plain_config.push_back("train.precision=bf16-mixed");
+  const Config c1 = small_gpt(dir.path(), 2, bf16),
+               c2 = small_gpt(dir.path(), 2, bf16_plain_config);
+  auto bf16_ac = train_fsdp(c1, 2, 3, fsdp_options(c1));
+  auto bf16_plain = train_fsdp(c2, 2, 3, fsdp_options(c2));
+  EXPECT_EQ(bf16_ac[0].losses, bf16_plain[0].losses);
 }
 
 TEST(Fsdp, EvaluateGathersAndFreesAgain) {
