@@ -2,6 +2,7 @@
 // together into one run name (alone and under torchrun), the torchrun agent killed alone, SIGTERM
 // preemption at 1 and 2 ranks resumed bitwise, a torn metrics line repaired on resume, and
 // checkpoint errors that name their cause.
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <signal.h>
