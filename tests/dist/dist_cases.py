@@ -324,6 +324,25 @@ def case_fsdp_train(args, work):
     check(worst <= 1e-5, f"per-step loss agrees: max relative difference {worst:.2e} <= 1e-5")
 
 
+def case_pilot_world2(args, work):
+    """`kiln pilot` under torchrun at 2 ranks: the restore check runs at the production world size
+    (each rank starts a child, the children meet on a fresh port), bitwise on CPU, and the pilot's
+    steps and evaluation are in the metrics file."""
+    cfg = os.path.join(args.source, "configs/mlp.toml")
+    rc, _, err, _ = run(torchrun(args, 2, [args.kiln, "pilot", cfg] + sets([f"run.dir={work}"])))
+    check(rc == 0, f"torchrun with 2 ranks runs the pilot (exit {rc})") or print(err)
+    pilot = json.load(open(os.path.join(work, "mlp", "pilot.json")))
+    restore = pilot["restore"]
+    check(restore.get("world_size") == 2 and restore.get("exit_status_by_rank") == [0, 0],
+          f"both ranks' restore children exited 0 at world 2: {restore}")
+    check(restore.get("loss_bitwise_equal") is True and restore.get("differing_tensors") == []
+          and pilot["passed"] is True, f"the restored step is bitwise equal: {restore}")
+    records = metrics(os.path.join(work, "mlp"))
+    check(any("loss" in m and m.get("measured") for m in records)
+          and any("val_loss" in m for m in records),
+          f"the metrics file has the measured step and the evaluation ({len(records)} records)")
+
+
 def case_fsdp_bf16(args, work):
     """`kiln train` with dist.strategy = fsdp and train.precision = bf16-mixed over torchrun (Gloo's
     bf16 all-gather, fp32 reduce-scatter) against one process under bf16-mixed: per-step losses
