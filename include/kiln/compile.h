@@ -322,7 +322,9 @@ struct HostSync {
 
 /// Watches for host synchronisations while active: a RecordFunction callback on the thread that
 /// starts it (autograd's threads inherit it), and the Trainer's phases as a TrainerHook (add it to
-/// the trainer to get phase names). Training thread only; start/stop must pair.
+/// the trainer to get phase names). Training thread only; start/stop must pair. Several probes may
+/// be active at once (ranks as threads of one process); each then also sees the synchronisations
+/// of the other probed threads.
 class HostSyncProbe : public TrainerHook {
  public:
   HostSyncProbe() = default;

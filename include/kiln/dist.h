@@ -41,6 +41,10 @@ struct DistEnvironment {
   int master_port = 0;
   int restart_count = 0;     // TORCHELASTIC_RESTART_COUNT (torchrun --max-restarts)
   bool agent_store = false;  // torchrun's agent already hosts the store: every rank is a client
+  /// A real process group is created: always for a world larger than one; for a world of one
+  /// under torchrun when dist.backend names a backend ("gloo" or "nccl", not "auto"), so that
+  /// DDP/FSDP and their collectives really run on one device (scripts/gpu-check proves NCCL so).
+  bool process_group = false;
 };
 
 /// Looks up an environment variable; nullptr when unset. Tests pass a map instead of ::getenv.
@@ -51,8 +55,9 @@ using EnvLookup = std::function<const char*(const char*)>;
 /// SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE, with the master address from
 /// MASTER_ADDR or dist.master_addr and the port from MASTER_PORT or dist.master_port. dist.launcher
 /// picks one ("auto": torchrun when WORLD_SIZE is set, else Slurm inside an srun step with more
-/// than one task, else one process). Pure apart from `env`. Throws UserError naming the variable
-/// or key and the fix: WORLD_SIZE without a master address, a rank outside [0, WORLD_SIZE), ...
+/// than one task, else one process). Sets process_group (see there). Pure apart from `env`. Throws
+/// UserError naming the variable or key and the fix: WORLD_SIZE without a master address, a rank
+/// outside [0, WORLD_SIZE), ...
 DistEnvironment read_dist_environment(const Config& config, const EnvLookup& env);
 
 /// Under a launcher that sets LOCAL_RANK (torchrun), asks the kernel to SIGKILL this process when
@@ -64,12 +69,13 @@ DistEnvironment read_dist_environment(const Config& config, const EnvLookup& env
 void die_with_launcher();
 
 /// This process's communicator. The first call reads the environment (read_dist_environment with
-/// ::getenv); for a world larger than one it joins the rendezvous (c10d TCPStore at
+/// ::getenv); when DistEnvironment::process_group it joins the rendezvous (c10d TCPStore at
 /// MASTER_ADDR:MASTER_PORT, as a client when torchrun's agent hosts it, else hosted by rank 0),
 /// creates the process group (dist.backend: Gloo on CPU, NCCL on CUDA), sets the log prefix to
 /// "rank R/W", and all-gathers every rank's Config::hash(): ranks started with different configs
 /// all throw UserError naming the differing hashes. Later calls return the same communicator (a
-/// process has one process group; it lives until the process exits). Without a launcher it is
+/// process has one process group; it lives until the process exits). Without a launcher, or for
+/// a world of one unless DistEnvironment::process_group says otherwise, it is
 /// single_process_communicator(). Call from the main thread. Throws UserError (bad environment,
 /// config mismatch) or CommunicationError (the other ranks did not arrive within
 /// dist.timeout_seconds).
@@ -108,8 +114,9 @@ class DataParallel : public TrainerHook {
   ~DataParallel() override;
   /// Broadcasts rank 0's parameters and buffers to every rank, confirms with an all-gathered
   /// weights_hash (throws CommunicationError naming the ranks whose weights differ), registers
-  /// the gradient hooks and adds itself to `trainer`. With a world of one it only returns a hook
-  /// that does nothing. Throws UserError for a model with no trainable parameters.
+  /// the gradient hooks and adds itself to `trainer`. With single_process_communicator() it only
+  /// returns a hook that does nothing; a process group of one (DistEnvironment::process_group)
+  /// runs every all-reduce. Throws UserError for a model with no trainable parameters.
   static std::shared_ptr<DataParallel> attach(Trainer& trainer, std::shared_ptr<Communicator> comm,
                                               const DataParallelOptions& options);
   /// Bytes of each bucket, in launch order.

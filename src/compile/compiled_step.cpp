@@ -13,6 +13,7 @@
 #include "core/process.h"
 #include "core/strings.h"
 #include "kiln/build_info.h"
+#include "kiln/comm.h"
 #include "kiln/compile.h"
 #include "kiln/config.h"
 #include "kiln/error.h"
@@ -468,11 +469,10 @@ std::shared_ptr<CompiledStep> attach_compiled_step(Trainer& trainer, const Confi
     }
   }
   if (options.cuda_graphs()) {
-    if (trainer.options().world_size > 1) {
-      throw UserError(fmt::format(
-          "compile.backend = \"{}\" with {} processes is not built yet (DDP's all-reduce inside "
-          "the capture); run one process per job with it, or use compile.backend = \"inductor\"",
-          backend_name(options.backend), trainer.options().world_size));
+    if (trainer.options().comm && trainer.options().comm->backend_name() != "none") {
+      log::info(
+          "compile: DDP's bucket all-reduces (NCCL) are captured into the step's CUDA graph and "
+          "replayed with it; the communication statistics count the capture, not the replays");
     }
     attach_captured_step(trainer, config);
   }

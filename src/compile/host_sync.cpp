@@ -5,7 +5,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <atomic>
 #include <mutex>
 #include <string_view>
 
@@ -21,9 +20,11 @@ struct HostSyncProbe::State {
 
 namespace {
 
-// One probe at a time per process (RecordFunction callbacks are plain function pointers).
-std::atomic<HostSyncProbe::State*> g_active{nullptr};
-std::mutex g_install;
+// The active probes (RecordFunction callbacks are plain function pointers, so they find their
+// probes here). Usually one; ranks run as threads of one process (tests) probe at once, and each
+// probe then also sees the other probed threads' synchronisations.
+std::vector<HostSyncProbe::State*> g_active;
+std::mutex g_install;  // guards g_active
 
 // Per thread: the operators currently running, outermost first.
 thread_local std::vector<std::string> t_stack;
@@ -42,17 +43,20 @@ bool capturable_caller(std::string_view op) {
 
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   const std::string_view name = fn.name();
-  HostSyncProbe::State* state = g_active.load();
-  if (state && synchronises(name) &&
-      std::none_of(t_stack.begin(), t_stack.end(),
-                   [](const std::string& op) { return capturable_caller(op); })) {
-    HostSync sync{std::string(name), t_stack.empty() ? "" : t_stack.front(), ""};
-    std::lock_guard lock(state->mutex);
-    if (!state->phases.empty()) sync.phase = state->phases.back();
-    const bool known = std::any_of(state->seen.begin(), state->seen.end(), [&](const HostSync& s) {
-      return s.op == sync.op && s.caller == sync.caller && s.phase == sync.phase;
-    });
-    if (!known) state->seen.push_back(std::move(sync));
+  if (synchronises(name) && std::none_of(t_stack.begin(), t_stack.end(), [](const std::string& op) {
+        return capturable_caller(op);
+      })) {
+    std::lock_guard install(g_install);
+    for (HostSyncProbe::State* state : g_active) {
+      HostSync sync{std::string(name), t_stack.empty() ? "" : t_stack.front(), ""};
+      std::lock_guard lock(state->mutex);
+      if (!state->phases.empty()) sync.phase = state->phases.back();
+      const bool known =
+          std::any_of(state->seen.begin(), state->seen.end(), [&](const HostSync& s) {
+            return s.op == sync.op && s.caller == sync.caller && s.phase == sync.phase;
+          });
+      if (!known) state->seen.push_back(std::move(sync));
+    }
   }
   t_stack.emplace_back(name);
   return nullptr;
@@ -79,11 +83,11 @@ void HostSyncProbe::start() {
   std::lock_guard lock(g_install);
   if (active_) return;
   if (!state_) state_ = std::make_shared<State>();
-  state_->seen.clear();
-  HostSyncProbe::State* expected = nullptr;
-  if (!g_active.compare_exchange_strong(expected, state_.get())) {
-    throw std::logic_error("HostSyncProbe: another probe is active in this process");
+  {
+    std::lock_guard state_lock(state_->mutex);
+    state_->seen.clear();
   }
+  g_active.push_back(state_.get());
   t_stack.clear();
   handle_ = at::addThreadLocalCallback(
       at::RecordFunctionCallback(&on_start, &on_end).scopes({at::RecordScope::FUNCTION}));
@@ -94,7 +98,7 @@ std::vector<HostSync> HostSyncProbe::stop() {
   std::lock_guard lock(g_install);
   if (!active_) return {};
   at::removeCallback(handle_);
-  g_active.store(nullptr);
+  g_active.erase(std::find(g_active.begin(), g_active.end(), state_.get()));
   active_ = false;
   t_stack.clear();
   std::lock_guard state_lock(state_->mutex);

@@ -20,6 +20,12 @@ c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10
 /// True when this build of kiln compiled the NCCL backend (a LibTorch with CUDA and NCCL).
 bool nccl_compiled();
 
+/// Whether the calling thread's current CUDA stream on `device` is capturing a CUDA graph. A
+/// collective started inside a capture becomes part of the graph: no host-side completion
+/// callback may be attached to it (the callback's stream would join the capture and never be
+/// rejoined). False for a CPU device or a LibTorch without NCCL.
+bool capturing_cuda_graph(const torch::Device& device);
+
 /// c10d::ProcessGroupNCCL on CUDA device `device_index` (made current). Throws UserError when
 /// nccl_compiled() is false.
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store,

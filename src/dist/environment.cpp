@@ -132,7 +132,8 @@ DistEnvironment read_dist_environment(const Config& config, const EnvLookup& env
     out.restart_count = vars.integer("TORCHELASTIC_RESTART_COUNT", 0, 0, 1 << 30, launcher);
     out.agent_store = vars.text("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
     check_ranks(out);
-    if (out.world_size > 1) resolve_master(out, vars, config, "WORLD_SIZE");
+    out.process_group = out.world_size > 1 || config.get_string("dist.backend") != "auto";
+    if (out.process_group) resolve_master(out, vars, config, "WORLD_SIZE");
     return out;
   }
 
@@ -151,7 +152,8 @@ DistEnvironment read_dist_environment(const Config& config, const EnvLookup& env
   out.local_world_size = std::max(out.local_world_size, out.local_rank + 1);
   out.restart_count = vars.integer("SLURM_RESTART_COUNT", 0, 0, 1 << 30, launcher);
   check_ranks(out);
-  if (out.world_size > 1) resolve_master(out, vars, config, "SLURM_NTASKS");
+  out.process_group = out.world_size > 1;
+  if (out.process_group) resolve_master(out, vars, config, "SLURM_NTASKS");
   return out;
 }
 

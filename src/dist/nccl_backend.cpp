@@ -5,6 +5,8 @@
 
 #ifdef USE_C10D_NCCL
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
@@ -15,6 +17,12 @@ namespace kiln::dist {
 
 bool nccl_compiled() {
   return true;
+}
+
+bool capturing_cuda_graph(const torch::Device& device) {
+  if (!device.is_cuda()) return false;
+  c10::cuda::CUDAGuard guard(device);
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
 }
 
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store,
@@ -34,6 +42,10 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
 #else
 
 bool nccl_compiled() {
+  return false;
+}
+
+bool capturing_cuda_graph(const torch::Device&) {
   return false;
 }
 

@@ -291,11 +291,15 @@ class ProcessGroupCommunicator final : public Communicator {
       fail(what, e);
     }
     // Gloo's _allgather_base / _reduce_scatter_base works have no future ("Work::getFuture not
-    // implemented"): their end is then recorded by wait(), which adds the wait to busy time.
-    try {
-      work->getFuture()->addCallback(
-          [completion](c10::ivalue::Future&) { completion->record(false); });
-    } catch (const c10::Error&) {
+    // implemented"): their end is then recorded by wait(), which adds the wait to busy time. So is
+    // the end of a collective captured into a CUDA graph (a callback would run on a pool stream
+    // that joins the capture): the ledger then counts the capture, not the replays.
+    if (!dist::capturing_cuda_graph(device_)) {
+      try {
+        work->getFuture()->addCallback(
+            [completion](c10::ivalue::Future&) { completion->record(false); });
+      } catch (const c10::Error&) {
+      }
     }
     return std::make_unique<PendingWork>(this, what, std::move(work), completion, std::move(keep));
   }
@@ -454,7 +458,7 @@ std::shared_ptr<Communicator> process_communicator(const Config& config) {
   if (process_group) return *process_group;
   const DistEnvironment env =
       read_dist_environment(config, [](const char* name) { return std::getenv(name); });
-  if (env.world_size <= 1) return single_process_communicator();
+  if (!env.process_group) return single_process_communicator();
   process_group = new std::shared_ptr<Communicator>(connect(env, config));
   return *process_group;
 }

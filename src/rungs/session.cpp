@@ -54,10 +54,13 @@ std::unique_ptr<Session> open_session(const Config& config, const SessionOptions
   // Without a communicator: this process's (torchrun / Slurm environment; else a world of one).
   if (!session->comm) session->comm = process_communicator(config);
   const int rank = session->comm->rank(), world_size = session->comm->world_size();
+  // DDP or FSDP run over every process group, a world of one included (DistEnvironment::
+  // process_group: torchrun with an explicit dist.backend).
+  const bool parallel = world_size > 1 || session->comm->backend_name() != "none";
   session->lock = lock_run_directories(config, *session->comm, options.argv);
   apply_runtime_settings(config);
   session->device = resolve_device(config);
-  if (session->device.is_cuda() && world_size > 1) {  // one process per device: LOCAL_RANK's
+  if (session->device.is_cuda() && parallel) {  // one process per device: LOCAL_RANK's
     const auto local_rank = static_cast<c10::DeviceIndex>(session->comm->local_rank());
     session->device = torch::Device(torch::kCUDA, local_rank);
   }
@@ -79,7 +82,7 @@ std::unique_ptr<Session> open_session(const Config& config, const SessionOptions
   trainer_options.comm = session->comm;
   session->trainer =
       std::make_unique<Trainer>(config, std::move(model), std::move(data), trainer_options);
-  if (world_size > 1) {  // DDP or FSDP: rank 0's weights everywhere, gradients averaged
+  if (parallel) {  // DDP or FSDP: rank 0's weights everywhere, gradients averaged
     const StrategyChoice choice =
         resolve_strategy(config, session->trainer->model(), session->device, world_size);
     session->strategy = choice.strategy;

@@ -4,7 +4,9 @@
 // The CUDA recorder itself runs in scripts/gpu-check (tests labelled cuda).
 #include <gtest/gtest.h>
 
+#include "ckpt/thread_comm.h"
 #include "kiln/compile.h"
+#include "kiln/dist.h"
 #include "kiln/error.h"
 #include "support/helpers.h"
 
@@ -87,6 +89,49 @@ TEST(CapturedStep, ReplaysTrainExactlyAsTheEagerStep) {
   EXPECT_TRUE(step->report().breaks.empty());
   EXPECT_EQ(captured_log->steps.back().samples, eager_log->steps.back().samples);
   EXPECT_EQ(captured.state().optimizer_steps, 7);
+}
+
+// DDP inside the captured step (ranks as threads): the gradient hooks fire inside the captured
+// work and start the bucket all-reduces there, as a CUDA capture records them on its stream.
+TEST(CapturedStep, UnderDdpReplaysTrainExactlyAsEagerDdp) {
+  TempDir dir;
+  const Config config =
+      captured_gpt(dir.path(), {"dist.bucket_mb=0.05", "dist.first_bucket_mb=0.05"});
+  constexpr int kWorld = 2;
+  std::vector<std::vector<float>> eager_losses(kWorld), captured_losses(kWorld);
+  std::vector<int64_t> eager_reduces(kWorld), captured_reduces(kWorld), replays(kWorld);
+  run_ranks(kWorld, [&](Communicator& borrowed) {
+    const int rank = borrowed.rank();
+    std::shared_ptr<Communicator> comm(&borrowed, [](Communicator*) {});
+    const TrainerOptions options{torch::kCPU, rank, kWorld, comm};
+    Trainer eager(config, make_model(config), make_datasets(config), options);
+    Trainer captured(config, make_model(config), make_datasets(config), options);
+    auto eager_ddp = DataParallel::attach(eager, comm, data_parallel_options(config));
+    auto captured_ddp = DataParallel::attach(captured, comm, data_parallel_options(config));
+    auto step = std::make_shared<CapturedGraphStep>(config, captured, rerun_recorders());
+    captured.set_captured_step(step);
+    auto eager_log = std::make_shared<StepLog>(), captured_log = std::make_shared<StepLog>();
+    eager.add_hook(eager_log);
+    captured.add_hook(captured_log);
+    for (int k = 0; k < 6; ++k) {
+      eager.train_step(/*sync=*/true);
+      captured.train_step(/*sync=*/true);
+    }
+    const auto r = static_cast<size_t>(rank);
+    eager_losses[r] = losses_of(eager_log->steps);
+    captured_losses[r] = losses_of(captured_log->steps);
+    eager_reduces[r] = eager_ddp->bucket_all_reduces();
+    captured_reduces[r] = captured_ddp->bucket_all_reduces();
+    replays[r] = step->replays();
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    const auto k = static_cast<size_t>(r);
+    EXPECT_EQ(captured_losses[k], eager_losses[k]) << "rank " << r;
+    EXPECT_EQ(replays[k], 4) << "rank " << r;        // 2 warm-up steps, the capture, 3 replays
+    EXPECT_GT(eager_reduces[k], 6) << "rank " << r;  // more than one bucket per step
+    EXPECT_EQ(captured_reduces[k], eager_reduces[k]) << "rank " << r;
+  }
+  EXPECT_EQ(eager_losses[0], eager_losses[1]);  // the logged loss is the mean over ranks
 }
 
 TEST(CapturedStep, EachNewShapeIsARecaptureUpToTheLimit) {

@@ -1,8 +1,8 @@
 // The CUDA paths, run by scripts/gpu-check on a GPU machine (ctest label `cuda`; scripts/test
 // leaves them out: this machine has no GPU). Each test proves one path end to end: CUDA peak
-// memory, checkpoints staged through pinned host buffers, NCCL at a world of one under torchrun,
-// the CUDA profiler's kernel events and GPU verdict, bf16-mixed training, and the captured step
-// (CUDA graphs) against eager.
+// memory, checkpoints staged through pinned host buffers, NCCL at a world of one under torchrun
+// (DDP, FSDP in bf16-mixed, DDP's all-reduce inside a CUDA graph), the CUDA profiler's kernel
+// events and GPU verdict, bf16-mixed training, and the captured step (CUDA graphs) against eager.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
@@ -74,14 +74,59 @@ TEST(Cuda, CheckpointsStageThroughPinnedBuffersAndResume) {
   EXPECT_NEAR(b, a, 1e-4 * a);  // CUDA kernels need not be bitwise across processes
 }
 
+// One process under torchrun with dist.backend = "nccl": a real NCCL process group of one, DDP or
+// FSDP attached over it (docs/scale.md), so every collective runs on the GPU.
+CommandResult torchrun_one(const std::string& args) {
+  return run_shell(
+      fmt::format("{} --standalone --nproc-per-node 1 --no-python {} train {} "
+                  "--set dist.backend=nccl",
+                  KILN_TORCHRUN, KILN_CLI, args));
+}
+
 TEST(Cuda, NcclAtAWorldOfOneUnderTorchrun) {
   TempDir dir;
-  const CommandResult r = run_shell(fmt::format(
-      "{} --standalone --nproc-per-node 1 {} train {} --set train.steps=6 --set dist.backend=nccl",
-      KILN_TORCHRUN, KILN_CLI, gpt_args(dir.path(), "nccl")));
+  const CommandResult r =
+      torchrun_one(gpt_args(dir.path(), "nccl") + " --set train.steps=6 --set dist.strategy=ddp");
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("process group: rank 0 of 1"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("data parallel over 1 ranks (nccl)"), std::string::npos) << r.err;
   const json manifest = read_json(dir / "nccl" / "manifest.json");
   EXPECT_NE(manifest.dump().find("nccl"), std::string::npos) << manifest.dump(2);
+}
+
+TEST(Cuda, FsdpInBf16MixedOnNcclMatchesOneProcess) {
+  TempDir dir;
+  const std::string common =
+      gpt_args(dir.path(), "single") + " --set train.steps=20 --set train.precision=bf16-mixed";
+  const CommandResult single = run_kiln("train " + common);
+  ASSERT_EQ(single.exit_code, 0) << single.out << single.err;
+  const CommandResult fsdp = torchrun_one(common + " --set run.name=fsdp --set dist.strategy=fsdp");
+  ASSERT_EQ(fsdp.exit_code, 0) << fsdp.out << fsdp.err;
+  EXPECT_NE(fsdp.err.find("fully sharded data parallel over 1 ranks (nccl)"), std::string::npos)
+      << fsdp.err;
+  const double a = last_loss(dir / "single" / "metrics.jsonl");
+  const double b = last_loss(dir / "fsdp" / "metrics.jsonl");
+  EXPECT_NEAR(b, a, 2e-2 * a);  // FSDP computes with bf16 parameters, autocast casts fp32 ones
+}
+
+TEST(Cuda, CapturedStepWithDdpOnNccl) {
+  TempDir dir;
+  const std::string common = gpt_args(dir.path(), "eager") +
+                             " --set train.steps=12 --set train.grad_accum_steps=2 "
+                             "--set dist.strategy=ddp --set dist.bucket_mb=0.5";
+  const CommandResult eager = torchrun_one(common);
+  ASSERT_EQ(eager.exit_code, 0) << eager.out << eager.err;
+  const CommandResult captured =
+      torchrun_one(common +
+                   " --set run.name=captured --set compile.backend=cudagraphs "
+                   "--set compile.warmup_steps=3");
+  ASSERT_EQ(captured.exit_code, 0) << captured.out << captured.err;
+  EXPECT_NE(captured.err.find("captured into the step's CUDA graph"), std::string::npos)
+      << captured.err;
+  EXPECT_NE(captured.err.find("compile: captured the step"), std::string::npos) << captured.err;
+  const double a = last_loss(dir / "eager" / "metrics.jsonl");
+  const double b = last_loss(dir / "captured" / "metrics.jsonl");
+  EXPECT_NEAR(b, a, 1e-4 * a);
 }
 
 TEST(Cuda, ProfilerRecordsKernelsAndTheGpuVerdict) {

@@ -128,6 +128,19 @@ def relative(a, b):
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+def compare_losses(work, a, b, steps, tolerance):
+    """Per-step logged losses of runs `a` and `b` under `work`: both log `steps` steps and agree
+    within `tolerance` relative (0: bitwise)."""
+    a_loss = [m["loss"] for m in metrics(os.path.join(work, a)) if "loss" in m]
+    b_loss = [m["loss"] for m in metrics(os.path.join(work, b)) if "loss" in m]
+    check(len(a_loss) == steps and len(b_loss) == steps, f"{a}, {b}: {steps} steps logged")
+    worst = max((relative(x, y) for x, y in zip(b_loss, a_loss)), default=1.0)
+    if tolerance == 0:
+        check(a_loss == b_loss, f"{b} equals {a} bitwise at every step (max relative difference {worst:.2e})")
+    else:
+        check(worst <= tolerance, f"{b} vs {a} per-step loss: max relative difference {worst:.2e} <= {tolerance:g}")
+
+
 MLP = ["run.progress=log", "run.log_every=5", "data.num_samples=4096", "data.val_samples=1024",
        "data.num_workers=1", "train.eval_every=0", "train.eval_batches=4"]
 GPT_TINY_2L = ["model.n_layer=2", "run.progress=log", "run.log_every=5", "data.num_workers=1",
@@ -317,11 +330,7 @@ def case_fsdp_train(args, work):
     check(rc == 0, f"torchrun with 2 FSDP ranks trains (exit {rc})") or print(err2)
     check("fully sharded data parallel over 2 ranks (gloo)" in err2 and "strategy fsdp" in err2,
           "the ranks log the strategy and the sharding")
-    s_loss = [m["loss"] for m in metrics(os.path.join(work, "single")) if "loss" in m]
-    f_loss = [m["loss"] for m in metrics(os.path.join(work, "fsdp")) if "loss" in m]
-    check(len(s_loss) == 8 and len(f_loss) == 8, "8 steps logged")
-    worst = max((relative(a, b) for a, b in zip(f_loss, s_loss)), default=1.0)
-    check(worst <= 1e-5, f"per-step loss agrees: max relative difference {worst:.2e} <= 1e-5")
+    compare_losses(work, "single", "fsdp", 8, 1e-5)
 
 
 def case_pilot_world2(args, work):
@@ -356,11 +365,7 @@ def case_fsdp_bf16(args, work):
     rc, _, err2, _ = run(torchrun(args, 2, [args.kiln, "train", cfg] +
                                   sets(common + ["run.name=fsdp", "train.batch_size=4", "dist.strategy=fsdp"])))
     check(rc == 0, f"torchrun with 2 FSDP ranks trains under bf16-mixed (exit {rc})") or print(err2)
-    s_loss = [m["loss"] for m in metrics(os.path.join(work, "single")) if "loss" in m]
-    f_loss = [m["loss"] for m in metrics(os.path.join(work, "fsdp")) if "loss" in m]
-    check(len(s_loss) == 6 and len(f_loss) == 6, "6 steps logged")
-    worst = max((relative(a, b) for a, b in zip(f_loss, s_loss)), default=1.0)
-    check(worst <= 2e-2, f"per-step loss agrees: max relative difference {worst:.2e} <= 2e-2")
+    compare_losses(work, "single", "fsdp", 6, 2e-2)
 
 
 def case_fsdp_python_peer(args, work):
@@ -416,6 +421,28 @@ def case_fsdp_scale(args, work):
           auto["strategy_decision"]["strategy"] == "ddp",
           f"auto picks ddp (it fits) and says why: {auto['strategy_reason']!r}")
     check(any(row[0] == "strategy" for row in fsdp["table"]), "the table names the strategy")
+
+
+def case_world_of_one(args, work):
+    """torchrun with one process and an explicit dist.backend creates a real process group of one
+    and attaches DDP or FSDP over it (how scripts/gpu-check runs NCCL on one GPU): the collectives
+    run, and the losses equal the plain single process's."""
+    cfg = os.path.join(args.source, "configs/gpt-tiny.toml")
+    common = GPT_TINY_2L + ["train.steps=6", f"run.dir={work}", "data.seq_len=32", "train.batch_size=8"]
+    rc, _, err, _ = run([args.kiln, "train", cfg] + sets(common + ["run.name=single"]))
+    check(rc == 0, f"single process trains (exit {rc})") or print(err)
+    check("process group" not in err, "a plain single process creates no process group")
+    rc, _, err, _ = run(torchrun(args, 1, [args.kiln, "train", cfg] + sets(common + ["run.name=auto"])))
+    check(rc == 0 and "process group" not in err,
+          f"torchrun with one process and dist.backend = auto creates no process group (exit {rc})") or print(err)
+    for strategy, logged in (("ddp", "data parallel over 1 ranks (gloo)"),
+                             ("fsdp", "fully sharded data parallel over 1 ranks (gloo)")):
+        rc, _, err, _ = run(torchrun(args, 1, [args.kiln, "train", cfg] + sets(
+            common + [f"run.name={strategy}", "dist.backend=gloo", f"dist.strategy={strategy}"])))
+        check(rc == 0, f"torchrun with one {strategy} process on gloo trains (exit {rc})") or print(err)
+        check("process group: rank 0 of 1" in err and logged in err,
+              f"{strategy}: a gloo process group of one, and '{logged}' in the log") or print(err)
+        compare_losses(work, "single", strategy, 6, 0)
 
 
 def case_missing_rank(args, work):

@@ -58,6 +58,23 @@ TEST(DistEnvironment, NoLauncherIsOneProcess) {
   EXPECT_EQ(env.rank, 0);
 }
 
+TEST(DistEnvironment, AWorldOfOneGetsAProcessGroupOnlyUnderTorchrunWithAnExplicitBackend) {
+  EXPECT_FALSE(read_env({}).process_group);
+  EXPECT_TRUE(read_env(kTorchrun).process_group);  // world 4
+  const std::map<std::string, std::string> one = {
+      {"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29501"}};
+  EXPECT_FALSE(read_env(one).process_group);  // dist.backend = "auto": no process group
+  Config gloo = Config::defaults();
+  gloo.set("dist.backend", std::string("gloo"));
+  const DistEnvironment env = read_env(one, gloo);
+  EXPECT_TRUE(env.process_group);
+  EXPECT_EQ(env.world_size, 1);
+  EXPECT_EQ(env.master_port, 29501);
+  auto no_master = one;
+  no_master.erase("MASTER_ADDR");  // the process group needs the rendezvous
+  EXPECT_THAT(env_error(no_master, gloo), HasSubstr("MASTER_ADDR"));
+}
+
 TEST(DistEnvironment, ReadsTorchrunVariables) {
   DistEnvironment env = read_env(kTorchrun);
   EXPECT_EQ(env.launcher, "torchrun");
