@@ -66,17 +66,19 @@ struct ReportHtml {
   bool chart_library = false;        // Chart.js inlined (else the charts are plain SVG)
   std::string chart_library_source;  // the file it was read from, or why there is none
   std::vector<std::string> charts;   // the id of every chart, in page order
-  std::vector<std::string> missing;  // the run files that were absent or unreadable
+  // The run files that were absent ("plan.json") or unreadable ("pilot.json (unreadable)"), and
+  // parts a section needed and did not find ("pilot.json without restore", "manifest.json pins").
+  std::vector<std::string> missing;
 };
 
 /// The report of a run directory, from whatever of its files exist: manifest.json, config.toml,
 /// metrics.jsonl and metrics-<rung>.jsonl, baseline.json, compile.json, profile.json, scale.json,
-/// checkpoint.json, pilot.json, plan.json. Missing or unreadable files are listed in one line of
-/// the page (and in `missing`), never an error; a metrics line that is not a JSON object is
-/// skipped. Charts use Chart.js inlined from `chart_library` (the build's KILN_CHARTJS, Debian's
-/// libjs-chart.js, when empty); when that file is absent the charts are plain SVG and the page
-/// says so. Each chart's data sits beside it as a table. Nothing is fetched at view time.
-/// Throws UserError only when `run_dir` is not a directory.
+/// checkpoint.json, pilot.json, plan.json. Missing or unreadable files (and missing parts of the
+/// pilot's and the plan's) are listed in one line of the page (and in `missing`), never an error;
+/// a metrics line that is not a JSON object is skipped. Charts use Chart.js inlined from
+/// `chart_library` (the build's KILN_CHARTJS, Debian's libjs-chart.js, when empty); when that file
+/// is absent the charts are plain SVG and the page says so. Each chart's data sits beside it as a
+/// table. Nothing is fetched at view time. Throws UserError only when `run_dir` is not a directory.
 ReportHtml make_report_html(const std::filesystem::path& run_dir,
                             const std::filesystem::path& chart_library = {});
 

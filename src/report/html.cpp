@@ -10,6 +10,7 @@
 #include <iterator>
 #include <map>
 #include <optional>
+#include <tuple>
 
 #include "core/files.h"
 #include "core/strings.h"
@@ -71,6 +72,8 @@ class RunFiles {
   }
   const std::vector<MetricsFile>& metrics() const { return metrics_; }
   const std::vector<std::string>& missing() const { return missing_; }
+  /// A part of a file that a section needed and did not find ("pilot.json without restore").
+  void note_missing(std::string what) { missing_.push_back(std::move(what)); }
 
  private:
   MetricsFile read_metrics(const std::string& name) {
@@ -366,7 +369,30 @@ class Page {
     }
     body_ += "</table>\n";
   }
+  /// A table with a header row; row `marked` (when >= 0) gets class "chosen". Each row has class
+  /// "row" so a reader can count them; `kind` is the table's class.
+  void grid(const std::vector<std::string>& headers,
+            const std::vector<std::vector<std::string>>& rows, int marked,
+            const std::string& kind) {
+    body_ += "<div class=\"wide\"><table class=\"" + escape(kind) + "\"><tr>";
+    for (const auto& h : headers) body_ += "<th>" + escape(h) + "</th>";
+    body_ += "</tr>";
+    for (size_t r = 0; r < rows.size(); ++r) {
+      body_ += static_cast<int>(r) == marked ? "<tr class=\"row chosen\">" : "<tr class=\"row\">";
+      for (const auto& cell : rows[r]) body_ += "<td>" + escape(cell) + "</td>";
+      body_ += "</tr>";
+    }
+    body_ += "</table></div>\n";
+  }
+  /// A titled list.
+  void bullets(const std::string& title, const std::vector<std::string>& items) {
+    if (items.empty()) return;
+    body_ += "<p>" + escape(title) + ":</p><ul>";
+    for (const auto& item : items) body_ += "<li>" + escape(item) + "</li>";
+    body_ += "</ul>\n";
+  }
   void paragraph(const std::string& text) { body_ += "<p>" + escape(text) + "</p>\n"; }
+  void subsection(const std::string& title) { body_ += "<h3>" + escape(title) + "</h3>\n"; }
   const std::string& body() const { return body_; }
   const std::string& scripts() const { return scripts_; }
   const std::vector<std::string>& ids() const { return ids_; }
@@ -665,15 +691,368 @@ void checkpoint_section(Page& page, RunFiles& files) {
   page.table(scalar_rows(c));
 }
 
-// The pilot's estimate vs measured memory, and the plan table: their files' numbers as tables
-// (charted once their formats settle).
-void planning_section(Page& page, RunFiles& files) {
-  for (const char* file : {"pilot.json", "plan.json"}) {
-    const json& value = files.rung(file);
-    if (value.is_null()) continue;
-    page.section(file == std::string("pilot.json") ? "Pilot" : "Plan", text_at(value, "verdict"));
-    page.table(scalar_rows(value));
+// ---- the pilot and the plan (docs/plan.md: pilot.json, plan.json) ------------------------------
+
+// A member of an object, or null (the const operator[] of a missing key is undefined).
+const json& member(const json& value, const std::string& key) {
+  static const json null_value = nullptr;
+  if (!value.is_object()) return null_value;
+  auto it = value.find(key);
+  return it == value.end() ? null_value : *it;
+}
+
+std::string yes_no(const json& value) {
+  if (!value.is_boolean()) return "-";
+  return value.get<bool>() ? "yes" : "no";
+}
+
+std::string bytes_text(double value) {
+  return std::isfinite(value) ? format_bytes(value) : "-";
+}
+
+std::string seconds_text(double value) {
+  return std::isfinite(value) ? format_duration(value) : "-";
+}
+
+// A figure for a wide table (the charts' tables keep every digit): whole above 1000, else three
+// significant digits.
+std::string short_number(double value) {
+  if (!std::isfinite(value)) return "-";
+  return std::abs(value) >= 1000 ? fmt::format("{:.0f}", value) : fmt::format("{:.3g}", value);
+}
+
+// Parts of a rung file the report needs but did not find: one paragraph in its section and one
+// entry of the page's "Not in this run" line.
+void say_lacking(Page& page, RunFiles& files, const std::string& file,
+                 const std::vector<std::string>& parts) {
+  if (parts.empty()) return;
+  std::string list;
+  for (const auto& part : parts) list += (list.empty() ? "" : ", ") + part;
+  files.note_missing(fmt::format("{} without {}", file, list));
+  page.paragraph(
+      fmt::format("{} lacks {}: the section shows what it holds (an interrupted rung "
+                  "or an older format; rerun the rung to complete it).",
+                  file, list));
+}
+
+// The pilot: its estimate vs measured memory by part, the cycle's times (step, evaluation, save,
+// restore in a fresh process) and the restore's equality, the pins it recorded.
+void pilot_report(Page& page, RunFiles& files) {
+  const json& p = files.rung("pilot.json");
+  if (p.is_null()) return;
+  page.section("Pilot", text_at(p, "verdict"));
+  std::vector<std::string> lacking;
+  const json& memory = member(p, "memory");
+  const json& measured = member(memory, "measured");
+  const json& estimate = member(memory, "estimate");
+  if (!measured.is_object()) lacking.push_back("memory.measured");
+  if (!estimate.is_object()) lacking.push_back("memory.estimate");
+  if (measured.is_object() || estimate.is_object()) {
+    page.subsection("Memory: estimated vs measured");
+    Chart chart{"pilot-memory",
+                "Peak memory by part: estimated vs measured (pilot)",
+                true,
+                "",
+                "bytes",
+                "",
+                {},
+                {}};
+    Series est{"estimated", {}, {}}, meas{"measured", {}, {}};
+    const double est_peak = std::isfinite(num(memory, "/estimate_step_peak_bytes"))
+                                ? num(memory, "/estimate_step_peak_bytes")
+                                : num(estimate, "/step_peak_bytes");
+    for (const auto& [part, estimated, measured_value] :
+         std::vector<std::tuple<std::string, double, double>>{
+             {"parameters", num(estimate, "/parameters_bytes"), num(measured, "/parameters_bytes")},
+             {"gradients", num(estimate, "/gradients_bytes"), num(measured, "/gradients_bytes")},
+             {"optimizer state", num(estimate, "/optimizer_bytes"),
+              num(measured, "/optimizer_bytes")},
+             {"activations + logits",
+              num(estimate, "/activations_bytes") + num(estimate, "/logits_bytes"),
+              num(measured, "/activations_and_logits_bytes")},
+             {"step peak", est_peak, num(measured, "/peak_bytes")}}) {
+      chart.categories.push_back(part);
+      est.y.push_back(estimated);
+      meas.y.push_back(measured_value);
+    }
+    chart.series = {est, meas};
+    page.chart(chart);
+    page.table({
+        {"method", text_at(memory, "method")},
+        {"measured / estimated peak", number(num(memory, "/measured_over_estimate"))},
+        {"within pilot.max_estimate_error", yes_no(member(memory, "within_allowed_error"))},
+        {"activation ratio (measured / estimated activations + logits)",
+         number(num(memory, "/activation_ratio"))},
+        {"estimate: activations", bytes_text(num(estimate, "/activations_bytes"))},
+        {"estimate: logits buffers", bytes_text(num(estimate, "/logits_bytes"))},
+        {"estimate: last block's backward extra",
+         bytes_text(num(estimate, "/backward_extra_bytes"))},
+        {"estimate: gradients held across micro-batches",
+         yes_no(member(estimate, "gradients_held_across_micro_batches"))},
+        {"measured: step's peak above the state",
+         bytes_text(num(measured, "/step_peak_above_state_bytes"))},
+        {"measured: process peak RSS", bytes_text(num(measured, "/process_peak_rss_bytes"))},
+        {"measured: reserved", bytes_text(num(measured, "/reserved_bytes"))},
+    });
   }
+
+  // The cycle: one chart of its times, the exact figures and the restore's outcome as a table.
+  const json& checkpoint = member(p, "checkpoint");
+  const json& restore = member(p, "restore");
+  if (!checkpoint.is_object()) lacking.push_back("checkpoint");
+  if (!restore.is_object()) lacking.push_back("restore");
+  page.subsection("Cycle: train, evaluate, save, restore");
+  Chart cycle{"pilot-cycle",
+              "The pilot's cycle: step, evaluation, save, restore in a fresh process",
+              true,
+              "",
+              "seconds",
+              "",
+              {"measured step", "evaluation", "checkpoint save", "restore (fresh process)"},
+              {}};
+  cycle.series.push_back({"seconds",
+                          {},
+                          {num(p, "/step_seconds"), num(p, "/eval_seconds"),
+                           num(checkpoint, "/save_seconds"), num(restore, "/seconds")}});
+  page.chart(cycle);
+  const json& shape = member(p, "shape");
+  std::string equality = "-";
+  if (member(restore, "loss_equal").is_boolean()) {
+    const bool equal = member(restore, "loss_equal").get<bool>();
+    const bool bitwise = member(restore, "loss_bitwise_equal").is_boolean() &&
+                         member(restore, "loss_bitwise_equal").get<bool>();
+    equality = fmt::format(
+        "{} ({} here, {} restored{})", equal ? (bitwise ? "bitwise equal" : "equal") : "DIFFERENT",
+        number(num(restore, "/loss_here")), number(num(restore, "/loss_restored")),
+        num(restore, "/tolerance", 0) > 0
+            ? fmt::format(", tolerance {:g} relative", num(restore, "/tolerance"))
+            : "");
+  }
+  std::string differing = "-";
+  if (member(restore, "differing_tensors").is_array()) {
+    const json& names = member(restore, "differing_tensors");
+    differing = names.empty() ? "none" : fmt::format("{}: {}", names.size(), names.dump());
+  }
+  std::string exits = text_at(restore, "exit_status");
+  if (member(restore, "exit_status_by_rank").is_array()) {
+    exits += " (by rank " + member(restore, "exit_status_by_rank").dump() + ")";
+  }
+  page.table({
+      {"shape", fmt::format("micro-batch {} x seq {} x accum {} x {} process(es), {}",
+                            text_at(shape, "micro_batch"), text_at(shape, "seq_len"),
+                            text_at(shape, "grad_accum_steps"), text_at(p, "world_size"),
+                            text_at(shape, "precision"))},
+      {"device", text_at(p, "device") + " (" + text_at(p, "device_name") + ")"},
+      {"steps", text_at(p, "steps")},
+      {"measured step",
+       fmt::format("{} s, loss {}", number(num(p, "/step_seconds")), number(num(p, "/loss")))},
+      {"MFU", member(p, "mfu").is_number() ? fmt::format("{:.2f}%", 100 * num(p, "/mfu"))
+                                           : "- (no peak FLOP/s for this device)"},
+      {"evaluation", fmt::format("{} s, val loss {}", number(num(p, "/eval_seconds")),
+                                 number(num(p, "/val_loss")))},
+      {"checkpoint save", fmt::format("{} in {} s ({}/s)", bytes_text(num(checkpoint, "/bytes")),
+                                      number(num(checkpoint, "/save_seconds")),
+                                      bytes_text(num(checkpoint, "/write_bytes_per_second")))},
+      {"restore", fmt::format("step {} at world {} in a fresh process: {} s, exit status {}",
+                              text_at(restore, "step"), text_at(restore, "world_size"),
+                              number(num(restore, "/seconds")), exits)},
+      {"restored step's loss", equality},
+      {"differing tensors", differing},
+      {"restore check", yes_no(member(restore, "passed"))},
+      {"whole pilot", number(num(p, "/wall_seconds")) + " s"},
+  });
+
+  // The pins: the job's hashes here, the environment in manifest.json (the pilot adds "pins").
+  const json& manifest = files.rung("manifest.json");
+  const json& pins = member(manifest, "pins");
+  page.subsection("Pins");
+  std::vector<std::pair<std::string, std::string>> pin_rows = {
+      {"job hash (the plan's --pilot check)", text_at(p, "job_hash")},
+      {"config hash", text_at(p, "config_hash")}};
+  if (pins.is_object()) {
+    const json& python = member(pins, "python");
+    pin_rows.emplace_back("python",
+                          text_at(python, "version") + " " + text_at(python, "executable"));
+    if (member(python, "pip_freeze").is_array()) {
+      pin_rows.emplace_back("pip freeze",
+                            fmt::format("{} packages", member(python, "pip_freeze").size()));
+    }
+    if (member(pins, "debian_packages").is_array()) {
+      std::string list;
+      for (const auto& package : member(pins, "debian_packages")) {
+        if (package.is_string()) list += (list.empty() ? "" : ", ") + package.get<std::string>();
+      }
+      pin_rows.emplace_back("Debian packages", list);
+    }
+    pin_rows.emplace_back("pins recorded (UTC)", text_at(pins, "recorded_utc"));
+  } else {
+    files.note_missing("manifest.json pins");
+    page.paragraph(
+        "manifest.json holds no pins (the pilot records Python, pip and Debian "
+        "packages there): rerun `kiln pilot` to record them.");
+  }
+  if (manifest.is_object()) {
+    const json& container = member(manifest, "container");
+    pin_rows.emplace_back("container", member(container, "digest").is_string()
+                                           ? text_at(container, "digest")
+                                           : text_at(container, "digest_source"));
+    const json& data = member(manifest, "data");
+    const json& model = member(manifest, "model");
+    pin_rows.emplace_back("data content (xxh3)", text_at(data, "content_xxh3"));
+    pin_rows.emplace_back("initial weights (xxh3)", text_at(model, "initial_weights_xxh3"));
+    for (const auto& [part, value] : {std::pair{"model", &model}, std::pair{"data", &data}}) {
+      if (member(*value, "revision").is_string()) {
+        pin_rows.emplace_back(std::string(part) + ".revision", text_at(*value, "revision"));
+      }
+    }
+  }
+  page.table(pin_rows);
+  say_lacking(page, files, "pilot.json", lacking);
+}
+
+// The plan: a row per hardware candidate (strategy, memory per device, step time, tokens/s, MFU,
+// days, ETTR, reservations and their cost), the recommended row marked; charts of the projected
+// wall time (and cost) and of the memory needed per device against what is usable.
+void plan_report(Page& page, RunFiles& files) {
+  const json& p = files.rung("plan.json");
+  if (p.is_null()) return;
+  page.section("Plan",
+               p.contains("verdict") ? text_at(p, "verdict") : text_at(p, "recommendation_text"));
+  std::vector<std::string> lacking;
+  const json& model = member(p, "model");
+  const json& job = member(p, "job");
+  const json& estimate = member(member(p, "memory_per_device"), "estimate");
+  page.table({
+      {"config", text_at(p, "config")},
+      {"calibrated by", member(p, "pilot").is_string() ? "the pilot in " + text_at(p, "pilot")
+                                                       : "no pilot: the assumptions below"},
+      {"model",
+       fmt::format("{}, {} parameters, {} FLOP/token", text_at(model, "architecture"),
+                   number(num(model, "/parameters")), number(num(model, "/flops_per_token")))},
+      {"job", fmt::format("micro-batch {} x seq {} x accum {} on {} GPUs, {}, {}",
+                          text_at(job, "micro_batch"), text_at(job, "seq_len"),
+                          text_at(job, "grad_accum_steps"), text_at(job, "gpus"),
+                          text_at(job, "precision"), text_at(job, "optimizer"))},
+      {"tokens", fmt::format("{} in {} steps ({} per step), {} evaluations",
+                             number(num(job, "/tokens")), number(num(job, "/steps")),
+                             number(num(job, "/tokens_per_step")), number(num(job, "/evals")))},
+      {"memory per device (DDP, estimated)",
+       fmt::format("step peak {}, everything at once {}, activations calibrated x{}",
+                   bytes_text(num(estimate, "/step_peak_bytes")),
+                   bytes_text(num(estimate, "/total_bytes")),
+                   number(num(p, "/memory_per_device/activation_calibration")))},
+      {"checkpoint", bytes_text(num(p, "/checkpoint/bytes"))},
+  });
+
+  const json& rows = member(p, "rows");
+  if (!rows.is_array() || rows.empty()) {
+    lacking.push_back("rows");
+  } else {
+    page.subsection("Hardware rows");
+    const json& recommendation = member(p, "recommendation");
+    const std::string chosen = text_at(recommendation, "hardware");
+    const double tokens_per_step = num(job, "/tokens_per_step");
+    Chart time{"plan-time", "Projected wall time per hardware row (plan)", true, "", "days", "", {},
+               {}};
+    Series days{"wall days", {}, {}};
+    Series cost7{"7-day cost", {}, {}, true}, cost30{"30-day cost", {}, {}, true};
+    Chart memory{"plan-memory",
+                 "Memory per device: needed by the strategy vs usable (plan)",
+                 true,
+                 "",
+                 "bytes",
+                 "",
+                 {},
+                 {}};
+    Series needed{"needed per device", {}, {}}, usable{"usable per device", {}, {}};
+    bool any_cost = false;
+    std::vector<std::vector<std::string>> table;
+    int marked = -1;
+    for (const json& row : rows) {
+      const std::string hardware = text_at(row, "hardware");
+      const bool is_chosen = !chosen.empty() && hardware == chosen;
+      if (is_chosen) marked = static_cast<int>(table.size());
+      const json& s = member(row, "strategy");
+      const std::string strategy = text_at(s, "strategy");
+      // What the chosen strategy holds per device; "does-not-fit": FSDP over every GPU, the least.
+      const double need =
+          strategy == "ddp" ? num(s, "/ddp_bytes_per_device") : num(s, "/fsdp_bytes_per_device");
+      const bool fits =
+          member(row, "fits_memory").is_boolean() && member(row, "fits_memory").get<bool>();
+      const std::string label = hardware + (is_chosen ? " (chosen)" : "");
+      time.categories.push_back(label);
+      days.y.push_back(fits ? num(row, "/wall_days") : NAN);
+      memory.categories.push_back(label);
+      needed.y.push_back(need);
+      usable.y.push_back(num(s, "/usable_bytes"));
+      auto reservation = [&](const char* key, Series& series) {
+        const json& r = member(row, key);
+        const double cost = num(r, "/cost");
+        series.y.push_back(cost);
+        any_cost = any_cost || std::isfinite(cost);
+        std::string text =
+            member(r, "fits").is_boolean() ? (member(r, "fits").get<bool>() ? "fits" : "no") : "-";
+        if (std::isfinite(cost)) text += ", cost " + short_number(cost);
+        return text;
+      };
+      const std::string r7 = reservation("reservation_7d", cost7);
+      const std::string r30 = reservation("reservation_30d", cost30);
+      const double step = num(row, "/step_seconds");
+      const std::string mfu_source = text_at(row, "mfu_source");
+      table.push_back({
+          label,
+          text_at(row, "display_name"),
+          text_at(row, "gpus"),
+          yes_no(member(row, "fits_memory")),
+          strategy + (strategy == "fsdp" ? " x" + text_at(s, "fsdp_degree") : ""),
+          bytes_text(need),
+          bytes_text(num(s, "/usable_bytes")),
+          fmt::format("{} s ({} compute + {} comm)", short_number(step),
+                      short_number(num(row, "/compute_seconds_per_step")),
+                      short_number(num(row, "/communication_seconds_per_step"))),
+          step > 0 ? short_number(tokens_per_step / step) : "-",
+          fmt::format("{:.1f}% ({})", 100 * num(row, "/mfu"),
+                      mfu_source.starts_with("pilot") ? "pilot" : "assumed"),
+          fits ? short_number(num(row, "/wall_days")) : "-",
+          fmt::format("{:.1f}%", 100 * num(row, "/ettr")),
+          seconds_text(num(row, "/checkpoint_interval_seconds")),
+          short_number(num(row, "/expected_failures")),
+          r7,
+          r30,
+          is_chosen ? fmt::format("chosen: {} days", text_at(recommendation, "reservation_days"))
+                    : "",
+      });
+    }
+    time.series = {days};
+    if (any_cost) {
+      time.y2_label = "cost (reservation)";
+      time.series.push_back(cost7);
+      time.series.push_back(cost30);
+    }
+    memory.series = {needed, usable};
+    page.chart(time);
+    page.chart(memory);
+    page.grid({"hardware", "device", "GPUs", "fits memory", "strategy", "memory per device",
+               "usable per device", "step", "tokens/s", "MFU", "wall days", "ETTR",
+               "checkpoint every", "expected failures", "7 days", "30 days", "recommended"},
+              table, marked, "plan");
+    page.paragraph("Recommendation: " + text_at(p, "recommendation_text") +
+                   ". tokens/s = the job's tokens per step / the row's step time.");
+    std::vector<std::string> reasons;
+    for (const json& row : rows) {
+      reasons.push_back(text_at(row, "hardware") + ": " +
+                        text_at(member(row, "strategy"), "reason"));
+    }
+    page.bullets("Why each strategy", reasons);
+  }
+  if (member(p, "assumptions").is_array()) {
+    std::vector<std::string> assumptions;
+    for (const auto& a : member(p, "assumptions")) {
+      assumptions.push_back(a.is_string() ? a.get<std::string>() : a.dump());
+    }
+    page.bullets("Assumptions", assumptions);
+  }
+  say_lacking(page, files, "plan.json", lacking);
 }
 
 using Section = std::function<void(Page&, RunFiles&)>;
@@ -689,7 +1068,8 @@ const std::vector<Section>& sections() {
       profile_section,
       scale_section,
       checkpoint_section,
-      planning_section,
+      pilot_report,
+      plan_report,
   };
   return list;
 }
@@ -700,7 +1080,9 @@ h2{border-bottom:1px solid #ccc;padding-bottom:4px;margin-top:2em}
 .canvas{position:relative;width:640px;height:280px;flex:none}
 .numbers{max-height:280px;overflow:auto;font-size:12px}
 table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ddd;padding:2px 6px;text-align:right}
-table.measures th{text-align:left}.note{color:#555;font-style:italic})";
+table.measures th{text-align:left}.note{color:#555;font-style:italic}
+.wide{overflow-x:auto;margin:1em 0}tr.chosen td{background:#e6f2e6;font-weight:bold}
+h3{margin:1.2em 0 .3em;font-size:1.05em;color:#444})";
 
 }  // namespace
 

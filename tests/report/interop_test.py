@@ -6,7 +6,8 @@
   the manifest, and names the first wrong tensor or config field.
 - the tensorboard package reads every scalar kiln logged, at its step, with its value.
 - headless Chromium renders report.html with no console error, with Debian's Chart.js inlined, and
-  every chart object holds as many points as the run's records.
+  every chart object holds as many points as the run's records (the pilot's and the plan's too);
+  the plan's table has a row per hardware row, the recommended one marked.
 - Holistic Trace Analysis loads the traces of a 2-rank `kiln profile`.
 
 Environment (set by tests/report/CMakeLists.txt): KILN_CLI, KILN_HF_FIXTURE, KILN_TORCHRUN,
@@ -265,7 +266,9 @@ PROBE_TAIL = """<script>(function() {
     charts: charts.map(function(c) { return {id: c.canvas.id, type: c.config.type,
       labels: (c.data.labels || []).length,
       datasets: c.data.datasets.map(function(d, i) {
-        return {label: d.label, points: d.data.length, drawn: c.getDatasetMeta(i).data.length}; })}; })};
+        return {label: d.label, points: d.data.length, drawn: c.getDatasetMeta(i).data.length}; })}; }),
+    planRows: Array.from(document.querySelectorAll('table.plan tr.row')).map(function(tr) {
+      return {hardware: tr.cells[0].textContent, chosen: tr.classList.contains('chosen')}; })};
   var pre = document.createElement('pre'); pre.id = 'kiln-probe'; pre.textContent = JSON.stringify(out);
   document.body.appendChild(pre);
 })();</script>"""
@@ -316,6 +319,18 @@ def expected_charts(run_dir):
         n = sum(1 for k in ("save_seconds", "resume_seconds", "reference_seconds", "stall_seconds",
                             "load_seconds") if k in checkpoint)
         out["chart-checkpoint-times"] = {"seconds": n}
+    if load("pilot.json") is not None:
+        # Estimated and measured: parameters, gradients, optimizer state, activations + logits,
+        # the step's peak; the cycle: step, evaluation, save, restore.
+        out["chart-pilot-memory"] = {"estimated": 5, "measured": 5}
+        out["chart-pilot-cycle"] = {"seconds": 4}
+    if (plan := load("plan.json")) is not None:
+        n = len(plan["rows"])
+        out["chart-plan-time"] = {"wall days": n}
+        if any(row[r]["cost"] is not None for row in plan["rows"]
+               for r in ("reservation_7d", "reservation_30d")):
+            out["chart-plan-time"].update({"7-day cost": n, "30-day cost": n})
+        out["chart-plan-memory"] = {"needed per device": n, "usable per device": n}
     return out
 
 
@@ -329,12 +344,13 @@ class Report(unittest.TestCase):
             "profile": {"wait": 0, "warmup": 1, "active": 2, "skip_first": 1},
             "dist": {"scale_processes": 2, "scale_steps": 4, "scale_warmup_steps": 1},
             "checkpoint": {"drill": False}})  # the drill's section: report_test.cpp (time)
-        kiln("ladder", config)
+        # Prices for two rows: the plan's time chart carries the reservations' costs too.
+        kiln("ladder", config, "--set", "plan.price_7d_per_gpu_hour={ h100-sxm = 2.99, mi300x = 2.5 }")
         run_dir = work / "runs" / "ladder"
         self.assertTrue((run_dir / "report.html").exists())  # written by the ladder
         (run_dir / "report.html").unlink()
         done = kiln("report", run_dir)  # and regenerated from the files
-        self.assertIn("not in this run: ", done.stdout)  # compile, checkpoint, pilot, plan: not run
+        self.assertIn("not in this run: ", done.stdout)  # compile, checkpoint: not run
         page = (run_dir / "report.html").read_text()
 
         library = Path(CHARTJS).read_text()
@@ -362,6 +378,17 @@ class Report(unittest.TestCase):
             drawn = {d["label"]: d["drawn"] for d in charts[chart_id]["datasets"]}
             self.assertEqual(got, datasets, chart_id)
             self.assertEqual(drawn, datasets, chart_id)
+
+        # The ladder ends with the pilot and the plan: their charts above, and the plan's table,
+        # one row per hardware row of plan.json, the recommended one marked.
+        plan = json.loads((run_dir / "plan.json").read_text())
+        self.assertIn("chart-pilot-memory", charts)
+        self.assertIn("chart-plan-time", charts)
+        rows = result["planRows"]
+        self.assertEqual([r["hardware"].split(" ")[0] for r in rows],
+                         [row["hardware"] for row in plan["rows"]])
+        self.assertEqual([r["hardware"].split(" ")[0] for r in rows if r["chosen"]],
+                         [plan["recommendation"]["hardware"]] if plan["recommendation"] else [])
 
         # The screenshot, kept as the test's artifact (scripts/report-screenshot makes the README's).
         shot = WORK / "report.png"

@@ -9,6 +9,7 @@
 
 #include "kiln/error.h"
 #include "kiln/hf.h"
+#include "kiln/pilot.h"
 #include "kiln/safetensors.h"
 #include "support/helpers.h"
 
@@ -230,13 +231,164 @@ TEST(ReportHtml, PartialAndBrokenRunDirectories) {
   EXPECT_THROW(make_report_html(dir / "absent"), UserError);
 }
 
+// pilot.json as the pilot writes it (src/rungs/pilot.cpp): a real CPU pilot's file, verdict cut.
+const char* kPilotJson = R"({
+  "checkpoint": {"bytes": 445536.0, "save_seconds": 0.025551781,
+                 "write_bytes_per_second": 17436592.776057374},
+  "config_hash": "278c7f14208e6c92", "device": "cpu", "device_name": "cpu",
+  "eval_seconds": 0.000758408, "flops_per_step": 28999680.0, "job_hash": "d5079afb9c129453",
+  "loss": 5.500183582305908,
+  "memory": {
+    "activation_ratio": 1.0002793156350054,
+    "estimate": {"activations_bytes": 566272.0, "backward_extra_bytes": 163840.0,
+                 "gradients_bytes": 142848.0, "gradients_held_across_micro_batches": false,
+                 "logits_bytes": 393216.0, "optimizer_bytes": 285696.0,
+                 "parameters_bytes": 142848.0, "step_peak_bytes": 1388032.0,
+                 "total_bytes": 1530880.0},
+    "estimate_step_peak_bytes": 1388032.0,
+    "measured": {"activations_and_logits_bytes": 959756.0, "gradients_bytes": 142848.0,
+                 "optimizer_bytes": 285696.0, "parameters_bytes": 142848.0,
+                 "peak_bytes": 1388300.0, "process_peak_rss_bytes": 135839744.0,
+                 "reserved_bytes": null, "step_peak_above_state_bytes": 959756},
+    "measured_over_estimate": 1.0001930791220952,
+    "method": "peak of live tensor bytes over the measured step",
+    "within_allowed_error": true},
+  "mfu": null, "passed": true, "peak_flops_per_second": null,
+  "restore": {"differing_tensors": [], "exit_status": 0, "loss_bitwise_equal": true,
+              "loss_equal": true, "loss_here": 5.438819408416748,
+              "loss_restored": 5.438819408416748, "passed": true, "seconds": 2.486412572,
+              "step": 2, "tolerance": 0.0, "world_size": 1},
+  "shape": {"grad_accum_steps": 1, "micro_batch": 4, "precision": "fp32", "seq_len": 32},
+  "step_seconds": 0.467323103, "steps": 2, "val_loss": 5.453566074371338,
+  "verdict": "full cycle at the production shape: 2 steps, eval, save, restore", "wall_seconds": 7.219444047,
+  "world_size": 1
+})";
+
+size_t occurrences(const std::string& text, const std::string& part) {
+  size_t n = 0;
+  for (size_t at = 0; (at = text.find(part, at)) != std::string::npos; at += part.size()) ++n;
+  return n;
+}
+
+// The <svg> element of one chart (plain-SVG page).
+std::string svg_of(const std::string& html, const std::string& id) {
+  const size_t begin = html.find("<svg class=\"svg-chart\" id=\"" + id + "\"");
+  if (begin == std::string::npos) return "";
+  return html.substr(begin, html.find("</svg>", begin) - begin);
+}
+
+TEST(ReportHtml, PilotAndPlanSections) {
+  TempDir dir;
+  // plan.json as `kiln plan` writes it (no model is built: milliseconds), prices for two rows.
+  const Config config = testing::gpt_config(
+      dir / "runs", {"plan.hardware=h100-sxm,mi300x,b200",
+                     "plan.price_7d_per_gpu_hour={ h100-sxm = 2.99, mi300x = 2.5 }"});
+  run_plan(config);
+  const auto run = dir / "runs" / "t";
+  testing::write_text(run / "pilot.json", kPilotJson);
+  nlohmann::json plan = nlohmann::json::parse(testing::slurp(run / "plan.json"));
+  ASSERT_EQ(plan["rows"].size(), 3u);
+  const std::string chosen = plan["recommendation"]["hardware"];
+  EXPECT_EQ(chosen, "mi300x");  // the cheaper of the two priced rows
+
+  testing::write_text(dir / "chart.js", "/* a stand-in library */ window.Chart = function() {};");
+  const ReportHtml js = make_report_html(run, dir / "chart.js");
+  ASSERT_GE(js.charts.size(), 4u);
+  EXPECT_EQ(std::vector<std::string>(js.charts.end() - 4, js.charts.end()),
+            (std::vector<std::string>{"chart-pilot-memory", "chart-pilot-cycle", "chart-plan-time",
+                                      "chart-plan-memory"}));
+  const std::string& page = js.html;
+  // Estimated vs measured by part, as pilot.json holds them (activations + logits summed).
+  EXPECT_NE(page.find("\"labels\":[\"parameters\",\"gradients\",\"optimizer state\","
+                      "\"activations + logits\",\"step peak\"]"),
+            std::string::npos);
+  EXPECT_NE(page.find("\"data\":[142848.0,142848.0,285696.0,959488.0,1388032.0]"),
+            std::string::npos);
+  EXPECT_NE(page.find("\"data\":[142848.0,142848.0,285696.0,959756.0,1388300.0]"),
+            std::string::npos);
+  // The cycle's times; the restore's equality and the hashes in the tables.
+  EXPECT_NE(page.find("\"data\":[0.467323103,0.000758408,0.025551781,2.486412572]"),
+            std::string::npos);
+  EXPECT_NE(page.find("bitwise equal (5.4388"), std::string::npos);
+  EXPECT_NE(page.find("d5079afb9c129453"), std::string::npos);
+  // The plan: a row per candidate, the chosen one marked, in the table and in the charts.
+  EXPECT_EQ(occurrences(page, "<tr class=\"row"), 3u);
+  EXPECT_EQ(occurrences(page, "<tr class=\"row chosen\">"), 1u);
+  EXPECT_NE(page.find("<tr class=\"row chosen\"><td>mi300x (chosen)"), std::string::npos);
+  EXPECT_NE(page.find("chosen: 7 days"), std::string::npos);
+  EXPECT_EQ(occurrences(page, "\"labels\":[\"h100-sxm\",\"mi300x (chosen)\",\"b200\"]"), 2u);
+  // Costs on the right axis: 7 days for the two priced rows, none for 30 days.
+  EXPECT_NE(page.find(fmt::format("\"data\":[{},{},null]",
+                                  plan["rows"][0]["reservation_7d"]["cost"].dump(),
+                                  plan["rows"][1]["reservation_7d"]["cost"].dump())),
+            std::string::npos);
+  EXPECT_NE(page.find("\"label\":\"30-day cost\""), std::string::npos);
+  for (const auto& m : js.missing) {
+    EXPECT_FALSE(m.starts_with("pilot.json") || m.starts_with("plan.json")) << m;
+  }
+  // No manifest in this directory: the pins are named as missing.
+  EXPECT_NE(std::find(js.missing.begin(), js.missing.end(), "manifest.json pins"),
+            js.missing.end());
+
+  // Plain SVG: the same charts, each bar drawn (plus the frame).
+  const ReportHtml svg = make_report_html(run, dir / "no-such-chart.js");
+  EXPECT_EQ(svg.charts, js.charts);
+  EXPECT_EQ(occurrences(svg_of(svg.html, "chart-pilot-memory"), "<rect"), 1u + 10u);
+  EXPECT_EQ(occurrences(svg_of(svg.html, "chart-pilot-cycle"), "<rect"), 1u + 4u);
+  EXPECT_EQ(occurrences(svg_of(svg.html, "chart-plan-time"), "<rect"), 1u + 3u + 2u);
+  EXPECT_EQ(occurrences(svg_of(svg.html, "chart-plan-memory"), "<rect"), 1u + 6u);
+
+  // A row that does not fit: no days (null), "no" in the table.
+  plan["rows"][2]["fits_memory"] = false;
+  plan["rows"][2]["strategy"]["strategy"] = "does-not-fit";
+  testing::write_text(run / "plan.json", plan.dump());
+  const ReportHtml unfit = make_report_html(run, dir / "chart.js");
+  EXPECT_NE(
+      unfit.html.find(fmt::format("\"data\":[{},{},null]", plan["rows"][0]["wall_days"].dump(),
+                                  plan["rows"][1]["wall_days"].dump())),
+      std::string::npos);
+  EXPECT_NE(unfit.html.find("<td>does-not-fit</td>"), std::string::npos);
+
+  // Partial files: the sections show what is there and name what is not.
+  testing::write_text(run / "pilot.json",
+                      "{\"verdict\": \"cut short\", \"step_seconds\": 0.5, "
+                      "\"memory\": {\"measured\": {\"peak_bytes\": 100}}}");
+  testing::write_text(run / "plan.json",
+                      "{\"verdict\": \"odd\", \"rows\": [{\"hardware\": \"x\"}, 5]}");
+  const ReportHtml partial = make_report_html(run, dir / "chart.js");
+  EXPECT_NE(std::find(partial.missing.begin(), partial.missing.end(),
+                      "pilot.json without memory.estimate, checkpoint, restore"),
+            partial.missing.end());
+  EXPECT_NE(partial.html.find("pilot.json lacks memory.estimate, checkpoint, restore"),
+            std::string::npos);
+  EXPECT_NE(partial.html.find("\"data\":[null,null,null,null,100.0]"), std::string::npos);
+  EXPECT_EQ(std::vector<std::string>(partial.charts.end() - 4, partial.charts.end()),
+            (std::vector<std::string>{"chart-pilot-memory", "chart-pilot-cycle", "chart-plan-time",
+                                      "chart-plan-memory"}));
+  EXPECT_EQ(occurrences(partial.html, "<tr class=\"row"), 2u);
+  testing::write_text(run / "plan.json", "{\"verdict\": \"odd\", \"rows\": 3}");
+  testing::write_text(run / "pilot.json", "{\"verdict\": ");
+  const ReportHtml broken = make_report_html(run, dir / "chart.js");
+  for (const char* missing : {"plan.json without rows", "pilot.json (unreadable)"}) {
+    EXPECT_NE(std::find(broken.missing.begin(), broken.missing.end(), missing),
+              broken.missing.end())
+        << missing;
+  }
+  EXPECT_NE(broken.html.find("<h2>Plan</h2>"), std::string::npos);
+  EXPECT_EQ(broken.html.find("<h2>Pilot</h2>"), std::string::npos);
+  for (const auto& id : broken.charts) {
+    EXPECT_FALSE(id.starts_with("chart-pilot") || id.starts_with("chart-plan")) << id;
+  }
+}
+
 TEST(ReportCli, ReportAndExportRefuseBadInputInOneLine) {
   TempDir dir;
   auto result = testing::run_kiln("report " + (dir / "absent").string());
   EXPECT_EQ(result.exit_code, 2);
   EXPECT_NE(result.err.find("not a directory"), std::string::npos) << result.err;
   std::filesystem::create_directories(dir / "run");
-  testing::write_text(dir / "run" / "config.toml", "[model]\nname = \"gpt\"\n[data]\nname = \"text\"\n");
+  testing::write_text(dir / "run" / "config.toml",
+                      "[model]\nname = \"gpt\"\n[data]\nname = \"text\"\n");
   result = testing::run_kiln("export " + (dir / "run").string() + " --format hf " +
                              (dir / "out").string());
   EXPECT_EQ(result.exit_code, 2);
