@@ -113,7 +113,9 @@ std::string format_bytes(double bytes) {
 std::string format_duration(double seconds) {
   char buffer[32];
   if (!std::isfinite(seconds) || seconds < 0) return "?";
-  if (seconds < 60) {
+  if (seconds > 0 && seconds < 0.1) {  // a planned step on many GPUs: milliseconds, not "0.0s"
+    std::snprintf(buffer, sizeof(buffer), "%.2gms", 1e3 * seconds);
+  } else if (seconds < 60) {
     std::snprintf(buffer, sizeof(buffer), "%.1fs", seconds);
   } else if (seconds < 3600) {
     int s = static_cast<int>(seconds);

@@ -25,7 +25,7 @@ std::string toml_quote(std::string_view text);
 std::string hex64(uint64_t value);
 /// "1.50 GiB", "12.0 MiB", "512 B".
 std::string format_bytes(double bytes);
-/// "1h02m", "3m05s", "12.3s".
+/// "1h02m", "3m05s", "12.3s", and "1.6ms" under 0.1 s.
 std::string format_duration(double seconds);
 
 /// "[4, 3]": a shape for messages and listings.

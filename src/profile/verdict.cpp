@@ -139,9 +139,10 @@ Verdict decide_bottleneck(const TraceAnalysis& analysis, const VerdictThresholds
     a.push_back(
         fmt::format("raise the per-rank batch (train.batch_size{}) so compute hides communication",
                     now(context.batch_size)));
+    a.push_back("check the interconnect (NCCL over NVLink/InfiniBand, not TCP)");
     a.push_back(
-        "check the interconnect (NCCL over NVLink/InfiniBand, not TCP); reduce-scatter "
-        "sharding (FSDP) would also cut the traffic (not in kiln yet)");
+        "under FSDP (dist.strategy = \"fsdp\"), dist.reshard_after_forward = false keeps the "
+        "gathered parameters until backward and skips its all-gather, where memory allows");
   } else if (memory_fraction >= thresholds.memory_bound_fraction) {
     v.bottleneck = "memory-bound";
     v.reason = fmt::format(
@@ -154,10 +155,13 @@ Verdict decide_bottleneck(const TraceAnalysis& analysis, const VerdictThresholds
                     now(context.batch_size), now(context.grad_accum_steps)));
     a.push_back(
         "activation checkpointing: recompute activations in backward instead of keeping them "
-        "(not in kiln yet)");
+        "(train.activation_checkpointing = \"block\")");
     a.push_back(
-        "shard parameters, gradients and optimizer state across ranks (FSDP; not in kiln yet)");
-    a.push_back("train in bf16 mixed precision to halve activation memory (not in kiln yet)");
+        "shard parameters, gradients and optimizer state across ranks (FSDP: dist.strategy = "
+        "\"fsdp\", or \"auto\" to choose from memory; kiln plan sizes it)");
+    a.push_back(
+        "train in bf16 mixed precision to halve activation memory (train.precision = "
+        "\"bf16-mixed\")");
   } else if ((!gpu && analysis.mean_op_us < thresholds.host_bound_op_us) ||
              (gpu && gpu_idle_share >= thresholds.gpu_idle_share && idle_mostly_host)) {
     v.bottleneck = "host-bound";
@@ -179,7 +183,8 @@ Verdict decide_bottleneck(const TraceAnalysis& analysis, const VerdictThresholds
                             now(context.batch_size)));
     a.push_back(
         context.cuda
-            ? "capture the step as a CUDA graph to remove per-kernel launch cost (not in kiln yet)"
+            ? "capture the step as a CUDA graph to remove per-kernel launch cost (the compile "
+              "rung: kiln compile with compile.backend = \"inductor+cudagraphs\")"
             : "fuse small operators: a compiled step skips per-call dispatch (the compile rung: "
               "kiln compile with compile.backend = \"inductor\")");
     a.push_back(
@@ -204,8 +209,9 @@ Verdict decide_bottleneck(const TraceAnalysis& analysis, const VerdictThresholds
         "the math dominates: compare achieved FLOP/s with the device peak (baseline rung, MFU)");
     a.push_back(
         context.cuda
-            ? "bf16 autocast / TF32 matmuls (not in kiln yet), and fusing the elementwise "
-              "operators (the compile rung: kiln compile with compile.backend = \"inductor\")"
+            ? "bf16 tensor-core matmuls (train.precision = \"bf16-mixed\"), and fusing the "
+              "elementwise operators (the compile rung: kiln compile with compile.backend = "
+              "\"inductor\")"
             : "fuse the elementwise operators around the matmuls (the compile rung: kiln compile "
               "with compile.backend = \"inductor\")");
     a.push_back(fmt::format(

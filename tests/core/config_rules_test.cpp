@@ -272,3 +272,19 @@ TEST(TomlQuote, AwkwardStringsRoundTripThroughTomlPlusPlus) {
 
 }  // namespace
 }  // namespace kiln
+
+namespace kiln::testing {
+namespace {
+
+TEST(Strings, DurationsReadAtEveryScale) {
+  EXPECT_EQ(format_duration(0.0016), "1.6ms");  // a planned step on many GPUs
+  EXPECT_EQ(format_duration(0.045), "45ms");
+  EXPECT_EQ(format_duration(0.26), "0.3s");
+  EXPECT_EQ(format_duration(12.34), "12.3s");
+  EXPECT_EQ(format_duration(185), "3m05s");
+  EXPECT_EQ(format_duration(3720), "1h02m");
+  EXPECT_EQ(format_duration(-1), "?");
+}
+
+}  // namespace
+}  // namespace kiln::testing

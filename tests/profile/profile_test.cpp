@@ -576,10 +576,10 @@ TEST(Verdict, EachBottleneckWithTheNumbersThatDecidedIt) {
   EXPECT_NEAR(v.numbers["exposed_comm_kernel_share"].get<double>(), 0.30, 1e-12);
 }
 
-TEST(Verdict, ActionsNamingWhatKilnLacksSaySo) {
-  // kiln has no FSDP, activation checkpointing, CUDA graphs or mixed precision yet: an action
-  // suggesting one must say it is not in kiln, never send the user to a missing rung. An action
-  // suggesting a compiled step points at the compile rung, which exists.
+TEST(Verdict, ActionsNameTheKeyThatDoesIt) {
+  // An action suggesting FSDP, activation checkpointing, a CUDA graph or mixed precision names
+  // the config key that turns it on (kiln has each of them); none says "not in kiln yet". An
+  // action suggesting a compiled step points at the compile rung.
   VerdictThresholds t;
   TraceAnalysis full = analysis_with(0.05, 0.0, 500);
   full.memory = {{"backward", "cpu", 95e9, 10e9}};
@@ -593,6 +593,7 @@ TEST(Verdict, ActionsNamingWhatKilnLacksSaySo) {
       decide_bottleneck(analysis_with(0.05, 0.0, 500), t, VerdictContext{.cuda = true})};
   std::set<std::string> bottlenecks;
   int compile_actions = 0;
+  int named_keys = 0;
   for (const auto& v : verdicts) {
     bottlenecks.insert(v.bottleneck);
     for (const auto& action : v.actions) {
@@ -603,15 +604,23 @@ TEST(Verdict, ActionsNamingWhatKilnLacksSaySo) {
         EXPECT_THAT(action, HasSubstr("the compile rung: kiln compile")) << v.bottleneck;
         ++compile_actions;
       }
-      for (const char* missing : {"FSDP", "checkpointing", "CUDA graph", "bf16"}) {
-        if (action.find(missing) != std::string::npos) {
-          EXPECT_THAT(action, HasSubstr("not in kiln yet")) << v.bottleneck;
+      EXPECT_THAT(action, ::testing::Not(HasSubstr("not in kiln"))) << v.bottleneck;
+      const std::pair<const char*, const char*> keys[] = {
+          {"FSDP", "dist.strategy = \"fsdp\""},
+          {"checkpointing", "train.activation_checkpointing = \"block\""},
+          {"CUDA graph", "compile.backend = \"inductor+cudagraphs\""},
+          {"bf16", "train.precision = \"bf16-mixed\""}};
+      for (const auto& [feature, key] : keys) {
+        if (action.find(feature) != std::string::npos) {
+          EXPECT_THAT(action, HasSubstr(key)) << v.bottleneck;
+          ++named_keys;
         }
       }
     }
   }
   EXPECT_EQ(bottlenecks.size(), 5u);  // every verdict's actions were checked
   EXPECT_GE(compile_actions, 2);      // host-bound and compute-bound point at the compile rung
+  EXPECT_GE(named_keys, 5);  // memory-bound: 3; CUDA host-bound: a graph; CUDA compute: bf16
 }
 
 // A dataset whose batches take `delay` to build: a loader that cannot keep up.
@@ -709,8 +718,8 @@ TEST(Verdict, AWideMlpWithBigBatchesIsComputeBound) {
 
 TEST(Profiler, LadderRunsCompileThenProfileRightAfterBaseline) {
   // The rungs kiln/rungs.h declares (each a run_* entry point); the ladder holds each once.
-  const std::set<std::string> declared = {"baseline", "compile", "profile", "scale",
-                                          "checkpoint", "pilot", "plan"};
+  const std::set<std::string> declared = {"baseline",   "compile", "profile", "scale",
+                                          "checkpoint", "pilot",   "plan"};
   std::vector<std::string> names;
   for (const auto& rung : ladder_rungs()) {
     EXPECT_TRUE(declared.count(rung.name)) << rung.name << " is not a rung kiln/rungs.h declares";
