@@ -10,7 +10,8 @@ measured step time, same run.
    (plan.catalog, `match = ["CPU"]`, peak_tflops from that measurement) into its work directory.
 2. `kiln pilot CONFIG` (the production shape, one measured optimizer step: MFU from the row's
    peak), then `kiln baseline CONFIG` (the steady-state median over baseline.steps).
-3. `kiln plan CONFIG --pilot RUN` restricted to that row: its step_seconds is the projection.
+3. `kiln plan CONFIG --pilot RUN` restricted to that row at plan.gpus = 1 (one process, as the
+   pilot and the baseline ran): its step_seconds is the projection.
 Repeated --repeats times; the result holds every repeat and the median ratio
 projected / measured (1.0 = the plan predicts the steady-state step; above 1 it overestimates).
 """
@@ -96,7 +97,9 @@ def main():
         name = f"r{k}"
         run = kiln(args, "pilot", [], name)
         kiln(args, "baseline", [], name)  # same run directory: beside the pilot
-        kiln(args, "plan", ["--pilot", run] + sets(["plan.hardware=this-cpu"]), name)
+        # One GPU: the machine the pilot ran on, one process (at the default 8 the plan adds a
+        # DDP all-reduce over this row's 1 GB/s "network", which the baseline never pays).
+        kiln(args, "plan", ["--pilot", run] + sets(["plan.hardware=this-cpu", "plan.gpus=1"]), name)
         pilot = json.load(open(os.path.join(run, "pilot.json")))
         baseline = json.load(open(os.path.join(run, "baseline.json")))
         plan = json.load(open(os.path.join(run, "plan.json")))
