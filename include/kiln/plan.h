@@ -180,7 +180,8 @@ struct Device {
   std::string source, date;                  // where the figures come from, and when
   /// Upper-case words of a runtime device name that mean this row ("H100").
   std::vector<std::string> match;
-  /// Dense peak FLOP/s for "fp32" | "tf32" | "bf16" | "fp16"; 0 when the row has none.
+  /// Dense peak FLOP/s for "fp32" | "tf32" | "bf16" | "fp16", or a train.precision value
+  /// ("bf16-mixed" computes in bf16: its bf16 peak); 0 when the row has none.
   double peak_flops_for(std::string_view precision) const;
 };
 
@@ -198,6 +199,9 @@ const Device* device_for_name(const std::vector<Device>& catalog, std::string_vi
 
 /// The precision the config trains in: train.precision when the schema declares it, else "fp32".
 std::string training_precision(const Config& config);
+/// The precision the matmuls run in: "bf16-mixed" -> "bf16", "fp16-mixed" -> "fp16", others
+/// lower-cased as they are. The catalog's peak_tflops keys.
+std::string compute_precision(std::string_view precision);
 
 /// The dense peak FLOP/s for `precision` ("fp32" | "tf32" | "bf16" | "fp16") of the catalog row
 /// (plan.catalog rows included) matching a runtime device name such as "NVIDIA H100 80GB HBM3";

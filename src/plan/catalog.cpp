@@ -147,8 +147,15 @@ std::vector<Device> load_devices(const std::filesystem::path& extra_file) {
 
 }  // namespace
 
+std::string compute_precision(std::string_view precision) {
+  std::string p = lower(precision);
+  constexpr std::string_view mixed = "-mixed";  // bf16-mixed computes in bf16 (train.precision)
+  if (p.size() > mixed.size() && p.ends_with(mixed)) p.resize(p.size() - mixed.size());
+  return p;
+}
+
 double Device::peak_flops_for(std::string_view precision) const {
-  auto it = peak_flops.find(lower(precision));
+  auto it = peak_flops.find(compute_precision(precision));
   return it == peak_flops.end() ? 0.0 : it->second;
 }
 

@@ -151,9 +151,9 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
     const double peak = device->peak_flops_for(job.precision);
     if (peak <= 0) {
       throw UserError(
-          fmt::format("hardware row {} has no peak_tflops.{} (train.precision); add it "
-                      "to the catalog row",
-                      device->name, job.precision));
+          fmt::format("hardware row {} has no peak_tflops.{} (train.precision = \"{}\"); add "
+                      "it to the catalog row",
+                      device->name, compute_precision(job.precision), job.precision));
     }
     const bool measured_here =
         pilot && pilot->mfu > 0 && device_for_name(catalog, pilot->device) == device;
@@ -344,9 +344,9 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
       {"checkpoint",
        {{"bytes", checkpoint_bytes},
         {"assumed_write_bytes_per_second", assumed_write_speed},
-        {"pilot_write_bytes_per_second",
-         pilot && pilot->write_bytes_per_second > 0 ? json(pilot->write_bytes_per_second)
-                                                    : json(nullptr)}}},
+        {"pilot_write_bytes_per_second", pilot && pilot->write_bytes_per_second > 0
+                                             ? json(pilot->write_bytes_per_second)
+                                             : json(nullptr)}}},
       {"assumptions", assumptions},
       {"rows", out_rows},
       {"recommendation", best.is_null() ? json(nullptr) : best},

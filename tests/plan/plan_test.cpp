@@ -232,6 +232,34 @@ TEST(Plan, SixPointSevenBillionPlan) {
   EXPECT_THAT(plan_markdown(plan), HasSubstr("| h100-sxm |"));
 }
 
+// train.precision = "bf16-mixed" computes in bf16: each row's compute time uses its bf16 peak
+// (the same FLOPs over a larger peak), and activations are 2 bytes, so memory per device shrinks.
+TEST(Plan, MixedPrecisionUsesTheHalfPrecisionPeak) {
+  Config fp32 = gpt_6_7b();
+  Config bf16 = gpt_6_7b();
+  bf16.set_from_string("train.precision=bf16-mixed");
+  const auto a = make_plan(fp32, nullptr, /*require_cost=*/false);
+  const auto b = make_plan(bf16, nullptr, /*require_cost=*/false);
+  ASSERT_EQ(a["rows"].size(), b["rows"].size());
+  const auto catalog = load_catalog();
+  for (size_t k = 0; k < a["rows"].size(); ++k) {
+    const auto& ra = a["rows"][k];
+    const auto& rb = b["rows"][k];
+    const Device& d = find_device(catalog, ra["hardware"].get<std::string>(), "k");
+    EXPECT_EQ(rb["peak_flops_per_gpu"].get<double>(), d.peak_flops_for("bf16")) << d.name;
+    EXPECT_EQ(d.peak_flops_for("bf16-mixed"), d.peak_flops_for("bf16"));
+    EXPECT_NEAR(
+        ra["compute_seconds_per_step"].get<double>() / rb["compute_seconds_per_step"].get<double>(),
+        d.peak_flops_for("bf16") / d.peak_flops_for("fp32"), 1e-9)
+        << d.name;
+    EXPECT_LT(rb["strategy"]["ddp_bytes_per_device"].get<double>(),
+              ra["strategy"]["ddp_bytes_per_device"].get<double>())
+        << d.name;
+  }
+  EXPECT_EQ(compute_precision("FP16-mixed"), "fp16");
+  EXPECT_EQ(compute_precision("tf32"), "tf32");
+}
+
 TEST(Plan, CostsTheCheapestRowThatFits) {
   Config config = gpt_6_7b();
   config.set_from_string("plan.hardware=h100-sxm, mi300x");
