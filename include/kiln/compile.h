@@ -301,8 +301,7 @@ class CompiledStep : public CompiledForwardBackward {
 /// Attaches what compile.backend asks for to `trainer`: the AOTInductor step ("inductor",
 /// "inductor+cudagraphs"; returned) and the CUDA-graph capture ("cudagraphs",
 /// "inductor+cudagraphs"; attach_captured_step). Returns null when there is no AOTInductor step.
-/// Throws what CompiledStep's constructor throws, and UserError for cudagraphs with more than one
-/// process (not built yet).
+/// Throws what CompiledStep's constructor throws.
 std::shared_ptr<CompiledStep> attach_compiled_step(Trainer& trainer, const Config& config);
 
 // ---- CUDA graphs -------------------------------------------------------------------------------

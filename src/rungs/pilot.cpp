@@ -16,6 +16,7 @@
 #include "core/process.h"
 #include "core/strings.h"
 #include "kiln/checkpoint.h"
+#include "kiln/compile.h"
 #include "kiln/data.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
@@ -106,8 +107,12 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   const ModelShape shape = model_shape(config);
   JobShape job = job_shape(config);
 
+  check_compile_start(config);  // compile.backend: Python, torch, cache, before anything is written
   auto session = open_session(config, options);
   Trainer& trainer = *session->trainer;
+  // The job's own step: with compile.backend set, the compiled step as `kiln train` runs it (and
+  // as the restore child runs it), so the cycle proves the step production will run.
+  const std::shared_ptr<CompiledStep> compiled = attach_compiled_step(trainer, config);
   const int world = session->comm->world_size();
   job.world_size = world;
   const bool writer = session->comm->rank() == 0;
@@ -252,16 +257,16 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
       restore["exit_status_by_rank"].push_back(rank_code);
       if (rank_code != 0 && code == 0) code = rank_code;
       if (rank_code != 0) {
-        problems.push_back(fmt::format(
-            "rank {}'s restore process exited with {} (see {})", r, rank_code,
-            (pilot_dir / (r == 0 ? std::string("restore.log")
-                                 : fmt::format("restore-rank{}.log", r)))
-                .string()));
+        problems.push_back(fmt::format("rank {}'s restore process exited with {} (see {})", r,
+                                       rank_code,
+                                       (pilot_dir / (r == 0 ? std::string("restore.log")
+                                                            : fmt::format("restore-rank{}.log", r)))
+                                           .string()));
       }
     }
   } else if (code != 0) {
-    problems.push_back(fmt::format("the restore process exited with {} (see {})", code,
-                                   restore_log.string()));
+    problems.push_back(
+        fmt::format("the restore process exited with {} (see {})", code, restore_log.string()));
   }
   restore["exit_status"] = code;
   // CPU kernels are deterministic: bitwise. CUDA's atomics (e.g. the embedding's backward) are
@@ -284,14 +289,13 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
     for (const char* prefix : {"model/", "optim/"}) {
       for (auto& n : differing(read_checkpoint_tensors(here, prefix, true),
                                read_checkpoint_tensors(there, prefix, true), tolerance)) {
-        names.push_back(prefix + n);
+        names.push_back(std::move(n));  // the checkpoint's own name: "model/...", "optim/..."
       }
     }
     restore["differing_tensors"] = names;
     if (!loss_equal) {
       problems.push_back(fmt::format("the restored step {} loss differs ({} here, {} restored)",
-                                     final_step, reference_loss,
-                                     restore["loss_restored"].dump()));
+                                     final_step, reference_loss, restore["loss_restored"].dump()));
     }
     if (!names.empty()) {
       problems.push_back(fmt::format("restore check failed: {} tensor(s) differ after step {}: {}",
@@ -320,6 +324,7 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
         {"grad_accum_steps", job.grad_accum_steps},
         {"precision", job.precision}}},
       {"steps", steps},
+      {"compile_backend", config.get_string("compile.backend")},
       {"step_seconds", measured.step_seconds},
       {"loss", measured.loss},
       {"flops_per_step", flops_per_step},
@@ -379,8 +384,12 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   t.emplace_back("shape", fmt::format("micro-batch {} x seq {} x accum {} x {} process(es), {}",
                                       job.micro_batch, job.seq_len, job.grad_accum_steps, world,
                                       job.precision));
-  t.emplace_back("step", fmt::format("{}{}", format_duration(measured.step_seconds),
-                                     mfu > 0 ? fmt::format(", MFU {:.1f}%", 100 * mfu) : ""));
+  t.emplace_back(
+      "step", fmt::format("{}{}{}", format_duration(measured.step_seconds),
+                          mfu > 0 ? fmt::format(", MFU {:.1f}%", 100 * mfu) : "",
+                          config.get_string("compile.backend") != "eager"
+                              ? fmt::format(", compiled ({})", config.get_string("compile.backend"))
+                              : ""));
   t.emplace_back("peak memory",
                  fmt::format("{} measured, {} estimated, ratio {:.2f}", format_bytes(measured_peak),
                              format_bytes(estimated_peak), ratio));

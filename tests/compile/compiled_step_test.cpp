@@ -1,9 +1,8 @@
 // The compiled step end to end, through the CLI: AOTInductor packages built by python/kiln_py
 // and run from C++. Small models (an MLP, a one-layer GPT) keep each compile short; the tests
 // share one cache per build (KILN_TEST_COMPILE_CACHE) except where a cold cache is the point.
-#include <gtest/gtest.h>
-
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 
 #include <map>
 #include <nlohmann/json.hpp>
@@ -67,7 +66,8 @@ TEST(CompiledStep, TheRungCompilesColdThenLoadsTheCachedPackage) {
   EXPECT_EQ(first["numerics"]["compiled_losses"].size(), 5u);
   EXPECT_GT(first["speedup"].get<double>(), 0.0);
   const std::string verdict = first["verdict"];
-  EXPECT_TRUE(verdict.rfind("keep the compiled step", 0) == 0 || verdict.rfind("stay eager", 0) == 0)
+  EXPECT_TRUE(verdict.rfind("keep the compiled step", 0) == 0 ||
+              verdict.rfind("stay eager", 0) == 0)
       << verdict;
   EXPECT_NE(cold.out.find("compile — PASSED"), std::string::npos) << cold.out;
   // Evaluation ran through its own forward-only package (built cold too) and agrees with eager.
@@ -143,10 +143,10 @@ TEST(CompiledStep, UnderDataParallelTheGradientsAreReducedAfterThePackageReturns
   std::map<int64_t, double> losses[2];
   int side = 0;
   for (const char* backend : {"eager", "inductor"}) {
-    const CommandResult r = run_shell(
-        std::string(KILN_TORCHRUN) + " --standalone --nproc-per-node=2 --no-python " +
-        KILN_CLI + " train " + mlp_args(dir.path(), backend) +
-        " --set train.steps=5 --set compile.backend=" + backend + shared_cache());
+    const CommandResult r =
+        run_shell(std::string(KILN_TORCHRUN) + " --standalone --nproc-per-node=2 --no-python " +
+                  KILN_CLI + " train " + mlp_args(dir.path(), backend) +
+                  " --set train.steps=5 --set compile.backend=" + backend + shared_cache());
     ASSERT_EQ(r.exit_code, 0) << backend << r.out << r.err;
     losses[side++] = read_step_losses(dir / backend / "metrics.jsonl");
   }
@@ -191,12 +191,13 @@ TEST(CompiledStep, TheRungUnderDdpReportsTheOverlapLost) {
 
 // A one-layer GPT with a dynamic sequence dimension (one package shared by the two tests below).
 std::string gpt_args(const std::filesystem::path& run_dir, const std::string& name) {
-  return (source_dir() / "configs/gpt-tiny.toml").string() + " --set run.dir=" +
-         run_dir.string() + " --set run.name=" + name +
+  return (source_dir() / "configs/gpt-tiny.toml").string() + " --set run.dir=" + run_dir.string() +
+         " --set run.name=" + name +
          " --set run.progress=off --set run.threads=2 --set model.n_layer=1"
          " --set model.n_embd=32 --set model.n_head=2 --set model.block_size=16"
          " --set data.seq_len=16 --set train.batch_size=4 --set data.num_workers=0"
-         " --set train.eval_batches=1 --set compile.backend=inductor --set compile.dynamic=dynamic" +
+         " --set train.eval_batches=1 --set compile.backend=inductor --set "
+         "compile.dynamic=dynamic" +
          shared_cache();
 }
 
@@ -216,6 +217,24 @@ TEST(CompiledStep, ACompiledRunRepeatsBitwiseOnCpu) {
   }
   ASSERT_EQ(losses[0].size(), 20u);
   EXPECT_EQ(losses[0], losses[1]);
+}
+
+// The pilot proves the step the job will run: with compile.backend set it trains, evaluates and
+// saves through the compiled step, and the restore child (`kiln train --resume`, compiled too)
+// continues bitwise. (Before, the pilot ran eager and its compiled child differed in every tensor.)
+TEST(CompiledStep, ThePilotRunsTheCompiledStepAndItsRestoreIsBitwise) {
+  TempDir dir;
+  const CommandResult r = run_kiln("pilot " + mlp_args(dir.path(), "p") +
+                                   " --set compile.backend=inductor" + shared_cache());
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("compiled (inductor)"), std::string::npos) << r.out;
+  const json pilot = read_json(dir / "p" / "pilot.json");
+  EXPECT_EQ(pilot["compile_backend"], "inductor");
+  EXPECT_TRUE(pilot["restore"]["passed"].get<bool>()) << pilot["restore"];
+  EXPECT_TRUE(pilot["restore"]["loss_bitwise_equal"].get<bool>()) << pilot["restore"];
+  EXPECT_TRUE(pilot["restore"]["differing_tensors"].empty()) << pilot["restore"];
+  EXPECT_NE(slurp(dir / "p" / "pilot" / "restore.log").find("compiled step: inductor"),
+            std::string::npos);
 }
 
 TEST(CompiledStep, ADynamicGraphServesTheProbesShorterSequences) {
@@ -253,7 +272,8 @@ TEST(CompiledStep, ADataDependentBranchIsAGraphBreakNamedWithItsPlace) {
   TempDir dir;
   const std::string args = "compile " + mlp_args(dir.path(), "full") +
                            " --set model.data_dependent_branch=true"
-                           " --set compile.backend=inductor" + shared_cache();
+                           " --set compile.backend=inductor" +
+                           shared_cache();
   const CommandResult full = run_kiln(args);
   EXPECT_EQ(full.exit_code, 3) << full.out << full.err;
   EXPECT_NE(full.err.find("compile.fullgraph = true and the step has 1 graph break(s): graph "
@@ -265,11 +285,13 @@ TEST(CompiledStep, ADataDependentBranchIsAGraphBreakNamedWithItsPlace) {
   EXPECT_NE(j["compile"]["graph_breaks"][0]["where"].get<std::string>().find("models.py:"),
             std::string::npos);
 
-  const CommandResult eager = run_kiln(args + " --set run.name=fallback --set compile.fullgraph=false");
+  const CommandResult eager =
+      run_kiln(args + " --set run.name=fallback --set compile.fullgraph=false");
   ASSERT_EQ(eager.exit_code, 0) << eager.out << eager.err;
   json f = read_json(dir / "fallback" / "compile.json");
   EXPECT_TRUE(f["compile"]["fallback_to_eager"].get<bool>());
-  EXPECT_EQ(f["verdict"].get<std::string>().rfind("stay eager: the step has 1 graph break(s)", 0), 0u)
+  EXPECT_EQ(f["verdict"].get<std::string>().rfind("stay eager: the step has 1 graph break(s)", 0),
+            0u)
       << f["verdict"];
 }
 
