@@ -146,9 +146,12 @@ std::string script_json(const json& value) {
   return out;
 }
 
+// For reading, not for round trips (the charts' JSON keeps every digit): whole numbers as they
+// are, others to 5 significant digits ("0.053475", "0.00089553", "6.3599e+07").
 std::string number(double value) {
   if (!std::isfinite(value)) return "-";
-  return format_number(value);
+  if (std::abs(value) < 1e15 && value == std::round(value)) return format_number(value);
+  return fmt::format("{:.5g}", value);
 }
 
 json finite_or_null(double value) {
