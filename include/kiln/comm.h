@@ -80,6 +80,9 @@ class Communicator {
   virtual int local_world_size() const { return 1; }
   /// "gloo", "nccl", or "none" for a world of one.
   virtual std::string backend_name() const { return "none"; }
+  /// Whether data parallelism (DDP, FSDP) runs over this communicator: more than one rank, or a
+  /// real process group of one (torchrun with an explicit dist.backend).
+  bool parallel() const { return world_size() > 1 || backend_name() != "none"; }
   /// What the collectives cost so far (zeros for a world of one). Thread-safe.
   virtual CommunicationStats stats() const { return {}; }
 

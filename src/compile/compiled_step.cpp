@@ -469,7 +469,7 @@ std::shared_ptr<CompiledStep> attach_compiled_step(Trainer& trainer, const Confi
     }
   }
   if (options.cuda_graphs()) {
-    if (trainer.options().comm && trainer.options().comm->backend_name() != "none") {
+    if (trainer.options().comm && trainer.options().comm->parallel()) {
       log::info(
           "compile: DDP's bucket all-reduces (NCCL) are captured into the step's CUDA graph and "
           "replayed with it; the communication statistics count the capture, not the replays");

@@ -177,7 +177,7 @@ std::shared_ptr<DataParallel> DataParallel::attach(Trainer& trainer,
 
   State* raw = state.get();
   auto hook = std::shared_ptr<DataParallel>(new DataParallel(std::move(state)));
-  if (raw->world_size > 1 || raw->comm->backend_name() != "none") {  // a process group
+  if (raw->comm->parallel()) {
     for (size_t k = 0; k < raw->parameters.size(); ++k) {
       torch::autograd::impl::set_post_acc_grad_hooks(raw->parameters[k],
                                                      std::make_unique<GradientReadyHook>(raw, k));

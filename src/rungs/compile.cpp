@@ -423,28 +423,27 @@ RungResult run_compile(Session& session) {
                "(waiting for the gradient buckets and the loss mean), comm_busy = time with a "
                "collective in flight; the compiled step returns its gradients at once, so its "
                "buckets start only after it (no overlap with backward)"}};
-    if (captured) {
-      ddp_row = fmt::format(
-          "{} ranks ({}): all-reduce exposed per step eager {:.2f} ms of {:.2f} ms busy; the "
-          "captured step replays its all-reduces inside the CUDA graph (not measured)",
-          session.comm->world_size(), session.comm->backend_name(),
-          1e3 * e["comm_exposed_seconds_per_step"].get<double>(),
-          1e3 * e["comm_busy_seconds_per_step"].get<double>());
-    } else {
-      ddp_row = fmt::format(
-          "{} ranks ({}): all-reduce exposed per step eager {:.2f} ms of {:.2f} ms busy ({:.0f}% "
-          "overlapped, {:.1f} bucket(s) started in backward), compiled {:.2f} ms of {:.2f} ms "
-          "({:.0f}% overlapped, {:.1f} in backward); overlap lost {:.2f} ms per step",
-          session.comm->world_size(), session.comm->backend_name(),
-          1e3 * e["comm_exposed_seconds_per_step"].get<double>(),
-          1e3 * e["comm_busy_seconds_per_step"].get<double>(),
-          100 * e["comm_overlapped_share"].get<double>(),
-          e["collectives_started_in_backward_per_step"].get<double>(),
-          1e3 * c["comm_exposed_seconds_per_step"].get<double>(),
-          1e3 * c["comm_busy_seconds_per_step"].get<double>(),
-          100 * c["comm_overlapped_share"].get<double>(),
-          c["collectives_started_in_backward_per_step"].get<double>(), 1e3 * lost);
-    }
+    const std::string eager_row =
+        fmt::format("{} ranks ({}): all-reduce exposed per step eager {:.2f} ms of {:.2f} ms busy",
+                    session.comm->world_size(), session.comm->backend_name(),
+                    1e3 * e["comm_exposed_seconds_per_step"].get<double>(),
+                    1e3 * e["comm_busy_seconds_per_step"].get<double>());
+    ddp_row =
+        captured
+            ? fmt::format(
+                  "{}; the captured step replays its all-reduces inside the CUDA graph "
+                  "(not measured)",
+                  eager_row)
+            : fmt::format(
+                  "{} ({:.0f}% overlapped, {:.1f} bucket(s) started in backward), compiled "
+                  "{:.2f} ms of {:.2f} ms ({:.0f}% overlapped, {:.1f} in backward); overlap lost "
+                  "{:.2f} ms per step",
+                  eager_row, 100 * e["comm_overlapped_share"].get<double>(),
+                  e["collectives_started_in_backward_per_step"].get<double>(),
+                  1e3 * c["comm_exposed_seconds_per_step"].get<double>(),
+                  1e3 * c["comm_busy_seconds_per_step"].get<double>(),
+                  100 * c["comm_overlapped_share"].get<double>(),
+                  c["collectives_started_in_backward_per_step"].get<double>(), 1e3 * lost);
     log::info("compile: DDP overlap: " + ddp_row);
   }
 

@@ -54,9 +54,7 @@ std::unique_ptr<Session> open_session(const Config& config, const SessionOptions
   // Without a communicator: this process's (torchrun / Slurm environment; else a world of one).
   if (!session->comm) session->comm = process_communicator(config);
   const int rank = session->comm->rank(), world_size = session->comm->world_size();
-  // DDP or FSDP run over every process group, a world of one included (DistEnvironment::
-  // process_group: torchrun with an explicit dist.backend).
-  const bool parallel = world_size > 1 || session->comm->backend_name() != "none";
+  const bool parallel = session->comm->parallel();  // DDP or FSDP, a process group of one too
   session->lock = lock_run_directories(config, *session->comm, options.argv);
   apply_runtime_settings(config);
   session->device = resolve_device(config);

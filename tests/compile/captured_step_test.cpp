@@ -66,6 +66,23 @@ Config captured_gpt(const std::filesystem::path& dir, std::vector<std::string> e
   return gpt_config(dir, overrides);
 }
 
+struct SideBySide {
+  std::shared_ptr<StepLog> eager = std::make_shared<StepLog>();
+  std::shared_ptr<StepLog> captured = std::make_shared<StepLog>();
+};
+
+// Trains `eager` and `captured` one synced step each in turn, `steps` times; their step logs.
+SideBySide train_side_by_side(Trainer& eager, Trainer& captured, int steps) {
+  SideBySide logs;
+  eager.add_hook(logs.eager);
+  captured.add_hook(logs.captured);
+  for (int k = 0; k < steps; ++k) {
+    eager.train_step(/*sync=*/true);
+    captured.train_step(/*sync=*/true);
+  }
+  return logs;
+}
+
 TEST(CapturedStep, ReplaysTrainExactlyAsTheEagerStep) {
   TempDir dir;
   const Config config = captured_gpt(dir.path());
@@ -73,13 +90,9 @@ TEST(CapturedStep, ReplaysTrainExactlyAsTheEagerStep) {
   Trainer captured(config, make_model(config), make_datasets(config));
   auto step = std::make_shared<CapturedGraphStep>(config, captured, rerun_recorders());
   captured.set_captured_step(step);
-  auto eager_log = std::make_shared<StepLog>(), captured_log = std::make_shared<StepLog>();
-  eager.add_hook(eager_log);
-  captured.add_hook(captured_log);
-  for (int k = 0; k < 7; ++k) {
-    eager.train_step(/*sync=*/true);
-    captured.train_step(/*sync=*/true);
-  }
+  const SideBySide logs = train_side_by_side(eager, captured, 7);
+  const auto& eager_log = logs.eager;
+  const auto& captured_log = logs.captured;
   // The learning rate changes every step (warm-up): replays read it from the device tensor.
   EXPECT_EQ(losses_of(captured_log->steps), losses_of(eager_log->steps));
   expect_same_parameters(captured.model(), eager.model());
@@ -110,16 +123,10 @@ TEST(CapturedStep, UnderDdpReplaysTrainExactlyAsEagerDdp) {
     auto captured_ddp = DataParallel::attach(captured, comm, data_parallel_options(config));
     auto step = std::make_shared<CapturedGraphStep>(config, captured, rerun_recorders());
     captured.set_captured_step(step);
-    auto eager_log = std::make_shared<StepLog>(), captured_log = std::make_shared<StepLog>();
-    eager.add_hook(eager_log);
-    captured.add_hook(captured_log);
-    for (int k = 0; k < 6; ++k) {
-      eager.train_step(/*sync=*/true);
-      captured.train_step(/*sync=*/true);
-    }
+    const SideBySide logs = train_side_by_side(eager, captured, 6);
     const auto r = static_cast<size_t>(rank);
-    eager_losses[r] = losses_of(eager_log->steps);
-    captured_losses[r] = losses_of(captured_log->steps);
+    eager_losses[r] = losses_of(logs.eager->steps);
+    captured_losses[r] = losses_of(logs.captured->steps);
     eager_reduces[r] = eager_ddp->bucket_all_reduces();
     captured_reduces[r] = captured_ddp->bucket_all_reduces();
     replays[r] = step->replays();
