@@ -109,10 +109,17 @@ def main():
                        "threads": torch.get_num_threads(), "torch": torch.__version__,
                        # this process's peak resident set (Linux reports KiB)
                        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, f)
-    # Every rank past its last collective before the group goes: FSDP2 on Gloo otherwise
-    # sometimes aborts at teardown ("terminate called without an active exception").
+    # Every rank past its last collective before the group goes, then out without interpreter
+    # finalization: FSDP2 on Gloo sometimes aborted at teardown ("terminate called without an
+    # active exception", once in a CI run even after barrier + destroy_process_group): Gloo's
+    # worker threads can still hold work objects whose tensors reach back into Python while the
+    # interpreter is torn down (pytorch/pytorch PR 179291 describes it). The result is written
+    # and closed above; nothing is left for finalization to do.
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@
 #include <thread>
 #include <vector>
 
+#include <ATen/Parallel.h>
+
 #include "kiln/dist.h"
 
 namespace kiln::testing {
@@ -134,8 +136,14 @@ inline void run_ranks(int world_size, const std::function<void(Communicator&)>& 
   std::vector<std::exception_ptr> errors(static_cast<size_t>(world_size));
   std::atomic<int> first_failed{-1};
   std::vector<std::thread> threads;
+  // The caller's intra-op thread count, set in each rank thread before its first kernel: ATen
+  // applies at::set_num_threads to a new thread only when one of its kernels first asks for the
+  // count, and until then MKL runs a matmul with its own default team (measured: a fresh thread's
+  // first at::mm used 2 threads after the process set 1).
+  const int intra_op_threads = at::get_num_threads();
   for (int r = 0; r < world_size; ++r) {
     threads.emplace_back([&, r] {
+      at::set_num_threads(intra_op_threads);
       ThreadCommunicator comm(group, r);
       try {
         fn(comm);

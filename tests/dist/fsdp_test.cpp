@@ -317,18 +317,27 @@ TEST(Fsdp, Fp16MixedScalerAgreesAcrossRanks) {
 }
 
 // Activation checkpointing (the Trainer's wrapper, outside FSDP's): the recomputation in
-// backward gathers the freed unit again; losses and parameters are bitwise those without it,
-// with the same number of all-gathers (the unit is gathered once in forward, once in backward).
-TEST(Fsdp, ActivationCheckpointingTrainsBitwiseTheSame) {
+// backward gathers the freed unit again; losses and parameters are those without it, with the
+// same number of all-gathers (the unit is gathered once in forward, once in backward).
+// Equal up to fp32 summation order, not bitwise: bitwise on every machine we ran, but one CI run
+// (ranks as threads) ended step 3's loss ~1e-7 apart, the drift two intra-op threads instead of
+// one give (measured: losses 1e-7, parameters 3e-7 relative after 4 steps; under bf16-mixed 5e-5
+// and 8e-3). A recomputation that went wrong (another unit's weights, missing rows, fp32 instead
+// of bf16) moves the losses by 1e-3 and more.
+TEST(Fsdp, ActivationCheckpointingTrainsTheSame) {
   TempDir dir;
   const std::vector<std::string> shape = {"model.n_layer=3", "data.seq_len=16"};
   auto with_ac = shape;
   with_ac.push_back("train.activation_checkpointing=block");
   auto plain = train_fsdp(small_gpt(dir.path(), 2, shape), 2, 4);
   auto checkpointed = train_fsdp(small_gpt(dir.path(), 2, with_ac), 2, 4);
-  EXPECT_EQ(checkpointed[0].losses, plain[0].losses);
+  ASSERT_EQ(checkpointed[0].losses.size(), plain[0].losses.size());
+  for (size_t k = 0; k < plain[0].losses.size(); ++k)
+    EXPECT_NEAR(checkpointed[0].losses[k], plain[0].losses[k], 1e-6 * plain[0].losses[k]) << k;
   for (size_t k = 0; k < plain[0].parameters.size(); ++k) {
-    EXPECT_TRUE(torch::equal(checkpointed[0].parameters[k].second, plain[0].parameters[k].second))
+    EXPECT_LE(relative_difference(checkpointed[0].parameters[k].second,
+                                  plain[0].parameters[k].second),
+              1e-5)
         << plain[0].parameters[k].first;
   }
   EXPECT_EQ(checkpointed[0].all_gathers, plain[0].all_gathers);
@@ -343,7 +352,11 @@ TEST(Fsdp, ActivationCheckpointingTrainsBitwiseTheSame) {
                c2 = small_gpt(dir.path(), 2, bf16_plain_config);
   auto bf16_ac = train_fsdp(c1, 2, 3, fsdp_options(c1));
   auto bf16_plain = train_fsdp(c2, 2, 3, fsdp_options(c2));
-  EXPECT_EQ(bf16_ac[0].losses, bf16_plain[0].losses);
+  ASSERT_EQ(bf16_ac[0].losses.size(), bf16_plain[0].losses.size());
+  for (size_t k = 0; k < bf16_plain[0].losses.size(); ++k)
+    EXPECT_NEAR(bf16_ac[0].losses[k], bf16_plain[0].losses[k], 2e-4 * bf16_plain[0].losses[k]) << k;
+  EXPECT_EQ(bf16_ac[0].all_gathers, bf16_plain[0].all_gathers);
+  expect_replicas_agree(bf16_ac);
 }
 
 TEST(Fsdp, EvaluateGathersAndFreesAgain) {
