@@ -3,6 +3,8 @@
 // entering a collective throws too, so a failing test never hangs.
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -14,8 +16,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <ATen/Parallel.h>
 
 #include "kiln/dist.h"
 

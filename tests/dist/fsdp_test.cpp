@@ -335,9 +335,9 @@ TEST(Fsdp, ActivationCheckpointingTrainsTheSame) {
   for (size_t k = 0; k < plain[0].losses.size(); ++k)
     EXPECT_NEAR(checkpointed[0].losses[k], plain[0].losses[k], 1e-6 * plain[0].losses[k]) << k;
   for (size_t k = 0; k < plain[0].parameters.size(); ++k) {
-    EXPECT_LE(relative_difference(checkpointed[0].parameters[k].second,
-                                  plain[0].parameters[k].second),
-              1e-5)
+    EXPECT_LE(
+        relative_difference(checkpointed[0].parameters[k].second, plain[0].parameters[k].second),
+        1e-5)
         << plain[0].parameters[k].first;
   }
   EXPECT_EQ(checkpointed[0].all_gathers, plain[0].all_gathers);
