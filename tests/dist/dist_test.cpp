@@ -8,7 +8,6 @@
 #include <gtest/gtest.h>
 
 #include <map>
-#include <thread>
 
 #include "ckpt/thread_comm.h"  // ThreadGroup / ThreadCommunicator: ranks as threads, fail-fast
 #include "kiln/error.h"
@@ -205,33 +204,22 @@ RunResult train_single(const Config& config, int64_t steps) {
 // initial broadcast is what makes the replicas equal.
 std::vector<RunResult> train_two_threads(const Config& config, int64_t steps,
                                          DataParallelOptions options = {}) {
-  auto group = std::make_shared<ThreadGroup>(2);
   std::vector<RunResult> results(2);
-  std::vector<std::string> errors(2);
   apply_runtime_settings(config);
-  auto run_rank = [&](int rank) {
-    try {
-      auto comm = std::make_shared<ThreadCommunicator>(group, rank);
-      Config model_config = config;
-      if (rank == 1) model_config.set("run.seed", int64_t{777});
-      Trainer trainer(config, make_model(model_config), make_datasets(config),
-                      TrainerOptions{torch::kCPU, rank, 2, comm});
-      auto ddp = DataParallel::attach(trainer, comm, options);
-      for (int64_t k = 0; k < steps; ++k) results[rank].losses.push_back(trainer.train_step().loss);
-      for (const auto& p : trainer.model().parameters())
-        results[rank].parameters.push_back(p.detach().clone());
-      results[rank].bucket_all_reduces = ddp->bucket_all_reduces();
-      results[rank].buckets = ddp->bucket_bytes().size();
-    } catch (const std::exception& e) {
-      errors[rank] = e.what();
-      group->poison();  // the other rank's next collective throws instead of waiting forever
-    }
-  };
-  std::thread other(run_rank, 1);
-  run_rank(0);
-  other.join();
-  EXPECT_EQ(errors[0], "");
-  EXPECT_EQ(errors[1], "");
+  run_ranks(2, [&](Communicator& borrowed) {
+    const int rank = borrowed.rank();
+    std::shared_ptr<Communicator> comm(&borrowed, [](Communicator*) {});
+    Config model_config = config;
+    if (rank == 1) model_config.set("run.seed", int64_t{777});
+    Trainer trainer(config, make_model(model_config), make_datasets(config),
+                    TrainerOptions{torch::kCPU, rank, 2, comm});
+    auto ddp = DataParallel::attach(trainer, comm, options);
+    for (int64_t k = 0; k < steps; ++k) results[rank].losses.push_back(trainer.train_step().loss);
+    for (const auto& p : trainer.model().parameters())
+      results[rank].parameters.push_back(p.detach().clone());
+    results[rank].bucket_all_reduces = ddp->bucket_all_reduces();
+    results[rank].buckets = ddp->bucket_bytes().size();
+  });
   return results;
 }
 
@@ -357,35 +345,24 @@ TEST(DataParallel, AGradientFromAnEarlierMicroStepOnlyIsAveragedNotDropped) {
                               "data.num_workers=0", "optim.name=sgd", "optim.lr=0.1"});
   apply_runtime_settings(config);
   constexpr int64_t kSteps = 3;
-  auto group = std::make_shared<ThreadGroup>(2);
   std::vector<std::shared_ptr<GateProbe>> before(2), after(2);
   std::vector<torch::Tensor> final_gate(2);
-  std::vector<std::string> errors(2);
-  auto run_rank = [&](int rank) {
-    try {
-      auto comm = std::make_shared<ThreadCommunicator>(group, rank);
-      auto model =
-          std::make_shared<GatedModel>(make_model(config), config.get_int("model.num_classes"));
-      Trainer trainer(config, model, make_datasets(config),
-                      TrainerOptions{torch::kCPU, rank, 2, comm});
-      // Hooks run in order: the local gradient, DDP's averaging, then the averaged gradient.
-      before[rank] = std::make_shared<GateProbe>(model.get(), /*drives_gate=*/true);
-      trainer.add_hook(before[rank]);
-      DataParallel::attach(trainer, comm, {});
-      after[rank] = std::make_shared<GateProbe>(model.get(), /*drives_gate=*/false);
-      trainer.add_hook(after[rank]);
-      for (int64_t k = 0; k < kSteps; ++k) trainer.train_step();
-      final_gate[rank] = model->gate.detach().clone();
-    } catch (const std::exception& e) {
-      errors[rank] = e.what();
-      group->poison();
-    }
-  };
-  std::thread other(run_rank, 1);
-  run_rank(0);
-  other.join();
-  ASSERT_EQ(errors[0], "");
-  ASSERT_EQ(errors[1], "");
+  run_ranks(2, [&](Communicator& borrowed) {
+    const int rank = borrowed.rank();
+    std::shared_ptr<Communicator> comm(&borrowed, [](Communicator*) {});
+    auto model =
+        std::make_shared<GatedModel>(make_model(config), config.get_int("model.num_classes"));
+    Trainer trainer(config, model, make_datasets(config),
+                    TrainerOptions{torch::kCPU, rank, 2, comm});
+    // Hooks run in order: the local gradient, DDP's averaging, then the averaged gradient.
+    before[rank] = std::make_shared<GateProbe>(model.get(), /*drives_gate=*/true);
+    trainer.add_hook(before[rank]);
+    DataParallel::attach(trainer, comm, {});
+    after[rank] = std::make_shared<GateProbe>(model.get(), /*drives_gate=*/false);
+    trainer.add_hook(after[rank]);
+    for (int64_t k = 0; k < kSteps; ++k) trainer.train_step();
+    final_gate[rank] = model->gate.detach().clone();
+  });
   for (int64_t k = 0; k < kSteps; ++k) {
     const torch::Tensor& local0 = before[0]->grads[k];
     const torch::Tensor& local1 = before[1]->grads[k];
