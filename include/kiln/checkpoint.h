@@ -392,10 +392,23 @@ bool checkpoint_committed(const std::filesystem::path& step_dir);
 /// included): checks that `resume` is "", "auto" or an existing path, and, when the run saves
 /// checkpoints (checkpoint.every_steps > 0), refuses what attach_checkpointing would refuse and can
 /// be seen already: a fresh start into a checkpoint.dir holding committed checkpoints, a resume
-/// from a step directory older than checkpoint.dir's newest. Returns true when the run continues an
-/// earlier one (open the session with append_metrics). Throws UserError naming the directory and
-/// the fix. Not collective: every rank reads the same files.
+/// from a step directory older than checkpoint.dir's newest. On a resume it also checks that the
+/// checkpoint it will load (the newest whose index reads) holds exactly the model and optimizer
+/// tensors `config` builds, same names, shapes and dtypes (a model built from `config` without
+/// its weights' init_from), naming the first difference: `--resume` restores a run exactly;
+/// model.init_from loads a subset. Returns true when the run continues an earlier one (open the
+/// session with append_metrics). Throws UserError naming the directory and the fix. Not
+/// collective: every rank reads the same files.
 bool check_train_start(const Config& config, const std::string& resume);
+
+/// For `kiln train --resume`: `config` with the checkpoint settings of the run it continues
+/// (checkpoint.every_steps, keep_last_k, keep_every, save_final, async, on_save_error, as the
+/// checkpoint to resume recorded them), except the keys named in `explicit_keys` (those given with
+/// --set, "section.key"), so a resumed run keeps saving as it did. `config` unchanged for a fresh
+/// start ("" or auto without checkpoints) or a checkpoint that recorded no settings. Reads only
+/// index.json; throws UserError when `resume` names no checkpoint. Not collective.
+Config resume_config(const Config& config, const std::string& resume,
+                     const std::vector<std::string>& explicit_keys);
 
 /// For `kiln train`: resumes the session's trainer when `resume` is "auto" (the newest loadable
 /// checkpoint in checkpoint.dir, or a fresh start when there is none) or a path (a step directory,

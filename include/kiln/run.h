@@ -27,6 +27,13 @@ struct RunOptions {
   bool writer = true;                          // false on ranks other than 0
   std::string metrics_file = "metrics.jsonl";  // the ladder gives each rung its own
   bool append_metrics = false;  // keep earlier records (a resumed run); else start the file anew
+  /// A run that does not append, in a directory that holds another run's records (the metrics
+  /// file, train.log, TensorBoard event files): kReplace starts them anew (the ladder's own rung
+  /// records); kRefuse throws UserError naming them and the fix (--resume auto, --overwrite,
+  /// run.name) before anything is written; kMoveAside moves them into <dir>/previous-<UTC time>/
+  /// and logs where (--overwrite).
+  enum class Existing { kReplace, kRefuse, kMoveAside };
+  Existing existing_records = Existing::kReplace;
 };
 
 class Run {

@@ -32,6 +32,7 @@ struct SessionOptions {
   std::shared_ptr<Communicator> comm = nullptr;  // null: process_communicator() (launcher env)
   std::string metrics_file = "metrics.jsonl";    // see RunOptions
   bool append_metrics = false;                   // a resumed run keeps its earlier records
+  RunOptions::Existing existing_records = RunOptions::Existing::kReplace;  // see RunOptions
 };
 
 /// Locks the directories a run of `config` writes, for every rank of `comm` at once: rank 0 locks

@@ -70,6 +70,7 @@ std::unique_ptr<Session> open_session(const Config& config, const SessionOptions
   run_options.writer = rank == 0;
   run_options.metrics_file = options.metrics_file;
   run_options.append_metrics = options.append_metrics;
+  run_options.existing_records = options.existing_records;
   session->run = std::make_unique<Run>(config, run_options);
   session->run->write_manifest(data.identity, model_id,
                                {{"device", session->device.str()}, {"world_size", world_size}});
