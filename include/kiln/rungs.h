@@ -96,8 +96,15 @@ struct Rung {
 /// The rungs in ladder order.
 const std::vector<Rung>& ladder_rungs();
 
+/// The ladder's preflight: every check run_ladder makes before its first rung (the config's rules,
+/// already applied when it was loaded, and each enabled rung's start checks, such as the compile
+/// rung's Python and package cache). Writes nothing into the run directory. Returns the names of
+/// the rungs that would run, in order; throws UserError with one line for the first problem.
+/// `kiln ladder --check` calls it; scripts/gpu-check runs that before its GPU ladder.
+std::vector<std::string> check_ladder(const Config& config);
+
 /// Runs the enabled rungs in order, stops at the first failed gate, writes <run dir>/report.md.
-/// Returns the results of the rungs that ran.
+/// Calls check_ladder first. Returns the results of the rungs that ran.
 std::vector<RungResult> run_ladder(const Config& config, const SessionOptions& options);
 
 }  // namespace kiln

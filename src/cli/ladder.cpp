@@ -1,3 +1,8 @@
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <iostream>
+
 #include "cli/commands.h"
 #include "kiln/error.h"
 #include "kiln/rungs.h"
@@ -11,9 +16,20 @@ void add_ladder_command(CLI::App& app, Action& action) {
       "ladder", "run the rungs in order, stop at the first failed gate, write report.md");
   auto args = std::make_shared<ConfigArgs>();
   args->add_to(*command);
-  command->callback([&action, args] {
-    action = [args] {
-      auto results = run_ladder(args->load(), {process_argv()});
+  auto check = std::make_shared<bool>(false);
+  command->add_flag("--check", *check,
+                    "run only the ladder's preflight (config rules, each rung's start checks), "
+                    "list the rungs that would run, write nothing; exit 2 naming a problem");
+  command->callback([&action, args, check] {
+    action = [args, check] {
+      const Config config = args->load();
+      if (*check) {
+        const std::vector<std::string> rungs = check_ladder(config);
+        std::cout << fmt::format("ladder check passed: {} would run {}\n", config.source_name(),
+                                 fmt::join(rungs, ", "));
+        return 0;
+      }
+      auto results = run_ladder(config, {process_argv()});
       for (const auto& r : results) {
         if (!r.passed) throw TrainingError("ladder stopped at rung " + r.rung + ": " + r.verdict);
       }

@@ -82,7 +82,17 @@ const std::vector<Rung>& ladder_rungs() {
   return rungs;
 }
 
+std::vector<std::string> check_ladder(const Config& config) {
+  std::vector<std::string> rungs;
+  for (const auto& rung : ladder_rungs()) {
+    if (rung.enabled(config)) rungs.push_back(rung.name);
+  }
+  check_compile_start(config);  // a compile rung's bad setup stops the ladder before any rung
+  return rungs;
+}
+
 std::vector<RungResult> run_ladder(const Config& config, const SessionOptions& options) {
+  check_ladder(config);  // before the lock: a refused ladder leaves no run directory behind
   // Held for every rung: each rung's session in this process shares it, the processes the rungs
   // start (the drill's, the scale rung's ranks) run under it.
   const auto lock = lock_run_directories(
@@ -91,7 +101,6 @@ std::vector<RungResult> run_ladder(const Config& config, const SessionOptions& o
   std::vector<std::string> skipped;
   bool stopped = false;
   std::exception_ptr error;
-  check_compile_start(config);  // a compile rung's bad setup stops the ladder before any rung
   for (const auto& rung : ladder_rungs()) {
     if (!rung.enabled(config)) continue;
     if (stopped) {

@@ -14,6 +14,7 @@ import math
 import struct
 import subprocess
 import sys
+import unittest
 from pathlib import Path
 
 import torch
@@ -21,6 +22,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
+
+# unittest's assertions (python -O strips bare assert statements), outside a test class.
+check = unittest.TestCase()
 
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "I64": torch.int64, "U8": torch.uint8, "F64": torch.float64}
 
@@ -97,7 +101,8 @@ def main():
     subprocess.run([args.fixture, str(work)], check=True)
     step_dir = work / "ckpt" / "step-3"
     index = json.loads((step_dir / "index.json").read_text())
-    assert index["world_size"] == 2 and len(index["files"]) == 2, index["files"]
+    check.assertEqual(index["world_size"], 2)
+    check.assertEqual(len(index["files"]), 2, index["files"])
 
     # 1. Every per-rank file, as Python's safetensors reads it.
     chunks_in = {}
@@ -107,20 +112,21 @@ def main():
     checked = 0
     for file_info in index["files"]:
         path = step_dir / file_info["name"]
-        assert path.stat().st_size == file_info["size_bytes"], path
+        check.assertEqual(path.stat().st_size, file_info["size_bytes"], path)
         header, data_start = header_of(path)
         with safe_open(path, framework="pt") as f:
             keys = set(f.keys())
             expected = {chunk["name"] for _, _, chunk in chunks_in.get(file_info["name"], [])}
-            assert keys == expected, (path, keys ^ expected)
+            check.assertEqual(keys, expected, (path, keys ^ expected))
             for info_name, info, chunk in chunks_in[file_info["name"]]:
                 t = f.get_tensor(chunk["name"])
-                assert t.dtype == DTYPES[info["dtype"]], (info_name, t.dtype)
-                assert list(t.shape) == chunk["sizes"], (info_name, t.shape)
+                check.assertEqual(t.dtype, DTYPES[info["dtype"]], info_name)
+                check.assertEqual(list(t.shape), chunk["sizes"], info_name)
                 begin, end = header[chunk["name"]]["data_offsets"]
-                assert [data_start + begin, data_start + end] == chunk["byte_range"], info_name
+                check.assertEqual([data_start + begin, data_start + end], chunk["byte_range"],
+                                  info_name)
                 checked += 1
-    assert len(chunks_in) == 2, "both ranks hold tensors"
+    check.assertEqual(len(chunks_in), 2, "both ranks hold tensors")
     print(f"per-rank files: {checked} chunks match index.json")
 
     # 2. The consolidated file holds every logical tensor, equal to the per-rank pieces.
@@ -129,13 +135,14 @@ def main():
     whole = load_file(consolidated)
     for name in index["tensors"]:
         if name.startswith("rng/"):
-            assert name not in whole
+            check.assertNotIn(name, whole)
             continue
         out_name = name[len("model/"):] if name.startswith("model/") else name
-        assert out_name in whole, out_name
-        assert torch.equal(whole[out_name], reassemble(step_dir, index, name)), name
-    assert torch.equal(whole["extra/sharded"], torch.arange(35, dtype=torch.float32).view(7, 5))
-    assert whole["extra/bf16"].dtype == torch.bfloat16
+        check.assertIn(out_name, whole)
+        check.assertTrue(torch.equal(whole[out_name], reassemble(step_dir, index, name)), name)
+    check.assertTrue(torch.equal(whole["extra/sharded"],
+                                 torch.arange(35, dtype=torch.float32).view(7, 5)))
+    check.assertEqual(whole["extra/bf16"].dtype, torch.bfloat16)
     print(f"consolidated: {len(whole)} tensors equal to the reassembled per-rank pieces")
 
     # 3. The PyTorch GPT gives kiln's logits.
@@ -149,7 +156,8 @@ def main():
         logits = model(expected["input_ids"])
     diff = (logits - expected["logits"]).abs().max().item()
     print(f"logits: max |PyTorch - kiln| = {diff:.3g}")
-    assert math.isfinite(diff) and diff <= 1e-5, diff
+    check.assertTrue(math.isfinite(diff), diff)
+    check.assertLessEqual(diff, 1e-5)
     print("interop ok")
 
 

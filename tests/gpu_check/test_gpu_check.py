@@ -14,12 +14,16 @@ BUILD = Path(os.environ["KILN_BUILD_DIR"])
 SCRIPT = SOURCE / "scripts" / "gpu-check"
 
 
-def make_deps(folder: Path) -> None:
-    """A prepared folder with one real (tiny) .deb and its manifest, as --prepare writes it."""
+def make_deps(folder: Path, dangling_link: bool = False) -> None:
+    """A prepared folder with one real (tiny) .deb and its manifest, as --prepare writes it;
+    with dangling_link, the package ships a `.so` link whose library is in no package."""
     pkg = folder / "pkg"
     (pkg / "DEBIAN").mkdir(parents=True)
     (pkg / "usr" / "include").mkdir(parents=True)
     (pkg / "usr" / "include" / "kiln_probe.h").write_text("#pragma once\n")
+    if dangling_link:
+        (pkg / "usr" / "lib").mkdir(parents=True)
+        os.symlink("libkiln_probe.so.1", pkg / "usr" / "lib" / "libkiln_probe.so")
     (pkg / "DEBIAN" / "control").write_text(
         "Package: kiln-probe\nVersion: 1.0\nArchitecture: all\nMaintainer: kiln\n"
         "Description: test\n")
@@ -44,6 +48,7 @@ class DryRun(unittest.TestCase):
 
     def run_script(self, *extra):
         out = self.tmp / "out"
+        shutil.rmtree(out, ignore_errors=True)
         run = subprocess.run([sys.executable, str(SCRIPT), str(out), "--dry-run", "--deps",
                               str(self.deps), "--build-dir", str(BUILD), *extra],
                              capture_output=True, text=True, timeout=100)
@@ -55,7 +60,7 @@ class DryRun(unittest.TestCase):
         self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
         self.assertTrue(doc["dry_run"])
         self.assertEqual(list(checks), ["environment", "dependencies", "build", "cuda_tests",
-                                        "ladder_gpt2_bf16"])
+                                        "ladder_preflight", "ladder", "python_peer"])
         for name, check in checks.items():
             self.assertEqual(check["status"], "planned", (name, check))
         deps = checks["dependencies"]
@@ -63,17 +68,66 @@ class DryRun(unittest.TestCase):
         self.assertTrue(any(c.startswith("dpkg -x") and "kiln-probe_1.0_all.deb" in c
                             for c in deps["commands"]), deps["commands"])
         self.assertTrue(any("googletest" in c for c in deps["commands"]))
-        self.assertTrue(any("kiln_cuda_tests" in c for c in checks["build"]["commands"]))
+        # Only what the GPU checks run, with every core, in the kept build directory.
+        build = " ".join(checks["build"]["commands"])
+        self.assertIn("--target kiln_cli kiln_cuda_tests -j", build)
+        self.assertNotIn("kiln_tests ", build)
+        self.assertIn("-DTORCH_CUDA_ARCH_LIST=9.0", build)
         # The cuda-labelled tests exist in this build, one per CUDA path.
         tests = checks["cuda_tests"]["numbers"]["tests"]
         for path in ("PeakMemory", "Pinned", "Nccl", "Profiler", "Bf16Mixed", "CapturedStep",
-                     "CompileRung"):
+                     "CompileRung", "ManifestNamesTheGpu"):
             self.assertTrue(any(path in t for t in tests), (path, tests))
-        # The ladder's overrides name real keys (validated by this build's kiln).
-        ladder = checks["ladder_gpt2_bf16"]["commands"]
-        self.assertTrue(ladder[0].split()[1:3] == ["config", "validate"], ladder)
-        self.assertIn("train.precision=bf16-mixed", ladder[1])
-        self.assertIn("data.seq_len=1024", ladder[1])
+        # kiln's own ladder preflight accepted the production configuration (run here, on CPU).
+        preflight = checks["ladder_preflight"]
+        self.assertTrue(preflight["commands"][0].split()[1:2] == ["ladder"], preflight)
+        self.assertIn("--check", preflight["commands"][0])
+        self.assertIn("ladder check passed", preflight["numbers"]["preflight"])
+        for key in ("train.precision=bf16-mixed", "data.seq_len=1024", "dist.backend=nccl"):
+            self.assertIn(key, preflight["numbers"]["overrides"])
+        peer = " ".join(checks["python_peer"]["commands"])
+        self.assertIn("python_step.py", peer)
+        self.assertIn("--precision bf16-mixed", peer)  # the ladder's own options
+        # The stages fit the device budget (a machine start, then each stage within its limit).
+        plan = doc["plan"]
+        self.assertEqual(plan["problems"], [])
+        self.assertLessEqual(plan["planned_seconds"], plan["budget_seconds"])
+        for stage, limit in plan["stage_limit_seconds"].items():
+            self.assertLessEqual(limit, 300, stage)
+
+    def test_a_configuration_kiln_refuses_fails_the_dry_run(self):
+        # A config rule's refusal (validate-time) and a preflight check's (the compile rung's
+        # Python): either stops the ladder here, on CPU, before a GPU minute is spent.
+        cases = {"train.batch_size": ["train.batch_size=0"],
+                 "compile.python": ["train.activation_checkpointing=none", "train.precision=fp32",
+                                    "compile.backend=inductor",
+                                    "compile.python=/nonexistent/python3"]}
+        for key, extra in cases.items():
+            args = [a for e in extra for a in ("--ladder-set", e)]
+            run, checks, _ = self.run_script("--stage", "ladder", *args)
+            self.assertEqual(run.returncode, 1, (extra, run.stdout + run.stderr))
+            self.assertEqual(checks["ladder_preflight"]["status"], "failed", extra)
+            self.assertIn("kiln exited 2", checks["ladder_preflight"]["error"])
+            self.assertIn(key, checks["ladder_preflight"]["error"])
+            self.assertEqual(checks["ladder"]["status"], "skipped", extra)
+            self.assertIn("needs ladder_preflight", checks["ladder"]["error"])
+            self.assertNotIn("build", checks)  # --stage ladder runs that stage only
+
+    def test_a_dangling_library_link_is_named(self):
+        shutil.rmtree(self.deps)
+        self.deps.mkdir()
+        make_deps(self.deps, dangling_link=True)
+        run, checks, _ = self.run_script("--stage", "build")
+        self.assertEqual(run.returncode, 1)
+        self.assertEqual(checks["dependencies"]["status"], "failed")
+        self.assertIn("usr/lib/libkiln_probe.so -> libkiln_probe.so.1",
+                      checks["dependencies"]["error"])
+
+    def test_an_unknown_stage_is_refused(self):
+        run = subprocess.run([sys.executable, str(SCRIPT), str(self.tmp / "out"), "--dry-run",
+                              "--stage", "bulid"], capture_output=True, text=True, timeout=60)
+        self.assertEqual(run.returncode, 2)
+        self.assertIn("unknown stage bulid", run.stderr)
 
     def test_a_failing_check_is_named_and_the_script_goes_on(self):
         run, checks, doc = self.run_script("--inject-failure", "dependencies")
