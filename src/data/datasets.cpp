@@ -1,21 +1,16 @@
-// The datasets: a synthetic teacher task for the MLP, byte-level text, and pre-tokenized files
-// (nanoGPT raw uint16 .bin, llm.c .bin with a 256 x int32 header).
+// The datasets: a synthetic teacher task for the MLP and byte-level text; pre-tokenized files
+// (nanoGPT and llm.c .bin, `kiln data prepare` directories) are in tokens.cpp.
 #include <ATen/ATen.h>
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 
 #include "core/files.h"
-#include "core/pins.h"
 #include "core/strings.h"
+#include "data/tokens.h"
 #include "kiln/config.h"
 #include "kiln/data.h"
 #include "kiln/error.h"
@@ -27,8 +22,6 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-constexpr int32_t kLlmcMagic = 20240520;
-constexpr int64_t kLlmcHeaderBytes = 256 * 4;
 const char* kDefaultCorpus = "/usr/share/games/fortunes";
 
 // ---- synthetic: inputs ~ N(0, 1), labels from a fixed random teacher network -----------------
@@ -84,82 +77,6 @@ Datasets make_synthetic(const Config& config) {
                   {"train_samples", out.train->size()},
                   {"val_samples", out.val->size()}};
   return out;
-}
-
-// ---- token windows over a byte/uint16 buffer ---------------------------------------------------
-
-// Read-only token memory: a heap buffer (text) or a file mapping (token files).
-struct TokenBuffer {
-  std::shared_ptr<const void> owner;
-  const uint8_t* data = nullptr;  // first token
-  int64_t count = 0;              // tokens
-  int element_bytes = 1;          // 1 (bytes) or 2 (uint16)
-  std::string source;             // for error messages
-
-  int64_t at(int64_t k) const {
-    if (element_bytes == 1) return data[k];
-    uint16_t v;
-    std::memcpy(&v, data + 2 * k, 2);
-    return v;
-  }
-};
-
-// Sample i is the window [first + i*T, first + i*T + T + 1): inputs are its first T tokens,
-// targets the last T (shifted by one).
-class WindowDataset final : public Dataset {
- public:
-  WindowDataset(TokenBuffer buffer, int64_t first, int64_t count, int64_t seq_len,
-                int64_t vocab_limit)
-      : buffer_(std::move(buffer)),
-        first_(first),
-        count_(count),
-        seq_len_(seq_len),
-        vocab_limit_(vocab_limit) {}
-  int64_t size() const override { return (count_ - 1) / seq_len_; }
-  int64_t tokens_per_sample() const override { return seq_len_; }
-  Batch get(const std::vector<int64_t>& indices) const override {
-    const int64_t batch = static_cast<int64_t>(indices.size());
-    auto inputs = torch::empty({batch, seq_len_}, torch::kLong);
-    auto targets = torch::empty({batch, seq_len_}, torch::kLong);
-    int64_t* in = inputs.data_ptr<int64_t>();
-    int64_t* out = targets.data_ptr<int64_t>();
-    for (int64_t b = 0; b < batch; ++b) {
-      const int64_t start = first_ + indices[b] * seq_len_;
-      for (int64_t t = 0; t < seq_len_; ++t) {
-        in[b * seq_len_ + t] = buffer_.at(start + t);
-        out[b * seq_len_ + t] = buffer_.at(start + t + 1);
-      }
-    }
-    if (vocab_limit_ > 0) {
-      for (int64_t k = 0; k < batch * seq_len_; ++k) {
-        if (in[k] >= vocab_limit_ || out[k] >= vocab_limit_) {
-          throw UserError(buffer_.source + ": token id " + std::to_string(std::max(in[k], out[k])) +
-                          " is outside the model's vocabulary (" + std::to_string(vocab_limit_) +
-                          "); raise model.vocab_size or use matching token files");
-        }
-      }
-    }
-    return {inputs, targets};
-  }
-
- private:
-  TokenBuffer buffer_;
-  int64_t first_, count_, seq_len_, vocab_limit_;
-};
-
-std::shared_ptr<const Dataset> make_windows(const TokenBuffer& buffer, int64_t first, int64_t count,
-                                            int64_t seq_len, int64_t vocab_limit,
-                                            const std::string& what) {
-  if (count < seq_len + 1) {
-    const std::string fix = what == "validation"
-                                ? "raise data.val_fraction (or give data.val_path), lower "
-                                  "data.seq_len, or use more data"
-                                : "lower data.seq_len or data.val_fraction, or use more data";
-    throw UserError(buffer.source + ": the " + what + " split holds " + std::to_string(count) +
-                    " tokens, fewer than data.seq_len + 1 = " + std::to_string(seq_len + 1) + "; " +
-                    fix);
-  }
-  return std::make_shared<WindowDataset>(buffer, first, count, seq_len, vocab_limit);
 }
 
 // ---- text: any file (or a directory of text files) as bytes -------------------------------------
@@ -218,8 +135,8 @@ Datasets make_text(const Config& config, int64_t vocab_limit) {
       static_cast<int64_t>(std::llround(config.get_float("data.val_fraction") * buffer.count));
   const int64_t train_count = buffer.count - val_count;
   Datasets out;
-  out.train = make_windows(buffer, 0, train_count, seq_len, 0, "train");
-  out.val = make_windows(buffer, train_count, val_count, seq_len, 0, "validation");
+  out.train = make_windows({{buffer, 0, train_count}}, seq_len, "train");
+  out.val = make_windows({{buffer, train_count, val_count}}, seq_len, "validation");
   out.identity = {{"kind", "text"},
                   {"path", fs::absolute(path).string()},
                   {"files", used},
@@ -228,112 +145,6 @@ Datasets make_text(const Config& config, int64_t vocab_limit) {
                   {"tokenizer", "bytes (vocab 256)"},
                   {"train_tokens", train_count},
                   {"val_tokens", val_count},
-                  {"train_samples", out.train->size()},
-                  {"val_samples", out.val->size()}};
-  return out;
-}
-
-// ---- tokens: nanoGPT raw uint16 .bin, llm.c .bin -----------------------------------------------
-
-TokenBuffer map_token_file(const std::string& path, const std::string& format_key,
-                           std::string* format_used) {
-  FileDescriptor fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd.valid()) {
-    throw UserError("token file " + path + " cannot be opened: " + std::strerror(errno) +
-                    "; check data.path / data.val_path");
-  }
-  struct stat st {};
-  if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
-    throw UserError("token file " + path +
-                    " is not a regular file; point data.path / data.val_path at a .bin file");
-  }
-  const int64_t size = st.st_size;
-  void* map = size > 0
-                  ? ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_PRIVATE, fd.get(), 0)
-                  : nullptr;
-  fd.close();  // the mapping keeps the file
-  if (size > 0 && map == MAP_FAILED) throw UserError("token file " + path + " cannot be mapped");
-  std::shared_ptr<const void> owner(map, [size](const void* p) {
-    if (p) ::munmap(const_cast<void*>(p), static_cast<size_t>(size));
-  });
-  const auto* bytes = static_cast<const uint8_t*>(map);
-  int32_t magic = 0;
-  if (size >= 4) std::memcpy(&magic, bytes, 4);
-  std::string format = format_key;
-  if (format == "auto")
-    format = (size >= kLlmcHeaderBytes && magic == kLlmcMagic) ? "llmc" : "nanogpt";
-  *format_used = format;
-  TokenBuffer buffer;
-  buffer.owner = owner;
-  buffer.element_bytes = 2;
-  buffer.source = path;
-  if (format == "llmc") {
-    if (size < kLlmcHeaderBytes) {
-      throw UserError(path + ": truncated llm.c header (" + std::to_string(size) +
-                      " bytes, the header alone is 1024)");
-    }
-    int32_t header[3];
-    std::memcpy(header, bytes, sizeof(header));
-    if (header[0] != kLlmcMagic) {
-      throw UserError(path + ": bad magic " + std::to_string(header[0]) +
-                      " (llm.c files start with " + std::to_string(kLlmcMagic) +
-                      "); set data.format = \"nanogpt\" for raw uint16 files");
-    }
-    if (header[1] != 1) {
-      throw UserError(path + ": llm.c token file version " + std::to_string(header[1]) +
-                      " is not supported (version 1: uint16 tokens)");
-    }
-    const int64_t declared = header[2];
-    const int64_t held = (size - kLlmcHeaderBytes) / 2;
-    if (declared < 0 || size != kLlmcHeaderBytes + 2 * declared) {
-      throw UserError(path + ": truncated or oversized: the header declares " +
-                      std::to_string(declared) + " tokens but the file holds " +
-                      std::to_string(held));
-    }
-    buffer.data = bytes + kLlmcHeaderBytes;
-    buffer.count = declared;
-  } else {
-    if (size % 2 != 0) {
-      throw UserError(path + ": " + std::to_string(size) +
-                      " bytes is not a whole number of uint16 tokens (truncated file?)");
-    }
-    buffer.data = bytes;
-    buffer.count = size / 2;
-  }
-  return buffer;
-}
-
-Datasets make_tokens(const Config& config, int64_t vocab_limit) {
-  const std::string path = config.get_string("data.path");
-  const std::string val_path = config.get_string("data.val_path");
-  const int64_t seq_len = config.get_int("data.seq_len");
-  std::string format;
-  TokenBuffer train = map_token_file(path, config.get_string("data.format"), &format);
-  Datasets out;
-  json files = json::array();
-  files.push_back({{"path", fs::absolute(path).string()},
-                   {"size_bytes", fs::file_size(path)},
-                   {"content_xxh3", hex64(hash_file_cached(path))},
-                   {"tokens", train.count}});
-  if (!val_path.empty()) {
-    std::string val_format;
-    TokenBuffer val = map_token_file(val_path, config.get_string("data.format"), &val_format);
-    out.train = make_windows(train, 0, train.count, seq_len, vocab_limit, "train");
-    out.val = make_windows(val, 0, val.count, seq_len, vocab_limit, "validation");
-    files.push_back({{"path", fs::absolute(val_path).string()},
-                     {"size_bytes", fs::file_size(val_path)},
-                     {"content_xxh3", hex64(hash_file_cached(val_path))},
-                     {"tokens", val.count}});
-  } else {
-    const int64_t val_count =
-        static_cast<int64_t>(std::llround(config.get_float("data.val_fraction") * train.count));
-    out.train = make_windows(train, 0, train.count - val_count, seq_len, vocab_limit, "train");
-    out.val =
-        make_windows(train, train.count - val_count, val_count, seq_len, vocab_limit, "validation");
-  }
-  out.identity = {{"kind", "tokens"},
-                  {"format", format},
-                  {"files", files},
                   {"train_samples", out.train->size()},
                   {"val_samples", out.val->size()}};
   return out;

@@ -15,7 +15,7 @@ ConfigSection data_section() {
                      "dataset: synthetic teacher task, text file bytes, or token .bin files"),
           string_key("data", "path", "", {},
                      "text: a file or directory (default: Debian's fortunes corpus); tokens: the "
-                     "train .bin"),
+                     "train .bin, or a directory written by kiln data prepare (docs/data.md)"),
           string_key("data", "val_path", "", {},
                      "tokens: validation .bin (default: split data.path by data.val_fraction)"),
           string_key("data", "revision", "", {},
