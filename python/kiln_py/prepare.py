@@ -157,8 +157,9 @@ def describe_inputs(files):
         entry["kind"] = "jsonl" if is_jsonl(path) else "text"
 
 
-def read_text(path, data=None):
-    data = open(path, "rb").read() if data is None else data
+def read_text(path):
+    with open(path, "rb") as f:
+        data = f.read()
     nul = data.find(b"\0")
     if nul >= 0:
         raise UserError(f"input {path} is binary (NUL byte at offset {nul}); give text or JSONL "
