@@ -1,8 +1,13 @@
-// Hugging Face GPT-2 interop for kiln's gpt: export to the layout transformers'
-// GPT2LMHeadModel.from_pretrained reads, and load such a directory as a model's initial weights
-// (model.init_from). Data-only: config.json and safetensors; never pytorch_model.bin (pickle).
+// Hugging Face interop for kiln's gpt (GPT2LMHeadModel) and llama (LlamaForCausalLM): export to
+// the layout transformers' from_pretrained reads, and load such a directory as a model's initial
+// weights (model.init_from). Data-only: config.json and safetensors; never pytorch_model.bin
+// (pickle).
 //
-// The layout (docs/models.md): parameter names are the same as kiln's ("transformer.h.0.attn.
+// Llama (docs/models.md): kiln's parameter names are Hugging Face's, every weight in the same
+// [out, in] layout; with tie_word_embeddings the head is not written. RMSNorm, SiLU, the default
+// rope (no rope_scaling), no biases.
+//
+// GPT-2's layout (docs/models.md): parameter names are the same as kiln's ("transformer.h.0.attn.
 // c_attn.weight", ...); the four projection weights (attn.c_attn, attn.c_proj, mlp.c_fc,
 // mlp.c_proj) are Conv1D [in, out] in Hugging Face and nn.Linear [out, in] in kiln, so they are
 // transposed both ways; the head is tied to transformer.wte.weight and not written (HF ties it
@@ -49,6 +54,32 @@ void save_hf_gpt2(Model& model, const std::filesystem::path& out_dir, bool force
 /// manifest: {"path", "config_sha256", "files": [{"file", "bytes", "sha256"}]}. `key` names the
 /// setting in errors ("model.init_from"). Nothing is copied unless every check passes.
 nlohmann::json load_hf_gpt2(Model& model, const std::filesystem::path& dir, const std::string& key);
+
+/// config.json for a kiln Llama shape: LlamaConfig's fields (architectures ["LlamaForCausalLM"],
+/// model_type "llama", hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+/// num_key_value_heads, head_dim, max_position_embeddings = block_size, vocab_size,
+/// rms_norm_eps, rope_theta, tie_word_embeddings, hidden_act "silu", no biases). Pure.
+nlohmann::json hf_llama_config(const LlamaConfig& llama);
+
+/// The Llama shape a LlamaForCausalLM config.json describes, or "" in `problem` naming the first
+/// field kiln's llama cannot express (rope_scaling, biases, another activation, a head_dim other
+/// than hidden_size / num_attention_heads, a missing field). Pure.
+LlamaConfig llama_config_from_hf(const nlohmann::json& hf_config, std::string& problem);
+
+/// The first difference between a Llama config.json and the kiln shape, as one line naming the
+/// config.json field and the model.* key with both values; "" when they describe the same network.
+std::string hf_llama_config_mismatch(const nlohmann::json& hf_config, const LlamaConfig& llama);
+
+/// As save_hf_gpt2 / load_hf_gpt2, for a llama (names as they are, no transposes; a tied head is
+/// neither written nor read: lm_head.weight in the directory is skipped).
+void save_hf_llama(Model& model, const std::filesystem::path& out_dir, bool force);
+nlohmann::json load_hf_llama(Model& model, const std::filesystem::path& dir,
+                             const std::string& key);
+
+/// The model's registered Hugging Face export / import (ModelSpec::save_hf, load_hf). Throws
+/// UserError for a model without one (the mlp) or any error of theirs.
+void save_hf(Model& model, const std::filesystem::path& out_dir, bool force);
+nlohmann::json load_hf(Model& model, const std::filesystem::path& dir, const std::string& key);
 
 /// SHA-256 of a file's content as 64 hex digits (streamed). Throws UserError naming the path.
 std::string sha256_file(const std::filesystem::path& path);

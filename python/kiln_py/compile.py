@@ -38,6 +38,7 @@ INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False,
 DTYPES = {"float32": torch.float32, "int64": torch.int64}
 # What each twin takes: (inputs dtype, inputs rank, targets dtype, targets rank).
 SIGNATURES = {"mlp": ("float32", 2, "int64", 1), "gpt": ("int64", 2, "int64", 2)}
+SIGNATURES["llama"] = SIGNATURES["gpt"]  # token ids [B, T] -> logits [B, T, V]
 
 
 class SpecError(ValueError):
@@ -103,7 +104,7 @@ def read_spec(path):
 def example_inputs(spec, device):
     """Random example tensors of the spec's shapes; integer ones in range (vocabulary or classes)."""
     m = spec["model"]
-    high = m.get("vocab_size") if m["name"] == "gpt" else m.get("num_classes")
+    high = m.get("vocab_size", m.get("num_classes"))  # token models: the vocabulary
     out = []
     for tensor in ("inputs", "targets"):
         shape, dtype = spec[tensor]["shape"], DTYPES[spec[tensor]["dtype"]]

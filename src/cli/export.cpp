@@ -1,5 +1,6 @@
 // `kiln export RUN_OR_CKPT --format hf OUT_DIR`: a run's newest checkpoint (or a given one) as a
-// Hugging Face GPT-2 directory (docs/models.md). Single-process.
+// Hugging Face directory: GPT2LMHeadModel for gpt, LlamaForCausalLM for llama (docs/models.md).
+// Single-process.
 #include <fmt/format.h>
 
 #include "cli/commands.h"
@@ -20,10 +21,15 @@ struct ExportArgs {
   bool force = false;
 };
 
-// The run's config: the training run's own config.toml, without model.init_from (the weights
-// come from the checkpoint).
+// The run's config: the training run's own config.toml. The weights come from the checkpoint;
+// model.init_from stays while its directory is there, since the shape may be its config.json's,
+// and is dropped when it is gone (the shape is then the keys', checked against the checkpoint).
 Config run_config(const fs::path& config_file) {
-  return Config::load(config_file, {"model.init_from="});
+  try {
+    return Config::load(config_file);
+  } catch (const UserError&) {
+    return Config::load(config_file, {"model.init_from="});
+  }
 }
 
 int export_command(const ExportArgs& args) {
@@ -66,16 +72,17 @@ int export_command(const ExportArgs& args) {
     torch::NoGradGuard no_grad;
     load_checkpoint(step_dir, targets, *single_process_communicator());
   }
-  save_hf_gpt2(*model, args.out, args.force);
-  fmt::print("exported {} as Hugging Face GPT-2 to {} (config.json, model.safetensors)\n",
-             step_dir.string(), args.out);
+  save_hf(*model, args.out, args.force);
+  fmt::print("exported {} as a Hugging Face {} to {} (config.json, model.safetensors)\n",
+             step_dir.string(),
+             model->architecture() == "llama" ? "LlamaForCausalLM" : "GPT2LMHeadModel", args.out);
   return 0;
 }
 
 void add_export_command(CLI::App& app, Action& action) {
   auto args = std::make_shared<ExportArgs>();
   auto* command = app.add_subcommand(
-      "export", "a run's newest checkpoint as a Hugging Face GPT-2 directory (gpt)");
+      "export", "a run's newest checkpoint as a Hugging Face directory (gpt, llama)");
   command
       ->add_option("source", args->source,
                    "a run directory (its newest checkpoint), a checkpoint directory or step-<N>")

@@ -1,5 +1,6 @@
-// Hugging Face GPT-2 interop (kiln/hf.h): config.json <-> GptConfig, kiln's nn.Linear weights <->
-// Hugging Face's Conv1D layout, model.safetensors (or a sharded index) in and out.
+// Hugging Face interop (kiln/hf.h): the directory machinery both architectures share (weight
+// files, sharded index, revision, checked copy, export directory) and GPT-2's own: config.json <->
+// GptConfig, kiln's nn.Linear weights <-> Hugging Face's Conv1D layout. Llama: models/hf_llama.cpp.
 #include "kiln/hf.h"
 
 #include <fmt/format.h>
@@ -7,7 +8,9 @@
 
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <vector>
 
@@ -15,6 +18,7 @@
 #include "core/strings.h"
 #include "kiln/error.h"
 #include "kiln/safetensors.h"
+#include "models/internal.h"
 
 namespace kiln {
 namespace {
@@ -184,8 +188,8 @@ json read_hf_config(const fs::path& dir, const std::string& key) {
   std::error_code ec;
   if (!fs::is_regular_file(path, ec)) {
     throw UserError(
-        fmt::format("{} = \"{}\": no config.json there; point it at a Hugging Face "
-                    "GPT-2 directory (save_pretrained)",
+        fmt::format("{} = \"{}\": no config.json there; point it at a Hugging Face model "
+                    "directory (save_pretrained)",
                     key, dir.string()));
   }
   const json config = json::parse(read_file(path), nullptr, /*allow_exceptions=*/false);
@@ -195,8 +199,7 @@ json read_hf_config(const fs::path& dir, const std::string& key) {
   return config;
 }
 
-void save_hf_gpt2(Model& model, const fs::path& out_dir, bool force) {
-  const GptConfig gpt = gpt_shape_of(model, "export --format hf");
+void prepare_hf_export_dir(const fs::path& out_dir, bool force) {
   std::error_code ec;
   if (fs::exists(out_dir, ec) && !fs::is_directory(out_dir, ec)) {
     throw UserError(fmt::format("export: {} is a file; give a directory", out_dir.string()));
@@ -220,6 +223,11 @@ void save_hf_gpt2(Model& model, const fs::path& out_dir, bool force) {
   if (ec) {
     throw UserError(fmt::format("export: cannot create {}: {}", out_dir.string(), ec.message()));
   }
+}
+
+void save_hf_gpt2(Model& model, const fs::path& out_dir, bool force) {
+  const GptConfig gpt = gpt_shape_of(model, "export --format hf");
+  prepare_hf_export_dir(out_dir, force);
   std::vector<std::pair<std::string, torch::Tensor>> tensors;
   for (const auto& item : model.named_parameters()) {
     torch::Tensor t = item.value().detach().to(torch::kCPU);
@@ -230,17 +238,11 @@ void save_hf_gpt2(Model& model, const fs::path& out_dir, bool force) {
   write_file_atomic(out_dir / "config.json", hf_gpt2_config(gpt).dump(2) + "\n");
 }
 
-json load_hf_gpt2(Model& model, const fs::path& dir, const std::string& key) {
-  const GptConfig gpt = gpt_shape_of(model, key);
-  const json hf_config = read_hf_config(dir, key);
-  if (std::string mismatch = hf_gpt2_config_mismatch(hf_config, gpt); !mismatch.empty()) {
-    throw UserError(fmt::format("{} = \"{}\": {}", key, dir.string(), mismatch));
-  }
-  json revision = {{"path", fs::absolute(dir).lexically_normal().string()},
-                   {"config_sha256", sha256_file(dir / "config.json")},
-                   {"files", json::array()}};
-  // Every tensor of every weight file, by its kiln (GPT2LMHeadModel) name.
-  std::map<std::string, std::pair<std::string, torch::Tensor>> found;  // name -> (file, tensor)
+HfWeights read_hf_weights(const fs::path& dir, const std::string& key) {
+  HfWeights out;
+  out.revision = {{"path", fs::absolute(dir).lexically_normal().string()},
+                  {"config_sha256", sha256_file(dir / "config.json")},
+                  {"files", json::array()}};
   for (const std::string& file : weight_files(dir, key)) {
     const fs::path path = dir / file;
     std::error_code ec;
@@ -248,15 +250,20 @@ json load_hf_gpt2(Model& model, const fs::path& dir, const std::string& key) {
       throw UserError(fmt::format("{}: {} lists {}, which is missing", key,
                                   (dir / "model.safetensors.index.json").string(), file));
     }
-    revision["files"].push_back({{"file", file},
-                                 {"bytes", static_cast<int64_t>(fs::file_size(path))},
-                                 {"sha256", sha256_file(path)}});
+    out.revision["files"].push_back({{"file", file},
+                                     {"bytes", static_cast<int64_t>(fs::file_size(path))},
+                                     {"sha256", sha256_file(path)}});
     for (auto& [name, tensor] : read_safetensors(path)) {
-      if (is_skipped_buffer(name)) continue;
-      found[with_transformer_prefix(name)] = {file, std::move(tensor)};
+      out.tensors[name] = {file, std::move(tensor)};
     }
   }
-  found.erase("lm_head.weight");  // tied to transformer.wte.weight (checked by the config)
+  return out;
+}
+
+void copy_hf_weights(Model& model, HfWeights& weights, const fs::path& dir, const std::string& key,
+                     const std::string& what,
+                     const std::function<bool(const std::string&)>& transposed) {
+  auto& found = weights.tensors;
   // Check everything before copying anything.
   std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;  // (parameter, value in kiln layout)
   for (const auto& item : model.named_parameters()) {
@@ -265,12 +272,13 @@ json load_hf_gpt2(Model& model, const fs::path& dir, const std::string& key) {
     if (it == found.end()) {
       throw UserError(
           fmt::format("{} = \"{}\": no tensor {} in its weight files; the directory "
-                      "does not hold a complete GPT-2 of this shape",
-                      key, dir.string(), name));
+                      "does not hold a complete {} of this shape",
+                      key, dir.string(), name, what));
     }
     const auto& [file, tensor] = it->second;
     std::vector<int64_t> want = item.value().sizes().vec();
-    if (is_conv1d_weight(name)) std::swap(want[0], want[1]);  // Conv1D [in, out]
+    const bool swap = transposed && transposed(name);
+    if (swap) std::swap(want[0], want[1]);  // stored [in, out]
     if (tensor.sizes().vec() != want) {
       throw UserError(fmt::format(
           "{} = \"{}\": tensor {} in {} has shape {}, the model needs {} (Hugging Face layout); "
@@ -282,19 +290,91 @@ json load_hf_gpt2(Model& model, const fs::path& dir, const std::string& key) {
                                   key, dir.string(), name, file,
                                   c10::toString(tensor.scalar_type())));
     }
-    copies.emplace_back(item.value(), is_conv1d_weight(name) ? tensor.t() : tensor);
+    copies.emplace_back(item.value(), swap ? tensor.t() : tensor);
     found.erase(it);
   }
   if (!found.empty()) {
     const auto& [name, entry] = *found.begin();
     throw UserError(
         fmt::format("{} = \"{}\": unexpected tensor {} in {} ({} unexpected in all); "
-                    "kiln's gpt has no such parameter",
-                    key, dir.string(), name, entry.first, found.size()));
+                    "kiln's {} has no such parameter",
+                    key, dir.string(), name, entry.first, found.size(), model.architecture()));
   }
   torch::NoGradGuard no_grad;
   for (auto& [parameter, value] : copies) parameter.copy_(value);
-  return revision;
+}
+
+json load_hf_gpt2(Model& model, const fs::path& dir, const std::string& key) {
+  const GptConfig gpt = gpt_shape_of(model, key);
+  const json hf_config = read_hf_config(dir, key);
+  if (std::string mismatch = hf_gpt2_config_mismatch(hf_config, gpt); !mismatch.empty()) {
+    throw UserError(fmt::format("{} = \"{}\": {}", key, dir.string(), mismatch));
+  }
+  HfWeights weights = read_hf_weights(dir, key);
+  // By kiln's (GPT2LMHeadModel) name: GPT2Model saves without "transformer.".
+  HfWeights renamed{std::move(weights.revision), {}};
+  for (auto& [name, entry] : weights.tensors) {
+    if (is_skipped_buffer(name)) continue;
+    renamed.tensors[with_transformer_prefix(name)] = std::move(entry);
+  }
+  renamed.tensors.erase(
+      "lm_head.weight");  // tied to transformer.wte.weight (checked by the config)
+  copy_hf_weights(model, renamed, dir, key, "GPT-2", is_conv1d_weight);
+  return renamed.revision;
+}
+
+std::optional<json> try_read_hf_config(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::is_regular_file(dir / "config.json", ec)) return std::nullopt;
+  try {
+    json config = json::parse(read_file(dir / "config.json"), nullptr, /*allow_exceptions=*/false);
+    if (!config.is_object()) return std::nullopt;
+    return config;
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+std::string hf_model_name(const json& hf_config) {
+  const std::string type = hf_config.value("model_type", std::string());
+  if (type == "gpt2") return "gpt";
+  if (type == "llama") return "llama";
+  return "";
+}
+
+std::optional<GptConfig> gpt_config_from_hf_dir(const fs::path& dir) {
+  const auto hf = try_read_hf_config(dir);
+  if (!hf || (hf->contains("model_type") && hf_model_name(*hf) != "gpt")) return std::nullopt;
+  GptConfig out;
+  for (auto [field, value] :
+       {std::pair{"n_layer", &out.n_layer}, std::pair{"n_head", &out.n_head},
+        std::pair{"n_embd", &out.n_embd}, std::pair{"n_positions", &out.block_size},
+        std::pair{"vocab_size", &out.vocab_size}}) {
+    const auto v = int_field(*hf, field);
+    if (!v || *v <= 0) return std::nullopt;
+    *value = *v;
+  }
+  return out;
+}
+
+void save_hf(Model& model, const fs::path& out_dir, bool force) {
+  const ModelSpec* spec = find_model(model.architecture());
+  if (!spec || !spec->save_hf) {
+    throw UserError(fmt::format(
+        "export --format hf: model \"{}\" has no Hugging Face export (gpt and llama have)",
+        model.architecture()));
+  }
+  spec->save_hf(model, out_dir, force);
+}
+
+json load_hf(Model& model, const fs::path& dir, const std::string& key) {
+  const ModelSpec* spec = find_model(model.architecture());
+  if (!spec || !spec->load_hf) {
+    throw UserError(
+        fmt::format("{}: model \"{}\" cannot load Hugging Face weights (gpt and llama can)", key,
+                    model.architecture()));
+  }
+  return spec->load_hf(model, dir, key);
 }
 
 std::string sha256_file(const fs::path& path) {

@@ -8,6 +8,7 @@
 #include <torch/nn/modules/normalization.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 
@@ -173,10 +174,7 @@ class Gpt final : public Model {
             {"norm", "pre-LayerNorm"}};
   }
   double train_flops_per_sample(int64_t seq_len) const override {
-    const double params = static_cast<double>(parameter_count(*this) - wpe_->weight.numel());
-    const double per_token =
-        6.0 * params + 12.0 * static_cast<double>(config_.n_layer * config_.n_embd * seq_len);
-    return per_token * static_cast<double>(seq_len);
+    return gpt_math(config_).train_flops_per_token(seq_len) * static_cast<double>(seq_len);
   }
   std::vector<ModelUnit> units() const override {
     std::vector<ModelUnit> out;
@@ -218,9 +216,9 @@ class Gpt final : public Model {
 };
 
 GptConfig preset(const std::string& name) {
-  if (name == "tiny") return {5, 4, 128, 256, 256};
   if (name == "small") return {6, 6, 384, 256, 256};
-  return {12, 12, 768, 1024, 50257};  // gpt2-124m
+  if (name == "gpt2-124m") return {12, 12, 768, 1024, 50257};
+  return {5, 4, 128, 256, 256};  // tiny; also the fallback for a preset the rules refuse
 }
 
 }  // namespace
@@ -249,6 +247,10 @@ torch::Tensor Model::loss(const torch::Tensor& logits, const torch::Tensor& targ
 
 GptConfig gpt_shape(const Config& config) {
   GptConfig out = preset(config.get_string("model.preset"));
+  // As from_pretrained: the shape of model.init_from's config.json, not the preset's.
+  if (const std::string& dir = config.get_string("model.init_from"); !dir.empty()) {
+    if (auto from_hf = gpt_config_from_hf_dir(dir)) out = *from_hf;
+  }
   auto pick = [&](const char* key, int64_t& field) {
     if (int64_t v = config.get_int(key); v > 0) field = v;
   };
@@ -276,20 +278,63 @@ GptConfig resolve_gpt_config(const Config& config) {
   return out;
 }
 
-std::shared_ptr<Model> make_model(const Config& config) {
-  auto generator =
-      at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.get_int("run.seed")));
-  if (config.get_string("model.name") == "mlp") {
+ModelMath gpt_math(const GptConfig& g) {
+  const int64_t C = g.n_embd;
+  // ln_1 2C, c_attn 3C^2 + 3C, attn.c_proj C^2 + C, ln_2 2C, c_fc 4C^2 + 4C, mlp.c_proj 4C^2 + C
+  const int64_t block = 12 * C * C + 13 * C;
+  const int64_t root = g.vocab_size * C + g.block_size * C + 2 * C;  // wte (the head), wpe, ln_f
+  ModelMath m;
+  m.parameters = root + g.n_layer * block;
+  m.largest_unit_parameters = std::max(block, root);
+  m.flop_parameters = m.parameters - g.block_size * C;  // the position embedding is a lookup
+  m.n_layer = g.n_layer;
+  m.attention_width = C;
+  m.n_embd = C;
+  m.n_head = g.n_head;
+  m.n_kv_head = g.n_head;
+  m.intermediate_size = 4 * C;
+  m.vocab_size = g.vocab_size;
+  return m;
+}
+
+ModelSpec mlp_spec() {
+  ModelSpec spec;
+  spec.name = "mlp";
+  spec.description = "the seed MLP: input_dim -> hidden_dim -> ReLU -> num_classes";
+  spec.input = ModelInput::kFeatures;
+  spec.build = [](const Config& config, at::Generator& generator) -> std::shared_ptr<Model> {
     return std::make_shared<Mlp>(config.get_int("model.input_dim"),
                                  config.get_int("model.hidden_dim"),
                                  config.get_int("model.num_classes"),
                                  config.get_bool("model.data_dependent_branch"), generator);
-  }
-  auto gpt = std::make_shared<Gpt>(resolve_gpt_config(config), generator);
-  if (const std::string& dir = config.get_string("model.init_from"); !dir.empty()) {
-    gpt->init_from = load_hf_gpt2(*gpt, dir, "model.init_from");
-  }
-  return gpt;
+  };
+  spec.math = [](const Config& config) {
+    const int64_t d = config.get_int("model.input_dim"), h = config.get_int("model.hidden_dim"),
+                  k = config.get_int("model.num_classes");
+    ModelMath m;
+    m.parameters = d * h + h + h * k + k;
+    m.largest_unit_parameters = std::max(d * h + h, h * k + k);
+    m.flop_parameters = m.parameters;
+    return m;
+  };
+  spec.python_twin = "kiln_py.models";
+  return spec;
+}
+
+ModelSpec gpt_spec() {
+  ModelSpec spec;
+  spec.name = "gpt";
+  spec.description = "GPT-2-style decoder (Hugging Face GPT2LMHeadModel names)";
+  spec.input = ModelInput::kTokens;
+  spec.build = [](const Config& config, at::Generator& generator) -> std::shared_ptr<Model> {
+    return std::make_shared<Gpt>(resolve_gpt_config(config), generator);
+  };
+  spec.vocab_size = [](const Config& config) { return gpt_shape(config).vocab_size; };
+  spec.math = [](const Config& config) { return gpt_math(resolve_gpt_config(config)); };
+  spec.python_twin = "kiln_py.models";
+  spec.load_hf = load_hf_gpt2;
+  spec.save_hf = save_hf_gpt2;
+  return spec;
 }
 
 int64_t parameter_count(const torch::nn::Module& module) {

@@ -45,7 +45,7 @@ TEST(ConfigRules, TheSectionsDeclareTheKnownRules) {
   // `kiln train` runs, now declared next to their components.
   std::map<std::string, int> per_section;
   for (const auto& [section, rule] : every_rule()) ++per_section[section];
-  EXPECT_EQ(per_section["model"], 5);  // + model.init_from: gpt only, its config.json matches
+  EXPECT_EQ(per_section["model"], 8);  // + registered name, llama heads, preset, init_from
   EXPECT_EQ(per_section["data"], 6);
   EXPECT_EQ(per_section["optim"], 2);
   EXPECT_EQ(per_section["dist"], 1);

@@ -1,10 +1,16 @@
 #include "kiln/models.h"
 
+#include <fmt/format.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/nn/modules/linear.h>
 
 #include <set>
 
+#include "kiln/data.h"
 #include "kiln/error.h"
+#include "kiln/hf.h"
+#include "kiln/train.h"
 #include "support/helpers.h"
 
 namespace kiln::testing {
@@ -174,6 +180,272 @@ TEST(Units, WrappersNestInTheOrderAddedAndSeeEveryUnit) {
   gpt->forward(torch::zeros({1, 8}, torch::kLong));
   EXPECT_EQ(log.size(), 10u);  // in and out of each of the 5 blocks
   EXPECT_EQ(log.back(), "w out 4");
+}
+
+// ---- llama
+// ---------------------------------------------------------------------------------------
+
+Config llama(const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> sets = {"model.name=llama", "data.name=text"};
+  sets.insert(sets.end(), extra.begin(), extra.end());
+  return Config::parse("", "x", sets);
+}
+
+// One small shape for the tests that build: 2 layers, width 32, 4 query heads over 2 key/value.
+const std::vector<std::string> kSmallLlama = {"model.n_layer=2",
+                                              "model.n_embd=32",
+                                              "model.n_head=4",
+                                              "model.n_kv_head=2",
+                                              "model.intermediate_size=48",
+                                              "data.seq_len=16"};
+
+TEST(Llama, PresetsCountAsTheModelMathSays) {
+  // Built: tiny (~1M) and small (~19M); their analytic count is the built one, tied or not.
+  for (const auto& [preset, lo, hi] :
+       {std::tuple{"llama-tiny", 900'000, 1'100'000}, std::tuple{"tiny", 900'000, 1'100'000},
+        std::tuple{"llama-small", 18'000'000, 21'000'000}}) {
+    const Config config = llama({std::string("model.preset=") + preset});
+    auto model = make_model(config);
+    EXPECT_GE(parameter_count(*model), lo) << preset;
+    EXPECT_LE(parameter_count(*model), hi) << preset;
+    EXPECT_EQ(model_math(config).parameters, parameter_count(*model)) << preset;
+  }
+  const Config tied = llama({"model.tie_embeddings=true", "model.n_kv_head=4"});
+  EXPECT_EQ(model_math(tied).parameters, parameter_count(*make_model(tied)));
+  // Llama 3 8B: the published shape and count (8,030,261,248), never built.
+  const Config big = llama(
+      {"model.preset=llama3-8b", "data.name=tokens", "data.path=train.bin", "data.seq_len=8192"});
+  const LlamaConfig l = resolve_llama_config(big);
+  EXPECT_EQ(std::vector<int64_t>(
+                {l.n_layer, l.n_embd, l.n_head, l.n_kv_head, l.intermediate_size, l.vocab_size}),
+            std::vector<int64_t>({32, 4096, 32, 8, 14336, 128256}));
+  EXPECT_EQ(l.rope_theta, 500000.0);
+  const ModelMath m = model_math(big);
+  EXPECT_EQ(m.parameters, 8'030'261'248);
+  // 6N without the (untied) input embedding, + 12 L C T: torchtitan's count.
+  EXPECT_EQ(m.train_flops_per_token(8192),
+            6.0 * (8'030'261'248.0 - 128256.0 * 4096) + 12.0 * 32 * 4096 * 8192);
+}
+
+TEST(Llama, ParameterNamesFollowHuggingFaceLlamaForCausalLM) {
+  auto model = make_model(llama(kSmallLlama));
+  std::vector<std::string> names;
+  for (const auto& item : model->named_parameters()) names.push_back(item.key());
+  std::vector<std::string> expected = {"model.embed_tokens.weight"};
+  for (int i = 0; i < 2; ++i) {
+    for (const char* leaf : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                             "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                             "input_layernorm", "post_attention_layernorm"}) {
+      expected.push_back(fmt::format("model.layers.{}.{}.weight", i, leaf));
+    }
+  }
+  expected.push_back("model.norm.weight");
+  expected.push_back("lm_head.weight");
+  EXPECT_EQ(names, expected);
+  const auto params = model->named_parameters();
+  EXPECT_EQ(params["model.layers.0.self_attn.k_proj.weight"].sizes(),
+            (std::vector<int64_t>{16, 32}));  // 2 key/value heads of 8
+  auto tied = make_model(llama({"model.tie_embeddings=true", "model.n_layer=1"}));
+  EXPECT_FALSE(tied->named_parameters().contains("lm_head.weight"));
+}
+
+TEST(Llama, CausalLogitsAndNearUniformInitialLoss) {
+  auto model = make_model(llama(kSmallLlama));
+  model->eval();
+  torch::NoGradGuard no_grad;
+  auto tokens = torch::randint(0, 256, {2, 16}, torch::kLong);
+  auto logits = model->forward(tokens);
+  EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{2, 16, 256}));
+  auto changed = tokens.clone();
+  using torch::indexing::Slice;
+  changed.index_put_({Slice(), 10}, (tokens.index({Slice(), 10}) + 1) % 256);
+  auto after = model->forward(changed);
+  EXPECT_TRUE(
+      torch::equal(logits.index({Slice(), Slice(0, 10)}), after.index({Slice(), Slice(0, 10)})));
+  EXPECT_FALSE(
+      torch::allclose(logits.index({Slice(), Slice(10)}), after.index({Slice(), Slice(10)})));
+  // Rotary positions: without them causal attention is blind to the order of the earlier tokens;
+  // with them, swapping two earlier tokens changes the last position's logits.
+  auto order = model->forward(torch::tensor({{5, 9, 7}}, torch::kLong));
+  auto swapped = model->forward(torch::tensor({{9, 5, 7}}, torch::kLong));
+  EXPECT_FALSE(torch::allclose(order.index({0, 2}), swapped.index({0, 2})));
+  auto targets = torch::randint(0, 256, {2, 16}, torch::kLong);
+  EXPECT_NEAR(model->loss(logits, targets).item<double>(), std::log(256.0), 0.1);
+}
+
+TEST(Llama, UnitsAreTheDecoderLayers) {
+  auto model = make_model(llama(kSmallLlama));
+  const auto units = model->units();
+  ASSERT_EQ(units.size(), 2u);
+  EXPECT_EQ(units[1].name, "model.layers.1");
+  EXPECT_EQ(units[1].parameters.size(), 9u);
+  std::set<std::string> in_units;
+  for (const auto& unit : units) in_units.insert(unit.parameters.begin(), unit.parameters.end());
+  std::set<std::string> root;
+  for (const auto& item : model->named_parameters()) {
+    if (!in_units.count(item.key())) root.insert(item.key());
+  }
+  EXPECT_EQ(root, (std::set<std::string>{"model.embed_tokens.weight", "model.norm.weight",
+                                         "lm_head.weight"}));
+  EXPECT_EQ(model_math(llama(kSmallLlama)).largest_unit_parameters,
+            2 * 256 * 32 + 32);  // the root group: embedding, head, final norm
+  // FLOPs per sample: 6N (N without the input embedding) + 12 L C T, per token, times T.
+  const double n = static_cast<double>(parameter_count(*model) - 256 * 32);
+  EXPECT_DOUBLE_EQ(model->train_flops_per_sample(16), 16.0 * (6.0 * n + 12.0 * 2 * 32 * 16));
+}
+
+TEST(Llama, ActivationCheckpointingRecomputesTheLayersBitwise) {
+  TempDir dir;
+  std::vector<std::vector<double>> losses;
+  for (const char* mode : {"none", "block"}) {
+    std::vector<std::string> sets = kSmallLlama;
+    sets.push_back(fmt::format("train.activation_checkpointing={}", mode));
+    sets.insert(sets.end(), {"model.name=llama", "model.preset=tiny", "model.block_size=0",
+                             "model.vocab_size=0", "train.batch_size=4", "data.num_workers=0"});
+    Config config = gpt_config(dir.path(), sets);
+    apply_runtime_settings(config);
+    Trainer trainer(config, make_model(config), make_datasets(config));
+    EXPECT_EQ(trainer.model().has_unit_wrappers(), std::string(mode) == "block");
+    losses.emplace_back();
+    for (int k = 0; k < 3; ++k) losses.back().push_back(trainer.train_step().loss);
+  }
+  EXPECT_EQ(losses[0], losses[1]);
+  EXPECT_LT(losses[0].back(), losses[0].front());
+}
+
+TEST(Llama, BadShapesAreRefusedByTheConfigRules) {
+  auto refused = [](const std::vector<std::string>& sets) {
+    try {
+      llama(sets).validate();
+      return std::string("accepted");
+    } catch (const UserError& e) {
+      return std::string(e.what());
+    }
+  };
+  EXPECT_THAT(refused({"model.n_head=3"}), ::testing::HasSubstr("even head size"));
+  EXPECT_THAT(refused({"model.n_embd=96", "model.n_head=16"}),  // head size 6: even
+              ::testing::HasSubstr("accepted"));
+  EXPECT_THAT(refused({"model.n_embd=36", "model.n_head=4", "model.n_kv_head=4"}),
+              ::testing::HasSubstr("even head size"));  // head size 9: rotary needs pairs
+  EXPECT_THAT(refused({"model.n_kv_head=3"}),
+              ::testing::HasSubstr("model.n_head = 4 is not a multiple of model.n_kv_head = 3"));
+  EXPECT_THAT(refused({"model.preset=gpt2-124m"}), ::testing::HasSubstr("is a gpt preset"));
+  EXPECT_THAT(refused({"data.seq_len=512"}), ::testing::HasSubstr("block_size 256"));
+  EXPECT_THAT(refused({"model.vocab_size=100"}), ::testing::HasSubstr("256 byte values"));
+  EXPECT_THROW(resolve_llama_config(llama({"model.n_kv_head=3"})), UserError);
+}
+
+// ---- the registry ------------------------------------------------------------------------------
+
+// A user's model, registered the way examples/ and docs/models.md show: a linear map over
+// synthetic features, built from the mlp's keys.
+class UserLinear final : public Model {
+ public:
+  UserLinear(int64_t in, int64_t out) { fc_ = register_module("fc", torch::nn::Linear(in, out)); }
+  torch::Tensor forward(const torch::Tensor& x) override { return fc_->forward(x); }
+  std::string architecture() const override { return "test-linear"; }
+  nlohmann::json describe() const override { return {{"kind", "linear"}}; }
+  double train_flops_per_sample(int64_t) const override {
+    return 6.0 * static_cast<double>(parameter_count(*this));
+  }
+
+ private:
+  torch::nn::Linear fc_{nullptr};
+};
+
+TEST(Registry, BuiltinsAndAUserModelComeFromTheSameRegistry) {
+  const auto names = registered_models();
+  for (const char* builtin : {"gpt", "llama", "mlp"}) {
+    EXPECT_TRUE(std::find(names.begin(), names.end(), builtin) != names.end()) << builtin;
+  }
+  EXPECT_EQ(find_model("llama")->input, ModelInput::kTokens);
+  EXPECT_EQ(find_model("mlp")->input, ModelInput::kFeatures);
+  EXPECT_EQ(find_model("gpt")->python_twin, "kiln_py.models");
+  EXPECT_EQ(find_model("nonexistent"), nullptr);
+
+  ModelSpec spec;
+  spec.name = "test-linear";
+  spec.input = ModelInput::kFeatures;
+  spec.build = [](const Config& config, at::Generator&) -> std::shared_ptr<Model> {
+    return std::make_shared<UserLinear>(config.get_int("model.input_dim"),
+                                        config.get_int("model.num_classes"));
+  };
+  if (!find_model("test-linear")) register_model(spec);       // once per process (gtest repeats)
+  EXPECT_THROW(register_model(spec), std::invalid_argument);  // a name is registered once
+  ModelSpec nameless = spec;
+  nameless.name = "";
+  EXPECT_THROW(register_model(nameless), std::invalid_argument);
+
+  Config config = Config::parse("", "x", {"model.name=test-linear", "model.input_dim=6"});
+  EXPECT_NO_THROW(config.validate());
+  auto model = make_model(config);
+  EXPECT_EQ(model->architecture(), "test-linear");
+  EXPECT_EQ(parameter_count(*model), 6 * 10 + 10);
+  EXPECT_FALSE(model_takes_tokens(config));
+  EXPECT_THROW(model_math(config), UserError);  // no ModelSpec::math: not plannable
+  EXPECT_TRUE(model_takes_tokens(llama()));
+  EXPECT_EQ(model_vocab_size(llama({"model.vocab_size=300"})), 300);
+  EXPECT_EQ(model_vocab_size(Config::defaults()), 0);  // the mlp
+
+  // An unknown name: one line listing the registered models.
+  try {
+    Config::parse("", "x", {"model.name=lama"}).validate();
+    FAIL() << "accepted";
+  } catch (const UserError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "x: model.name = \"lama\" is not a registered model; the registered ones: gpt, "
+              "llama, mlp, test-linear (a C++ model registers with kiln::register_model, "
+              "docs/models.md)");
+  }
+  EXPECT_THROW(make_model(Config::parse("", "x", {"model.name=lama"})), UserError);
+}
+
+// ---- model.init_from takes the shape from config.json ------------------------------------------
+
+TEST(InitFrom, TheShapeComesFromConfigJsonAndAnExplicitKeyMustAgree) {
+  TempDir dir;
+  for (const std::string name : {"gpt", "llama"}) {
+    SCOPED_TRACE(name);
+    // A 2-layer model of a width no preset has, exported to Hugging Face's layout.
+    std::vector<std::string> shape = {"model.name=" + name, "data.name=text", "model.n_layer=2",
+                                      "model.n_embd=32",    "model.n_head=4", "data.seq_len=16"};
+    if (name == "llama") shape.push_back("model.intermediate_size=48");
+    auto source = make_model(Config::parse("", "x", shape));
+    const auto hf = dir / name;
+    save_hf(*source, hf, /*force=*/false);
+    // Only the architecture and the directory: the shape is config.json's.
+    Config config = Config::parse(
+        "", "x", {"model.name=" + name, "data.name=text", "model.init_from=" + hf.string()});
+    EXPECT_NO_THROW(config.validate());
+    auto loaded = make_model(config);
+    EXPECT_EQ(loaded->describe()["n_layer"], 2);
+    EXPECT_EQ(weights_hash(*loaded), weights_hash(*source));
+    EXPECT_EQ(model_math(config).parameters, parameter_count(*source));
+    // A shape key set to another value: one line naming both.
+    try {
+      Config::parse("", "x",
+                    {"model.name=" + name, "data.name=text", "model.init_from=" + hf.string(),
+                     "model.n_layer=5"})
+          .validate();
+      FAIL() << "accepted";
+    } catch (const UserError& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr(" = 2 but model.n_layer = 5 is set"));
+      EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos);
+    }
+    // The other architecture's model.name: named, with the fix.
+    const std::string other = name == "gpt" ? "llama" : "gpt";
+    try {
+      Config::parse("", "x",
+                    {"model.name=" + other, "data.name=text", "model.init_from=" + hf.string()})
+          .validate();
+      FAIL() << "accepted";
+    } catch (const UserError& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr("set model.name = \"" + name + "\""));
+    }
+  }
+  // The mlp exports nothing to Hugging Face.
+  auto mlp = make_model(Config::defaults());
+  EXPECT_THROW(save_hf(*mlp, dir / "mlp", false), UserError);
 }
 
 }  // namespace

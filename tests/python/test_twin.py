@@ -65,6 +65,14 @@ class TwinMatchesKiln(unittest.TestCase):
                     "model.vocab_size=256", "data.seq_len=16", "train.batch_size=8",
                     "train.grad_accum_steps=2"], accum=2)
 
+    def test_llama_grouped_query_with_accumulation(self):
+        # 2 layers, 4 query heads over 2 key/value heads, untied head; then tied (no lm_head).
+        shape = ["model.n_layer=2", "model.n_head=4", "model.n_kv_head=2", "model.n_embd=32",
+                 "model.intermediate_size=48", "data.seq_len=16", "train.batch_size=8"]
+        self.check("configs/llama-tiny.toml", shape + ["train.grad_accum_steps=2"], accum=2)
+        self.check("configs/llama-tiny.toml",
+                   shape + ["model.tie_embeddings=true", "model.rope_theta=500000"], accum=1)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -35,6 +35,9 @@ CHARTJS = os.environ.get("KILN_CHARTJS") or "/usr/share/javascript/chart.js/char
 torch.set_num_threads(2)
 
 GPT_SHAPE = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64, "vocab_size": 256}
+# Llama: 4 query heads over 2 key/value heads, SwiGLU 48, untied head.
+LLAMA_SHAPE = {"n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "intermediate_size": 48,
+               "block_size": 64, "vocab_size": 256}
 
 
 def run(args, expect=0, env=None):
@@ -67,6 +70,29 @@ def gpt_sections(**train):
     return {"model": {"name": "gpt", **GPT_SHAPE},
             "data": {"name": "text", "seq_len": 32, "num_workers": 0},
             "train": {"batch_size": 4, "eval_every": 0, "eval_batches": 1, **train}}
+
+
+def llama_sections(**train):
+    return {"model": {"name": "llama", **LLAMA_SHAPE},
+            "data": {"name": "text", "seq_len": 32, "num_workers": 0},
+            "train": {"batch_size": 4, "eval_every": 0, "eval_batches": 1, **train}}
+
+
+def kiln_logits(work, source, tokens):
+    """kiln's logits on `tokens` (kiln_hf_fixture): a run's newest checkpoint, or a config's model."""
+    from safetensors.torch import load_file, save_file
+
+    save_file({"input_ids": tokens}, str(work / "tokens.safetensors"))
+    run([os.environ["KILN_HF_FIXTURE"], source, work / "tokens.safetensors",
+         work / "kiln-logits.safetensors"])
+    return load_file(str(work / "kiln-logits.safetensors"))["logits"]
+
+
+def one_line(test, done, *needles):
+    """A refusal: exit 2 (checked by the caller's run), one line on stderr naming each needle."""
+    test.assertEqual(len(done.stderr.strip().splitlines()), 1, done.stderr)
+    for needle in needles:
+        test.assertIn(needle, done.stderr)
 
 
 def fresh(name):
@@ -191,6 +217,91 @@ class HuggingFace(unittest.TestCase):
                        "--set", "model.n_embd=64", expect=2)
         self.assertIn("n_embd", refused.stderr)
         self.assertIn("model.n_embd = 32", refused.stderr)
+
+    def test_llama_export_loads_in_transformers(self):
+        from transformers import LlamaForCausalLM
+
+        work = fresh("llama-export")
+        config = write_config(work / "llama.toml", "llama", {**llama_sections(steps=3),
+                                                            "checkpoint": {"every_steps": 3}})
+        kiln("train", config)
+        run_dir, out = work / "runs" / "llama", work / "hf-llama"
+        self.assertIn("LlamaForCausalLM", kiln("export", run_dir, "--format", "hf", out).stdout)
+        hf_config = json.loads((out / "config.json").read_text())
+        for key, value in {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32,
+                           "num_attention_heads": 4, "num_key_value_heads": 2,
+                           "intermediate_size": 48, "max_position_embeddings": 64,
+                           "tie_word_embeddings": False, "rope_theta": 10000.0}.items():
+            self.assertEqual(hf_config[key], value, key)
+        model, info = LlamaForCausalLM.from_pretrained(out, output_loading_info=True)
+        for kind in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+            self.assertEqual(list(info.get(kind, [])), [], kind)
+        model.eval()
+        tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
+        ours = kiln_logits(work, run_dir, tokens)
+        with torch.no_grad():
+            theirs = model(tokens).logits
+        self.assertEqual(tuple(theirs.shape), (2, 24, 256))
+        self.assertLess((theirs - ours).abs().max().item(), 1e-5)
+
+    def test_llama_init_from_transformers(self):
+        from safetensors.torch import load_file, save_file
+        from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+        work = fresh("llama-init-from")
+        torch.manual_seed(0)
+        # transformers' own defaults where kiln has others (rms_norm_eps 1e-6, theta 10000): the
+        # shape and constants come from config.json, the kiln config names only the model.
+        for tied in (False, True):
+            hf_config = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2,
+                                    max_position_embeddings=64, vocab_size=256,
+                                    rope_theta=20000.0, tie_word_embeddings=tied)
+            model = LlamaForCausalLM(hf_config)
+            with torch.no_grad():  # no unit norms: every tensor's place matters
+                for p in model.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+            model.eval()
+            single, sharded = work / f"llama-{tied}", work / f"llama-{tied}-sharded"
+            model.save_pretrained(single)
+            model.save_pretrained(sharded, max_shard_size="40KB")
+            self.assertGreater(len(set(json.loads((sharded / "model.safetensors.index.json")
+                                                  .read_text())["weight_map"].values())), 1)
+            tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(3))
+            with torch.no_grad():
+                theirs = model(tokens).logits
+            for directory in (single, sharded):
+                config = write_config(work / "init.toml", "init", {
+                    "model": {"name": "llama", "init_from": str(directory)},
+                    "data": {"name": "text", "seq_len": 32}})
+                ours = kiln_logits(work, config, tokens)
+                self.assertLess((theirs - ours).abs().max().item(), 1e-5, directory.name)
+
+        # A shape key set to another value than config.json's: one line naming both values.
+        config = write_config(work / "init.toml", "init", {
+            "model": {"name": "llama", "init_from": str(single), "n_layer": 3},
+            "data": {"name": "text", "seq_len": 32}})
+        one_line(self, kiln("config", "validate", config, expect=2),
+                 "num_hidden_layers = 2", "model.n_layer = 3")
+        # Wrong shapes: the first mismatching tensor is named, nothing else.
+        bad = work / "llama-bad"
+        shutil.copytree(single, bad)
+        tensors = load_file(str(bad / "model.safetensors"))
+        tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(40, 32)
+        save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+        config = write_config(work / "bad.toml", "bad", {
+            "model": {"name": "llama", "init_from": str(bad)},
+            "data": {"name": "text", "seq_len": 32}, "train": {"steps": 1}})
+        one_line(self, kiln("train", config, expect=2), "model.layers.1.mlp.up_proj.weight",
+                 "[40, 32]")
+        # A directory of another architecture: one line with the model.name to set.
+        gpt2 = work / "gpt2"
+        GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=64,
+                                   vocab_size=256)).save_pretrained(gpt2)
+        config = write_config(work / "arch.toml", "arch", {
+            "model": {"name": "llama", "init_from": str(gpt2)},
+            "data": {"name": "text", "seq_len": 32}})
+        one_line(self, kiln("config", "validate", config, expect=2), 'set model.name = "gpt"')
 
 
 class TensorBoard(unittest.TestCase):

@@ -1,0 +1,338 @@
+// A Llama-style decoder (Hugging Face LlamaForCausalLM): RMSNorm, rotary position embeddings,
+// SwiGLU MLP, grouped-query attention, no biases, optionally tied embeddings.
+// B = batch, T = time, C = channels, H = query heads, K = key/value heads, D = head size,
+// I = MLP width, V = vocabulary.
+#include <fmt/format.h>
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/functional/linear.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+
+#include <cmath>
+
+#include "kiln/config.h"
+#include "kiln/error.h"
+#include "kiln/hf.h"
+#include "kiln/models.h"
+#include "models/internal.h"
+
+namespace kiln {
+namespace {
+
+namespace nn = torch::nn;
+namespace F = torch::nn::functional;
+
+nn::Linear linear(int64_t in, int64_t out) {
+  return nn::Linear(nn::LinearOptions(in, out).bias(false));
+}
+
+// x / sqrt(mean(x^2) + eps) * weight, the mean over the last dimension in fp32 (as Hugging Face's
+// LlamaRMSNorm: normalised in fp32, cast back to the input's dtype, then scaled).
+class RmsNorm final : public nn::Module {
+ public:
+  RmsNorm(int64_t width, double eps) : eps_(eps) {
+    weight_ = register_parameter("weight", torch::ones({width}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) const {
+    auto h = x.to(torch::kFloat);
+    h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps_);
+    return weight_ * h.to(x.scalar_type());
+  }
+
+ private:
+  double eps_;
+  torch::Tensor weight_;
+};
+
+// The rotary tables for positions 0..T-1: cos and sin, [T, D], each frequency used for both
+// halves of a head (Hugging Face's default rope: inv_freq = 1 / theta^(2i / D)).
+std::pair<torch::Tensor, torch::Tensor> rotary_tables(int64_t T, int64_t D, double theta,
+                                                      const torch::Device& device) {
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat).device(device);
+  auto exponent = torch::arange(0, D, 2, torch::TensorOptions().dtype(torch::kLong).device(device))
+                      .to(torch::kFloat) /
+                  static_cast<double>(D);
+  auto inv_freq = 1.0 / torch::pow(theta, exponent);           // [D/2]
+  auto freqs = torch::arange(T, f32).unsqueeze(1) * inv_freq;  // [T, D/2]
+  auto angles = torch::cat({freqs, freqs}, -1);                // [T, D]
+  return {angles.cos(), angles.sin()};
+}
+
+// (x1, x2) -> (-x2, x1) over the halves of the last dimension.
+torch::Tensor rotate_half(const torch::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+class Attention final : public nn::Module {
+ public:
+  explicit Attention(const LlamaConfig& c)
+      : n_head_(c.n_head), n_kv_head_(c.n_kv_head), head_dim_(c.head_dim()), theta_(c.rope_theta) {
+    q_proj_ = register_module("q_proj", linear(c.n_embd, c.n_head * head_dim_));
+    k_proj_ = register_module("k_proj", linear(c.n_embd, c.n_kv_head * head_dim_));
+    v_proj_ = register_module("v_proj", linear(c.n_embd, c.n_kv_head * head_dim_));
+    o_proj_ = register_module("o_proj", linear(c.n_head * head_dim_, c.n_embd));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const int64_t B = x.size(0), T = x.size(1);
+    auto heads = [&](const torch::Tensor& t, int64_t n) {
+      return t.view({B, T, n, head_dim_}).transpose(1, 2);  // [B, n, T, D]
+    };
+    auto q = heads(q_proj_->forward(x), n_head_);
+    auto k = heads(k_proj_->forward(x), n_kv_head_);
+    auto v = heads(v_proj_->forward(x), n_kv_head_);
+    auto [cos, sin] = rotary_tables(T, head_dim_, theta_, x.device());
+    cos = cos.to(q.scalar_type());
+    sin = sin.to(q.scalar_type());
+    q = q * cos + rotate_half(q) * sin;
+    k = k * cos + rotate_half(k) * sin;
+    if (n_kv_head_ != n_head_) {  // each key/value head serves H/K consecutive query heads
+      k = k.repeat_interleave(n_head_ / n_kv_head_, 1);
+      v = v.repeat_interleave(n_head_ / n_kv_head_, 1);
+    }
+    auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                              /*is_causal=*/true);  // [B, H, T, D]
+    return o_proj_->forward(y.transpose(1, 2).contiguous().view({B, T, n_head_ * head_dim_}));
+  }
+  torch::Tensor o_proj_weight() const { return o_proj_->weight; }
+
+ private:
+  int64_t n_head_, n_kv_head_, head_dim_;
+  double theta_;
+  nn::Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, o_proj_{nullptr};
+};
+
+class SwiGlu final : public nn::Module {
+ public:
+  SwiGlu(int64_t width, int64_t hidden) {
+    gate_proj_ = register_module("gate_proj", linear(width, hidden));
+    up_proj_ = register_module("up_proj", linear(width, hidden));
+    down_proj_ = register_module("down_proj", linear(hidden, width));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return down_proj_->forward(torch::silu(gate_proj_->forward(x)) * up_proj_->forward(x));
+  }
+  torch::Tensor down_proj_weight() const { return down_proj_->weight; }
+
+ private:
+  nn::Linear gate_proj_{nullptr}, up_proj_{nullptr}, down_proj_{nullptr};
+};
+
+class DecoderLayer final : public nn::Module {
+ public:
+  explicit DecoderLayer(const LlamaConfig& c) {
+    self_attn_ = register_module("self_attn", std::make_shared<Attention>(c));
+    mlp_ = register_module("mlp", std::make_shared<SwiGlu>(c.n_embd, c.intermediate_size));
+    input_layernorm_ =
+        register_module("input_layernorm", std::make_shared<RmsNorm>(c.n_embd, c.norm_eps));
+    post_attention_layernorm_ = register_module("post_attention_layernorm",
+                                                std::make_shared<RmsNorm>(c.n_embd, c.norm_eps));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = x + self_attn_->forward(input_layernorm_->forward(x));
+    return x + mlp_->forward(post_attention_layernorm_->forward(x));
+  }
+  // The two residual projections, whose init is scaled by 1/sqrt(2 * n_layer).
+  std::vector<torch::Tensor> residual_projections() const {
+    return {self_attn_->o_proj_weight(), mlp_->down_proj_weight()};
+  }
+
+ private:
+  std::shared_ptr<Attention> self_attn_;
+  std::shared_ptr<SwiGlu> mlp_;
+  std::shared_ptr<RmsNorm> input_layernorm_, post_attention_layernorm_;
+};
+
+class Llama final : public Model {
+ public:
+  Llama(const LlamaConfig& config, at::Generator& generator) : config_(config) {
+    auto model = register_module("model", std::make_shared<nn::Module>());
+    embed_tokens_ =
+        model->register_module("embed_tokens", nn::Embedding(config.vocab_size, config.n_embd));
+    layers_ = model->register_module("layers", nn::ModuleList());
+    for (int64_t i = 0; i < config.n_layer; ++i) {
+      auto layer = std::make_shared<DecoderLayer>(config);
+      layers_->push_back(layer);
+      blocks_.push_back(layer);
+    }
+    norm_ =
+        model->register_module("norm", std::make_shared<RmsNorm>(config.n_embd, config.norm_eps));
+    if (!config.tie_embeddings) {
+      lm_head_ = register_module("lm_head", linear(config.n_embd, config.vocab_size));
+    }
+    initialise(generator);
+  }
+
+  torch::Tensor forward(const torch::Tensor& idx) override {
+    if (idx.size(1) > config_.block_size) {
+      throw UserError(fmt::format("sequence length {} exceeds model.block_size {}", idx.size(1),
+                                  config_.block_size));
+    }
+    auto x = embed_tokens_->forward(idx);  // [B, T, C]
+    for (size_t i = 0; i < blocks_.size(); ++i) {
+      x = run_unit(
+          static_cast<int>(i),
+          [layer = blocks_[i].get()](const torch::Tensor& in) { return layer->forward(in); }, x);
+    }
+    x = norm_->forward(x);
+    return F::linear(x, lm_head_ ? lm_head_->weight : embed_tokens_->weight);  // [B, T, V]
+  }
+
+  std::string architecture() const override { return "llama"; }
+  nlohmann::json describe() const override {
+    return {{"n_layer", config_.n_layer},
+            {"n_head", config_.n_head},
+            {"n_kv_head", config_.n_kv_head},
+            {"n_embd", config_.n_embd},
+            {"intermediate_size", config_.intermediate_size},
+            {"block_size", config_.block_size},
+            {"vocab_size", config_.vocab_size},
+            {"rope_theta", config_.rope_theta},
+            {"norm_eps", config_.norm_eps},
+            {"tie_embeddings", config_.tie_embeddings},
+            {"init_std", config_.init_std},
+            {"activation", "swiglu"},
+            {"norm", "pre-RMSNorm"}};
+  }
+  double train_flops_per_sample(int64_t seq_len) const override {
+    return llama_math(config_).train_flops_per_token(seq_len) * static_cast<double>(seq_len);
+  }
+  std::vector<ModelUnit> units() const override {
+    std::vector<ModelUnit> out;
+    for (size_t i = 0; i < blocks_.size(); ++i) {
+      ModelUnit unit{fmt::format("model.layers.{}", i), {}};
+      for (const auto& item : blocks_[i]->named_parameters()) {
+        unit.parameters.push_back(fmt::format("{}.{}", unit.name, item.key()));
+      }
+      out.push_back(std::move(unit));
+    }
+    return out;
+  }
+
+ private:
+  void initialise(at::Generator& generator) {
+    torch::NoGradGuard no_grad;
+    for (auto& p : parameters()) {
+      if (p.dim() >= 2) p.normal_(0.0, config_.init_std, generator);  // norms stay 1
+    }
+    const double residual_std =
+        config_.init_std / std::sqrt(2.0 * static_cast<double>(config_.n_layer));
+    for (auto& block : blocks_) {
+      for (auto& w : block->residual_projections()) w.normal_(0.0, residual_std, generator);
+    }
+  }
+
+  LlamaConfig config_;
+  nn::Embedding embed_tokens_{nullptr};
+  nn::ModuleList layers_{nullptr};
+  std::shared_ptr<RmsNorm> norm_;
+  nn::Linear lm_head_{nullptr};
+  std::vector<std::shared_ptr<DecoderLayer>> blocks_;
+};
+
+}  // namespace
+
+LlamaConfig llama_preset(const std::string& name) {
+  LlamaConfig c;
+  if (name == "llama3-8b") {
+    c.n_layer = 32, c.n_head = 32, c.n_kv_head = 8, c.n_embd = 4096, c.intermediate_size = 14336;
+    c.block_size = 8192, c.vocab_size = 128256, c.rope_theta = 500000.0;
+  } else if (name == "small" || name == "llama-small") {  // ~19M
+    c.n_layer = 12, c.n_head = 6, c.n_kv_head = 2, c.n_embd = 384, c.intermediate_size = 1024;
+    c.block_size = 512, c.vocab_size = 256;
+  } else {  // llama-tiny (~1M); also the fallback for a preset the rules refuse
+    c.n_layer = 5, c.n_head = 4, c.n_kv_head = 2, c.n_embd = 128, c.intermediate_size = 352;
+    c.block_size = 256, c.vocab_size = 256;
+  }
+  return c;
+}
+
+LlamaConfig llama_shape(const Config& config) {
+  LlamaConfig out = llama_preset(config.get_string("model.preset"));
+  if (const std::string& dir = config.get_string("model.init_from"); !dir.empty()) {
+    if (auto from_hf = llama_config_from_hf_dir(dir)) out = *from_hf;
+  }
+  auto pick = [&](const char* key, int64_t& field) {
+    if (int64_t v = config.get_int(key); v > 0) field = v;
+  };
+  pick("model.n_layer", out.n_layer);
+  pick("model.n_head", out.n_head);
+  pick("model.n_kv_head", out.n_kv_head);
+  pick("model.n_embd", out.n_embd);
+  pick("model.intermediate_size", out.intermediate_size);
+  pick("model.block_size", out.block_size);
+  pick("model.vocab_size", out.vocab_size);
+  if (double theta = config.get_float("model.rope_theta"); theta > 0) out.rope_theta = theta;
+  if (double eps = config.get_float("model.norm_eps"); eps > 0) out.norm_eps = eps;
+  if (config.get_bool("model.tie_embeddings")) out.tie_embeddings = true;
+  out.init_std = config.get_float("model.init_std");
+  return out;
+}
+
+std::string llama_shape_problem(const LlamaConfig& c) {
+  if (c.n_embd % c.n_head != 0 || c.head_dim() % 2 != 0) {
+    return fmt::format(
+        "model.n_embd = {} over model.n_head = {} is not an even head size (rotary embeddings "
+        "rotate pairs); pick a head count that divides the width into an even size",
+        c.n_embd, c.n_head);
+  }
+  if (c.n_head % c.n_kv_head != 0) {
+    return fmt::format(
+        "model.n_head = {} is not a multiple of model.n_kv_head = {}; each key/value head "
+        "serves the same number of query heads",
+        c.n_head, c.n_kv_head);
+  }
+  return "";
+}
+
+LlamaConfig resolve_llama_config(const Config& config) {
+  const LlamaConfig out = llama_shape(config);
+  if (std::string problem = llama_shape_problem(out); !problem.empty()) throw UserError(problem);
+  if (config.get_int("data.seq_len") > out.block_size) {
+    throw UserError(fmt::format(
+        "data.seq_len = {} exceeds the model's block_size {}; lower data.seq_len or raise "
+        "model.block_size",
+        config.get_int("data.seq_len"), out.block_size));
+  }
+  return out;
+}
+
+ModelMath llama_math(const LlamaConfig& c) {
+  const int64_t C = c.n_embd, D = c.head_dim(), kv = c.n_kv_head * D;
+  const int64_t layer = C * c.n_head * D * 2 + 2 * C * kv + 3 * C * c.intermediate_size + 2 * C;
+  const int64_t embedding = c.vocab_size * C;
+  ModelMath m;
+  m.parameters = embedding * (c.tie_embeddings ? 1 : 2) + c.n_layer * layer + C;
+  m.largest_unit_parameters = std::max(layer, m.parameters - c.n_layer * layer);
+  // The head's matmul counts; an untied embedding is a lookup and does not (torchtitan).
+  m.flop_parameters = m.parameters - (c.tie_embeddings ? 0 : embedding);
+  m.n_layer = c.n_layer;
+  m.attention_width = c.n_head * D;
+  m.n_embd = C;
+  m.n_head = c.n_head;
+  m.n_kv_head = c.n_kv_head;
+  m.intermediate_size = c.intermediate_size;
+  m.vocab_size = c.vocab_size;
+  return m;
+}
+
+ModelSpec llama_spec() {
+  ModelSpec spec;
+  spec.name = "llama";
+  spec.description =
+      "Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention "
+      "(Hugging Face LlamaForCausalLM names)";
+  spec.input = ModelInput::kTokens;
+  spec.build = [](const Config& config, at::Generator& generator) -> std::shared_ptr<Model> {
+    return std::make_shared<Llama>(resolve_llama_config(config), generator);
+  };
+  spec.vocab_size = [](const Config& config) { return llama_shape(config).vocab_size; };
+  spec.math = [](const Config& config) { return llama_math(resolve_llama_config(config)); };
+  spec.python_twin = "kiln_py.models";
+  spec.load_hf = load_hf_llama;
+  spec.save_hf = save_hf_llama;
+  return spec;
+}
+
+}  // namespace kiln
