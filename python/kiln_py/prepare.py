@@ -54,7 +54,16 @@ class UserError(Exception):
 
 
 class Interrupted(BaseException):
-    """SIGTERM or SIGINT: unwind, removing the staged files."""
+    """SIGTERM or SIGINT, or kiln gone: unwind, removing the staged files."""
+
+
+PARENT = os.getppid()
+
+
+def check_parent():
+    """kiln killed (its child is re-parented): stop as if interrupted, between batches."""
+    if os.getppid() != PARENT:
+        raise Interrupted("the end of the kiln process that started it")
 
 
 def sha256_file(path):
@@ -303,6 +312,7 @@ def tokenize_to_staging(files, tokenizer, field, separator, dtype, staging, prog
                     tokens.tofile(sink)
                     entry["tokens"] += int(tokens.size)
                 progress.update(batch_bytes)
+                check_parent()
                 batch, batch_bytes = [], 0
 
             for text, ends in documents(entry, field):
@@ -321,6 +331,7 @@ def write_shards(tokens, name, out_dir, shard_tokens, dtype, pid, written):
     magic, version = LLMC_HEADERS[np.dtype(dtype).itemsize]
     shards = []
     for index, start in enumerate(range(0, len(tokens), shard_tokens)):
+        check_parent()
         piece = tokens[start:start + shard_tokens]
         header = np.zeros(HEADER_INTS, dtype=np.int32)
         header[:3] = (magic, version, len(piece))
