@@ -7,6 +7,7 @@ find_library(XXHASH_LIBRARY NAMES xxhash REQUIRED)
 find_package(ZLIB REQUIRED)  # gzip of profiler traces
 find_path(NETTLE_INCLUDE_DIR nettle/sha2.h REQUIRED)  # SHA-256 of model.init_from's weight files
 find_library(NETTLE_LIBRARY NAMES nettle REQUIRED)
+find_path(KAINJOW_MUSTACHE_INCLUDE_DIR kainjow/mustache.hpp REQUIRED)  # report.html's templates
 
 # fmt: LibTorch ships its own fmt headers in its include directory, which shadow the system ones
 # on the include path. We therefore use fmt header-only (FMT_HEADER_ONLY), so whichever headers

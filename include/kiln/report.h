@@ -72,13 +72,18 @@ struct ReportHtml {
 };
 
 /// The report of a run directory, from whatever of its files exist: manifest.json, config.toml,
-/// metrics.jsonl and metrics-<rung>.jsonl, baseline.json, compile.json, profile.json, scale.json,
-/// checkpoint.json, pilot.json, plan.json. Missing or unreadable files (and missing parts of the
-/// pilot's and the plan's) are listed in one line of the page (and in `missing`), never an error;
-/// a metrics line that is not a JSON object is skipped. Charts use Chart.js inlined from
-/// `chart_library` (the build's KILN_CHARTJS, Debian's libjs-chart.js, when empty); when that file
-/// is absent the charts are plain SVG and the page says so. Each chart's data sits beside it as a
-/// table. Nothing is fetched at view time. Throws UserError only when `run_dir` is not a directory.
+/// metrics.jsonl and metrics-<rung>.jsonl, and each rung's file read through its typed result
+/// (kiln/results.h). The first screen is the ladder's scorecard (one row per rung: status, the
+/// numbers that matter, the decision and its config key, a link to its section) and the run's
+/// identity; then the training curves and one section per rung, its key/value dump folded.
+/// Missing files are listed in one line of the page (and in `missing`); a rung file the typed
+/// reader refuses (a missing or renamed key, a newer schema) is listed as "<file> (unreadable)"
+/// and its section and scorecard row carry the reader's one line (file, key, schema version, how
+/// to regenerate), never an error; a metrics line that is not a step record is skipped. Charts
+/// use Chart.js inlined from `chart_library` (the build's KILN_CHARTJS, Debian's libjs-chart.js,
+/// when empty); when that file is absent the charts are plain SVG and the page says so. Each
+/// chart's numbers sit beside it as a table. Nothing is fetched at view time. Throws UserError
+/// only when `run_dir` is not a directory.
 ReportHtml make_report_html(const std::filesystem::path& run_dir,
                             const std::filesystem::path& chart_library = {});
 
@@ -86,6 +91,20 @@ ReportHtml make_report_html(const std::filesystem::path& run_dir,
 /// UserError (not a directory, cannot write).
 ReportHtml write_report_html(const std::filesystem::path& run_dir,
                              const std::filesystem::path& chart_library = {});
+
+/// Two runs side by side: the loss and throughput curves of both on shared axes, each rung's
+/// numbers in run A and run B with their difference (B - A), and the config.toml keys whose
+/// values differ. Throws UserError when either is not a directory.
+ReportHtml make_comparison_html(const std::filesystem::path& run_a,
+                                const std::filesystem::path& run_b,
+                                const std::filesystem::path& chart_library = {});
+
+/// make_comparison_html, written atomically to <out_dir>/report.html (out_dir created). Throws
+/// UserError (not a directory, cannot write).
+ReportHtml write_comparison_html(const std::filesystem::path& run_a,
+                                 const std::filesystem::path& run_b,
+                                 const std::filesystem::path& out_dir,
+                                 const std::filesystem::path& chart_library = {});
 
 /// The Chart.js file the build found (empty when it found none).
 std::filesystem::path default_chart_library();

@@ -1,10 +1,13 @@
 // `kiln report RUN_DIR`: regenerates <RUN_DIR>/report.html from the run directory's files
 // (docs/report.md). Works on any run: a ladder's, a rung's or a plain `kiln train`.
+// `kiln report RUN_A RUN_B --out DIR`: the two runs side by side in DIR/report.html.
 #include "kiln/report.h"
 
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "core/files.h"
+#include "kiln/error.h"
 
 namespace kiln::cli {
 
@@ -15,11 +18,40 @@ void add_report_command(CLI::App& app, Action& action) {
   auto* command =
       app.add_subcommand("report", "write <run dir>/report.html: charts and tables of a run");
   command->add_option("run_dir", *run_dir, "a run directory (runs/<name>)")->required();
-  command->callback([&action, run_dir] {
-    action = [run_dir] {
-      const ReportHtml report = write_report_html(*run_dir);
-      fmt::print("wrote {}: {} charts ({})\n",
-                 (std::filesystem::path(*run_dir) / "report.html").string(), report.charts.size(),
+  auto run_b = std::make_shared<std::string>();
+  auto out_dir = std::make_shared<std::string>();
+  command->add_option("run_b", *run_b, "a second run directory: the two side by side (with --out)");
+  command->add_option("--out", *out_dir, "write report.html into this directory instead");
+  command->callback([&action, run_dir, run_b, out_dir] {
+    if (!run_b->empty()) {
+      action = [run_dir, run_b, out_dir] {
+        if (out_dir->empty()) {
+          throw UserError(
+              "kiln report RUN_A RUN_B compares two runs: give --out DIR for its "
+              "report.html");
+        }
+        const ReportHtml report = write_comparison_html(*run_dir, *run_b, *out_dir);
+        fmt::print("wrote {}: {} and {} side by side, {} charts\n",
+                   (std::filesystem::path(*out_dir) / "report.html").string(), *run_dir, *run_b,
+                   report.charts.size());
+        return 0;
+      };
+      return;
+    }
+    action = [run_dir, out_dir] {
+      const std::filesystem::path into = out_dir->empty() ? *run_dir : *out_dir;
+      ReportHtml report;
+      if (out_dir->empty()) {
+        report = write_report_html(*run_dir);
+      } else {
+        report = make_report_html(*run_dir);
+        std::error_code ec;
+        std::filesystem::create_directories(into, ec);
+        if (ec) throw UserError("cannot create " + into.string() + " (" + ec.message() + ")");
+        write_file_atomic(into / "report.html", report.html);
+      }
+      fmt::print("wrote {}: {} charts ({})\n", (into / "report.html").string(),
+                 report.charts.size(),
                  report.chart_library ? "Chart.js from " + report.chart_library_source
                                       : "plain SVG: " + report.chart_library_source);
       if (!report.missing.empty()) {

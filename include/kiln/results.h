@@ -1,0 +1,295 @@
+// Typed rung results: one struct per rung file (<run dir>/<rung>.json), with nlohmann
+// to_json/from_json, so every reader (report.html today; the ladder, `kiln plan --actual` and the
+// tests as they move over) reads a rung's numbers through one declaration instead of string keys
+// (docs/report.md, "Rung files"). Each struct holds what the report shows, under the keys the
+// rungs write; a rung file may hold more (per-step losses, traces), which these structs ignore.
+//
+// Versions. A file's "schema_version" (absent = 1: every file kiln wrote before versions existed)
+// says which layout it follows; to_json writes kResultSchemaVersion. from_json refuses a newer
+// version and any required key that is missing or of the wrong type with ResultFormatError,
+// never with a silent default: a renamed key in a rung fails its reader loudly.
+//
+// A rung that stopped before measuring (a failed gate before the measured steps, a drill that
+// could not run, torchrun that failed) writes only "passed": false and its reason; its struct
+// then has `status.measured == false` and its measurements at their defaults.
+//
+// Pure data: any thread; no I/O except read_result.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kiln/error.h"
+
+namespace kiln {
+
+/// The rung-file layout these structs read and write.
+inline constexpr int kResultSchemaVersion = 1;
+
+/// A rung file the typed readers cannot read: not JSON, a newer schema, or a required key missing
+/// or of the wrong type. what() is one line: the file (when read from one), the key path, the
+/// file's schema version and how to regenerate the file. A UserError (exit status 2).
+class ResultFormatError : public UserError {
+ public:
+  using UserError::UserError;
+};
+
+/// What every rung file starts with.
+struct RungStatus {
+  int schema_version = kResultSchemaVersion;  // as read ("schema_version", absent = 1)
+  bool passed = false;
+  std::string verdict;   // one line: why it passed or failed ("reason" in a stopped rung's file)
+  bool measured = true;  // false: the rung stopped before measuring (only passed and verdict)
+};
+
+// ---- baseline.json (src/rungs/baseline.cpp) ----------------------------------------------------
+
+struct StepTimes {
+  double median = 0, p10 = 0, p90 = 0, mean = 0;  // seconds
+};
+
+struct BaselineResult {
+  static constexpr const char* kRung = "baseline";
+  RungStatus status;
+  std::string device;
+  int64_t warmup_steps = 0, measured_steps = 0, batch_size = 0, seq_len = 0;
+  double samples_per_second = 0;
+  std::optional<double> tokens_per_second;  // null without a sequence length (mlp)
+  StepTimes step_seconds;
+  double data_wait_share = 0;
+  std::string peak_memory_method;
+  double peak_allocated_bytes = 0;
+  double parameters_bytes = 0, gradients_bytes = 0, optimizer_bytes = 0;  // "state_bytes"
+  double flops_per_sample = 0, achieved_flops_per_second = 0;
+  std::optional<double> mfu, peak_flops_per_second;  // null: the device has no catalog peak
+  double loss_start = 0, loss_end = 0, val_loss_initial = 0, val_loss_final = 0;
+};
+
+// ---- compile.json (src/rungs/compile.cpp) ------------------------------------------------------
+
+struct CompileSide {
+  double median_seconds = 0, p90_seconds = 0, samples_per_second = 0;
+  std::optional<double> tokens_per_second;
+  double peak_memory_bytes = 0;
+};
+
+struct CompileResult {
+  static constexpr const char* kRung = "compile";
+  RungStatus status;
+  std::string backend, dynamic, device;
+  bool fullgraph = false;
+  int64_t world_size = 1;
+  // The rest are present once both sides were timed; a compile that failed before (a graph
+  // break under fullgraph) has timed == false.
+  bool timed = false;
+  double compile_seconds = 0;
+  std::string cache;  // "cold", "cached", "n/a"
+  int64_t graphs = 0, warmup_steps = 0, timed_steps = 0;
+  CompileSide eager, compiled;
+  std::optional<double> speedup;  // eager median / compiled median
+  double min_speedup = 0;
+  double tolerance = 0, max_relative_loss_difference = 0, max_relative_parameter_difference = 0;
+};
+
+// ---- profile.json (src/rungs/profile.cpp, src/profile/verdict.cpp) -----------------------------
+
+struct ProfilePhase {
+  std::string phase;
+  double seconds = 0, share = 0;
+};
+struct ProfileOperator {
+  std::string name;
+  int64_t calls = 0;
+  double self_cpu_us = 0, total_cpu_us = 0;
+};
+struct ProfileMemoryPhase {
+  std::string phase, device;
+  double peak_allocated_bytes = 0, growth_bytes = 0;
+};
+
+struct ProfileResult {
+  static constexpr const char* kRung = "profile";
+  RungStatus status;  // verdict: the verdict's reason
+  std::string device;
+  std::string bottleneck;            // "compute-bound", "host-bound", ...
+  std::vector<std::string> actions;  // each names the config key or rung that carries it out
+  int64_t windows = 0, steps = 0;
+  double step_seconds_mean = 0;
+  std::vector<ProfilePhase> phases;
+  std::vector<ProfileOperator> top_operators;
+  std::vector<ProfileMemoryPhase> memory_by_phase;
+  std::vector<std::string> traces;
+};
+
+// ---- scale.json (src/rungs/scale.cpp) ----------------------------------------------------------
+
+struct ScaleRank {
+  int64_t rank = 0;
+  double seconds = 0, samples_per_second = 0, compute_seconds = 0;
+  std::optional<double> tokens_per_second;
+  // phase_seconds: summed over the measured steps
+  double data_wait_seconds = 0, forward_seconds = 0, backward_seconds = 0, comm_exposed_seconds = 0,
+         optimizer_seconds = 0;
+  double comm_busy_seconds = 0;
+};
+
+struct ScaleResult {
+  static constexpr const char* kRung = "scale";
+  RungStatus status;
+  int64_t world_size = 0;
+  std::string strategy, strategy_reason, backend, device;
+  double global_samples_per_second = 0;
+  std::optional<double> global_tokens_per_second;
+  double median_step_seconds = 0, comm_exposed_share_of_step = 0;
+  std::optional<double> baseline_samples_per_second;  // null in a world of one
+  std::optional<double> scaling_efficiency, speedup;
+  bool replicas_in_sync = false;
+  std::vector<ScaleRank> per_rank;
+};
+
+// ---- checkpoint.json (src/rungs/checkpoint_drill.cpp) ------------------------------------------
+
+struct CheckpointResult {
+  static constexpr const char* kRung = "checkpoint";
+  RungStatus status;
+  int64_t drill_steps = 0, total_steps = 0;
+  // Each stage's figure, present once the drill reached it.
+  std::optional<double> reference_seconds, save_seconds, resume_seconds, checkpoint_bytes;
+  std::optional<bool> killed;
+  std::optional<int64_t> losses_compared;
+  std::optional<bool> losses_bitwise_equal, parameters_bitwise_equal, optimizer_state_bitwise_equal;
+  std::optional<double> seconds;  // the whole drill
+};
+
+// ---- pilot.json (src/rungs/pilot.cpp) ----------------------------------------------------------
+
+struct MemoryParts {  // bytes
+  double parameters = 0, gradients = 0, optimizer = 0, activations_and_logits = 0, step_peak = 0;
+};
+
+struct PilotResult {
+  static constexpr const char* kRung = "pilot";
+  RungStatus status;
+  std::string job_hash, config_hash, device, device_name;
+  int64_t world_size = 1, steps = 0;
+  int64_t micro_batch = 0, seq_len = 0, grad_accum_steps = 0;
+  std::string precision;
+  double step_seconds = 0, loss = 0, eval_seconds = 0, val_loss = 0, wall_seconds = 0;
+  std::optional<double> mfu;
+  double checkpoint_bytes = 0, save_seconds = 0, write_bytes_per_second = 0;
+  std::string memory_method;
+  MemoryParts estimated, measured;  // estimated.activations_and_logits = activations + logits
+  double measured_over_estimate = 0;
+  bool within_allowed_error = false;
+  // The restore in a fresh process.
+  bool restore_passed = false;
+  double restore_seconds = 0;
+  int64_t restore_step = 0, restore_exit_status = 0;
+  bool loss_bitwise_equal = false;
+  std::vector<std::string> differing_tensors;
+};
+
+// ---- plan.json (src/plan/planner.cpp, src/rungs/plan.cpp) --------------------------------------
+
+struct PlanReservation {
+  bool fits = false;
+  std::optional<double> cost;  // null without a price for the row
+};
+
+struct PlanRow {
+  std::string hardware, display_name;
+  int64_t gpus = 0;
+  bool fits_memory = false;
+  std::string strategy;  // "ddp", "fsdp", "does-not-fit"
+  int64_t fsdp_degree = 0;
+  double ddp_bytes_per_device = 0, fsdp_bytes_per_device = 0, usable_bytes = 0;
+  std::string strategy_reason;
+  double mfu = 0;
+  std::string mfu_source;
+  double step_seconds = 0, compute_seconds_per_step = 0, communication_seconds_per_step = 0;
+  std::optional<double> wall_days;  // null: never finishes (does not fit)
+  double ettr = 0, checkpoint_interval_seconds = 0;
+  std::optional<double> expected_failures;
+  PlanReservation reservation_7d, reservation_30d;
+
+  /// "ddp", "fsdp x8", "does-not-fit": the strategy as every table prints it.
+  std::string strategy_text() const;
+  /// The bytes per device the chosen strategy holds (FSDP's for "does-not-fit": the least).
+  double bytes_per_device() const;
+};
+
+struct PlanResult {
+  static constexpr const char* kRung = "plan";
+  RungStatus status;
+  std::string config;
+  std::optional<std::string> pilot;  // the pilot's run directory that calibrated it
+  std::string architecture;
+  double parameters = 0, flops_per_token = 0;
+  int64_t micro_batch = 0, seq_len = 0, grad_accum_steps = 0, gpus = 0;
+  std::string precision, optimizer;
+  double tokens = 0, tokens_per_step = 0, steps = 0;
+  double checkpoint_bytes = 0;
+  std::vector<std::string> assumptions;
+  std::vector<PlanRow> rows;
+  std::optional<std::string> recommended_hardware;  // "recommendation": null when nothing fits
+  int64_t recommended_days = 0;
+  std::string recommendation_text;
+
+  /// The index of the recommended row in `rows`, or -1.
+  int recommended_row() const;
+};
+
+// ---- manifest.json (src/core/run.cpp; docs/manifest.md): the run's identity --------------------
+
+struct RunIdentity {
+  std::string kiln_version, git_commit;
+  bool git_dirty = false;
+  std::string libtorch_version;
+  std::string config_file, config_hash;
+  std::string data_kind, data_content_hash;  // the data's xxh3 ("" when the kind has none)
+  std::optional<std::string> data_revision;  // data.revision, the config's free text
+  std::string model_architecture;
+  double model_parameters = 0;
+  std::string device;
+  int64_t world_size = 1;
+  std::string command_line, start_time_utc;
+};
+
+// ---- metrics.jsonl: one record per line ---------------------------------------------------------
+
+/// A step record (loss, lr, timing, throughput) or an evaluation record (val_loss).
+struct MetricsRecord {
+  int64_t step = 0;
+  std::optional<double> loss, lr, step_seconds, data_wait_seconds, samples_per_second,
+      tokens_per_second, val_loss;
+};
+
+// ---- JSON ---------------------------------------------------------------------------------------
+// from_json throws ResultFormatError naming the key path ("memory.estimate.logits_bytes is
+// missing"); read_result adds the file.
+
+#define KILN_RESULT_JSON(T)                        \
+  void to_json(nlohmann::json& j, const T& value); \
+  void from_json(const nlohmann::json& j, T& value);
+KILN_RESULT_JSON(BaselineResult)
+KILN_RESULT_JSON(CompileResult)
+KILN_RESULT_JSON(ProfileResult)
+KILN_RESULT_JSON(ScaleResult)
+KILN_RESULT_JSON(CheckpointResult)
+KILN_RESULT_JSON(PilotResult)
+KILN_RESULT_JSON(PlanResult)
+KILN_RESULT_JSON(RunIdentity)
+KILN_RESULT_JSON(MetricsRecord)
+#undef KILN_RESULT_JSON
+
+/// Reads and parses `file` as T (one of the structs above). Throws ResultFormatError: the file is
+/// unreadable or not JSON, or from_json refused it (the message names the file, the key, the
+/// file's schema version and the command that regenerates it).
+template <class T>
+T read_result(const std::filesystem::path& file);
+
+}  // namespace kiln

@@ -1,0 +1,335 @@
+// report.html and the typed rung results (kiln/results.h): every rung file read through its
+// struct, a renamed or missing key refused loudly (and shown as such on the page), old and
+// stopped files, the scorecard, the sections' charts, and two runs side by side. (Headless
+// Chromium reads the rendered pages of a real ladder in browser_test.py.)
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+
+#include "kiln/error.h"
+#include "kiln/pilot.h"
+#include "kiln/report.h"
+#include "kiln/results.h"
+#include "support/helpers.h"
+
+namespace kiln {
+namespace {
+
+using nlohmann::json;
+using testing::TempDir;
+
+// pilot.json as the pilot writes it (src/rungs/pilot.cpp): a real CPU pilot's file, verdict cut.
+const char* kPilotJson = R"({
+  "checkpoint": {"bytes": 445536.0, "save_seconds": 0.025551781,
+                 "write_bytes_per_second": 17436592.776057374},
+  "config_hash": "278c7f14208e6c92", "device": "cpu", "device_name": "cpu",
+  "eval_seconds": 0.000758408, "flops_per_step": 28999680.0, "job_hash": "d5079afb9c129453",
+  "loss": 5.500183582305908,
+  "memory": {
+    "activation_ratio": 1.0002793156350054,
+    "estimate": {"activations_bytes": 566272.0, "backward_extra_bytes": 163840.0,
+                 "gradients_bytes": 142848.0, "gradients_held_across_micro_batches": false,
+                 "logits_bytes": 393216.0, "optimizer_bytes": 285696.0,
+                 "parameters_bytes": 142848.0, "step_peak_bytes": 1388032.0,
+                 "total_bytes": 1530880.0},
+    "estimate_step_peak_bytes": 1388032.0,
+    "measured": {"activations_and_logits_bytes": 959756.0, "gradients_bytes": 142848.0,
+                 "optimizer_bytes": 285696.0, "parameters_bytes": 142848.0,
+                 "peak_bytes": 1388300.0, "process_peak_rss_bytes": 135839744.0,
+                 "reserved_bytes": null, "step_peak_above_state_bytes": 959756},
+    "measured_over_estimate": 1.0001930791220952,
+    "method": "peak of live tensor bytes over the measured step",
+    "within_allowed_error": true},
+  "mfu": null, "passed": true, "peak_flops_per_second": null,
+  "restore": {"differing_tensors": [], "exit_status": 0, "loss_bitwise_equal": true,
+              "loss_equal": true, "loss_here": 5.438819408416748,
+              "loss_restored": 5.438819408416748, "passed": true, "seconds": 2.486412572,
+              "step": 2, "tolerance": 0.0, "world_size": 1},
+  "shape": {"grad_accum_steps": 1, "micro_batch": 4, "precision": "fp32", "seq_len": 32},
+  "step_seconds": 0.467323103, "steps": 2, "val_loss": 5.453566074371338,
+  "verdict": "full cycle at the production shape: 2 steps, eval, save, restore", "wall_seconds": 7.219444047,
+  "world_size": 1
+})";
+
+size_t occurrences(const std::string& text, const std::string& part) {
+  size_t n = 0;
+  for (size_t at = 0; (at = text.find(part, at)) != std::string::npos; at += part.size()) ++n;
+  return n;
+}
+
+// The scorecard row of a rung (one <tr>).
+std::string scorecard_row(const std::string& html, const std::string& rung) {
+  const size_t begin = html.find("data-rung=\"" + rung + "\"");
+  if (begin == std::string::npos) return "";
+  return html.substr(begin, html.find("</tr>", begin) - begin);
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const ResultFormatError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Results, EveryKeyReadAndWrittenBackUnderItsName) {
+  const json file = json::parse(kPilotJson);
+  const PilotResult pilot = file.get<PilotResult>();
+  EXPECT_TRUE(pilot.status.passed);
+  EXPECT_TRUE(pilot.status.measured);
+  EXPECT_EQ(pilot.status.schema_version, 1);  // no schema_version: today's files
+  EXPECT_EQ(pilot.measured.step_peak, 1388300.0);
+  EXPECT_EQ(pilot.estimated.activations_and_logits, 566272.0 + 393216.0);
+  EXPECT_EQ(pilot.job_hash, "d5079afb9c129453");
+  EXPECT_FALSE(pilot.mfu.has_value());
+  EXPECT_EQ(pilot.restore_step, 2);
+  // to_json writes the rung's own keys: each value it writes is the file's, at the same path.
+  const json written = pilot;
+  EXPECT_EQ(written["schema_version"], kResultSchemaVersion);
+  for (const char* path : {"/memory/measured/peak_bytes", "/restore/loss_bitwise_equal",
+                           "/checkpoint/save_seconds", "/shape/seq_len", "/job_hash"}) {
+    EXPECT_EQ(written[json::json_pointer(path)], file[json::json_pointer(path)]) << path;
+  }
+  EXPECT_EQ(written.get<PilotResult>().measured.step_peak, pilot.measured.step_peak);
+  EXPECT_EQ(json(written.get<PilotResult>()), written);  // a round trip is exact
+}
+
+TEST(Results, ARenamedKeyInAWrittenRungFileFailsLoudly) {
+  TempDir dir;
+  // plan.json as `kiln plan` writes it (no model is built: milliseconds).
+  run_plan(testing::gpt_config(dir / "runs", {"plan.hardware=h100-sxm,mi300x"}));
+  const auto run = dir / "runs" / "t";
+  json plan = json::parse(testing::slurp(run / "plan.json"));
+  EXPECT_EQ(read_result<PlanResult>(run / "plan.json").rows.size(), 2u);
+
+  // A key renamed as a rung might rename it: the reader names the file, the key path, the
+  // schema version and the command that regenerates the file.
+  plan["rows"][1]["strategy"]["fsdp_shards"] = plan["rows"][1]["strategy"]["fsdp_degree"];
+  plan["rows"][1]["strategy"].erase("fsdp_degree");
+  testing::write_text(run / "plan.json", plan.dump());
+  const std::string error = error_of([&] { read_result<PlanResult>(run / "plan.json"); });
+  EXPECT_NE(error.find("plan.json: rows[1].strategy.fsdp_degree is missing"), std::string::npos)
+      << error;
+  EXPECT_NE(error.find("schema version 1"), std::string::npos) << error;
+  EXPECT_NE(error.find("rerun `kiln plan`"), std::string::npos) << error;
+
+  // The page says so where the plan's numbers would be, in its scorecard row and its section,
+  // and lists the file as unreadable; no row of the plan is drawn.
+  const ReportHtml page = make_report_html(run, dir / "no-chart.js");
+  EXPECT_NE(std::find(page.missing.begin(), page.missing.end(), "plan.json (unreadable)"),
+            page.missing.end());
+  const std::string row = scorecard_row(page.html, "plan");
+  EXPECT_NE(row.find("unreadable"), std::string::npos) << row;
+  EXPECT_NE(row.find("rows[1].strategy.fsdp_degree is missing"), std::string::npos) << row;
+  EXPECT_NE(page.html.find("<p class=\"error\">" + run.string() + "/plan.json: rows[1]"),
+            std::string::npos);
+  EXPECT_EQ(occurrences(page.html, "<tr class=\"row"), 0u);
+
+  // A wrong type, a newer schema: refused too.
+  plan = json::parse(testing::slurp(run / "plan.json"));
+  plan["rows"][1]["strategy"]["fsdp_degree"] = "8";
+  testing::write_text(run / "plan.json", plan.dump());
+  EXPECT_NE(error_of([&] {
+              read_result<PlanResult>(run / "plan.json");
+            }).find("rows[1].strategy.fsdp_degree is string, expected an integer"),
+            std::string::npos);
+  json newer = json::parse(kPilotJson);
+  newer["schema_version"] = 2;
+  testing::write_text(run / "pilot.json", newer.dump());
+  EXPECT_NE(error_of([&] {
+              read_result<PilotResult>(run / "pilot.json");
+            }).find("schema_version is 2: written by a newer kiln"),
+            std::string::npos);
+}
+
+TEST(Results, AStoppedRungRendersItsVerdict) {
+  TempDir dir;
+  // The baseline's file when its gate failed before measuring (src/rungs/baseline.cpp).
+  testing::write_text(
+      dir / "baseline.json",
+      R"({"passed": false, "reason": "loss is NaN at step 3; lower optim.lr", "losses": [1, null]})");
+  const auto baseline = read_result<BaselineResult>(dir / "baseline.json");
+  EXPECT_FALSE(baseline.status.measured);
+  EXPECT_EQ(baseline.status.verdict, "loss is NaN at step 3; lower optim.lr");
+  const ReportHtml page = make_report_html(dir.path(), dir / "no-chart.js");
+  const std::string row = scorecard_row(page.html, "baseline");
+  EXPECT_NE(row.find("FAILED"), std::string::npos) << row;
+  EXPECT_NE(row.find("<code>optim.lr</code>"), std::string::npos) << row;  // the key it names
+  EXPECT_NE(page.html.find("<b>Next:</b> the baseline rung failed: loss is NaN"),
+            std::string::npos);
+}
+
+TEST(ReportHtml, ScorecardFirstThenFocusedChartsFromTheTypedResults) {
+  TempDir dir;
+  const auto run = dir / "run";
+  std::filesystem::create_directories(run);
+  // Two steps, an evaluation, a torn line; rung files written through their structs.
+  testing::write_text(
+      run / "metrics-baseline.jsonl",
+      "{\"step\":1,\"loss\":2.5,\"lr\":0.001,\"step_seconds\":0.1,"
+      "\"data_wait_seconds\":0.01,\"samples_per_second\":40,\"tokens_per_second\":1280}\n"
+      "{\"step\":2,\"loss\":2.0,\"lr\":0.002,\"step_seconds\":0.1,"
+      "\"data_wait_seconds\":0.02,\"samples_per_second\":40,\"tokens_per_second\":1300}\n"
+      "{\"step\":2,\"val_loss\":2.2}\n{\"step\":3,\"lo");
+  CompileResult compile;
+  compile.status = {1, true, "keep the compiled step", true};
+  compile.backend = "inductor";
+  compile.dynamic = "static";
+  compile.device = "cpu";
+  compile.timed = true;
+  compile.cache = "cold";
+  compile.eager = {0.02, 0.025, 200, 6400, 1e6};
+  compile.compiled = {0.016, 0.018, 250, 8000, 9e5};
+  compile.speedup = 1.25;
+  compile.min_speedup = 1.05;
+  testing::write_text(run / "compile.json", json(compile).dump());
+  testing::write_text(run / "pilot.json", kPilotJson);
+  testing::write_text(run / "baseline.json", "{\"verdict\": ");  // cut short
+
+  testing::write_text(dir / "chart.js", "/* a stand-in library */ window.Chart = function() {};");
+  const ReportHtml page = make_report_html(run, dir / "chart.js");
+  EXPECT_TRUE(page.chart_library);
+  const std::string& html = page.html;
+  // The first screen: the scorecard before any section, one row per rung in ladder order.
+  const size_t scorecard = html.find("<section id=\"scorecard\">");
+  ASSERT_NE(scorecard, std::string::npos);
+  EXPECT_LT(scorecard, html.find("<section class=\"part\""));
+  size_t last = scorecard;
+  for (const char* rung :
+       {"baseline", "compile", "profile", "scale", "checkpoint", "pilot", "plan"}) {
+    const size_t at = html.find(std::string("data-rung=\"") + rung + "\"");
+    ASSERT_NE(at, std::string::npos) << rung;
+    EXPECT_GT(at, last) << rung;
+    last = at;
+  }
+  const std::string row = scorecard_row(html, "compile");
+  EXPECT_NE(row.find("data-name=\"speedup\" data-exact=\"1.25\">1.25x speedup"), std::string::npos)
+      << row;
+  EXPECT_NE(row.find("<code>compile.backend = &quot;inductor&quot;</code>"), std::string::npos)
+      << row;
+  EXPECT_NE(row.find("href=\"#compile\""), std::string::npos);
+  EXPECT_NE(scorecard_row(html, "scale").find("not run"), std::string::npos);
+  EXPECT_NE(scorecard_row(html, "baseline").find("baseline.json: not a JSON object"),
+            std::string::npos);
+  for (const char* missing : {"baseline.json (unreadable)", "manifest.json", "scale.json"}) {
+    EXPECT_NE(std::find(page.missing.begin(), page.missing.end(), missing), page.missing.end())
+        << missing;
+  }
+  EXPECT_NE(html.find("Not in this run: "), std::string::npos);
+  EXPECT_NE(scorecard_row(html, "pilot").find("data-exact=\"1388300\""), std::string::npos);
+
+  // The charts: loss (train and validation on one axis, a log-scale box), throughput, eager vs
+  // compiled, the pilot's memory by part stacked, estimated beside measured.
+  EXPECT_EQ(page.charts,
+            (std::vector<std::string>{"chart-training-loss", "chart-training-throughput",
+                                      "chart-compile-step-time", "chart-pilot-memory"}));
+  EXPECT_NE(
+      html.find("\"data\":[{\"x\":1.0,\"y\":2.5},{\"x\":2.0,\"y\":2.0}],\"label\":\"train loss\""),
+      std::string::npos);
+  EXPECT_NE(html.find("\"data\":[{\"x\":2.0,\"y\":2.2}],\"label\":\"validation loss\""),
+            std::string::npos);
+  EXPECT_NE(html.find("class=\"log-scale\" data-chart=\"chart-training-loss\""), std::string::npos);
+  EXPECT_NE(
+      html.find(
+          "\"data\":[{\"x\":1.0,\"y\":1280.0},{\"x\":2.0,\"y\":1300.0}],\"label\":\"tokens/s\""),
+      std::string::npos);
+  EXPECT_NE(html.find("\"data\":[0.02,0.016],\"label\":\"median\""), std::string::npos);
+  EXPECT_NE(html.find("\"data\":[959488.0,959756.0],\"label\":\"activations + logits\""),
+            std::string::npos);
+  EXPECT_NE(html.find("\"stacked\":true"), std::string::npos);
+  // Key/value dumps behind a fold.
+  EXPECT_NE(html.find("<details class=\"dump\"><summary>Every number of pilot.json"),
+            std::string::npos);
+
+  // Without Chart.js: the same charts as SVG; the stacked memory chart draws 2 x 4 segments.
+  const ReportHtml svg = make_report_html(run, dir / "no-such-chart.js");
+  EXPECT_EQ(svg.charts, page.charts);
+  EXPECT_NE(svg.html.find("plain SVG"), std::string::npos);
+  const size_t begin = svg.html.find("<svg class=\"svg-chart\" id=\"chart-pilot-memory\"");
+  ASSERT_NE(begin, std::string::npos);
+  const std::string memory = svg.html.substr(begin, svg.html.find("</svg>", begin) - begin);
+  EXPECT_EQ(occurrences(memory, "<rect"), 1u + 8u);
+
+  // An empty directory still gets a page; a missing one is a user error.
+  std::filesystem::create_directories(dir / "empty");
+  const ReportHtml empty = write_report_html(dir / "empty", dir / "chart.js");
+  EXPECT_TRUE(empty.charts.empty());
+  EXPECT_NE(empty.html.find("no rung has run here"), std::string::npos);
+  EXPECT_TRUE(std::filesystem::exists(dir / "empty" / "report.html"));
+  EXPECT_THROW(make_report_html(dir / "absent"), UserError);
+}
+
+TEST(ReportHtml, PlanRowsWithTheRecommendedOneMarked) {
+  TempDir dir;
+  run_plan(testing::gpt_config(dir / "runs",
+                               {"plan.hardware=h100-sxm,mi300x,b200",
+                                "plan.price_7d_per_gpu_hour={ h100-sxm = 2.99, mi300x = 2.5 }"}));
+  const auto run = dir / "runs" / "t";
+  const ReportHtml page = make_report_html(run, dir / "no-chart.js");
+  EXPECT_EQ(occurrences(page.html, "<tr class=\"row"), 3u);
+  EXPECT_EQ(occurrences(page.html, "<tr class=\"row chosen\">"), 1u);
+  EXPECT_NE(page.html.find("<tr class=\"row chosen\"><td>mi300x (recommended)</td>"),
+            std::string::npos);
+  const std::string row = scorecard_row(page.html, "plan");
+  EXPECT_NE(row.find("x mi300x"), std::string::npos) << row;
+  EXPECT_NE(row.find("7 days"), std::string::npos) << row;
+}
+
+TEST(ReportHtml, TwoRunsSideBySide) {
+  TempDir dir;
+  auto make_run = [&](const std::string& name, double tokens_per_second, const std::string& lr) {
+    const auto run = dir / name;
+    std::filesystem::create_directories(run);
+    BaselineResult b;
+    b.status = {1, true, "correct eager baseline", true};
+    b.device = "cpu";
+    b.samples_per_second = tokens_per_second / 64;
+    b.tokens_per_second = tokens_per_second;
+    b.loss_start = 5;
+    b.loss_end = 3;
+    testing::write_text(run / "baseline.json", json(b).dump());
+    testing::write_text(run / "config.toml",
+                        "[run]\nname = \"" + name + "\"\n[optim]\nlr = " + lr + "\nbeta2 = 0.99\n");
+    testing::write_text(
+        run / "metrics.jsonl",
+        fmt::format("{{\"step\":1,\"loss\":4.0,\"tokens_per_second\":{}}}\n", tokens_per_second));
+    return run;
+  };
+  const auto a = make_run("a", 1000, "0.001"), b = make_run("b", 1100, "0.002");
+  testing::write_text(dir / "chart.js", "window.Chart = function() {};");
+  const ReportHtml page = make_comparison_html(a, b, dir / "chart.js");
+  const std::string& html = page.html;
+  EXPECT_NE(
+      html.find("<tr class=\"compare\" data-rung=\"baseline\" data-name=\"tokens_per_second\">"
+                "<td>baseline</td><td>tokens_per_second</td>"
+                "<td class=\"a\" data-exact=\"1000\">1000 tokens/s</td>"
+                "<td class=\"b\" data-exact=\"1100\">1100 tokens/s</td>"
+                "<td class=\"difference\">+100 (+10.0%)</td>"),
+      std::string::npos)
+      << html;
+  // The config keys that differ (and only those).
+  EXPECT_NE(html.find("<tr class=\"row\"><td>optim.lr</td><td>0.001</td><td>0.002</td></tr>"),
+            std::string::npos);
+  EXPECT_NE(html.find("<td>run.name</td>"), std::string::npos);
+  EXPECT_EQ(html.find("<td>optim.beta2</td>"), std::string::npos);
+  EXPECT_EQ(page.charts,
+            (std::vector<std::string>{"chart-compare-loss", "chart-compare-throughput"}));
+  EXPECT_NE(html.find("\"label\":\"A: train loss\""), std::string::npos);
+  EXPECT_NE(html.find("\"data\":[{\"x\":1.0,\"y\":1100.0}],\"label\":\"B: tokens/s\""),
+            std::string::npos);
+
+  // The CLI: two runs need --out; with it, DIR/report.html.
+  auto refused = testing::run_kiln("report " + a.string() + " " + b.string());
+  EXPECT_EQ(refused.exit_code, 2) << refused.err;
+  EXPECT_NE(refused.err.find("--out"), std::string::npos) << refused.err;
+  auto done = testing::run_kiln("report " + a.string() + " " + b.string() + " --out " +
+                                (dir / "both").string());
+  EXPECT_EQ(done.exit_code, 0) << done.err;
+  EXPECT_NE(testing::slurp(dir / "both" / "report.html").find("data-name=\"tokens_per_second\""),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace kiln
