@@ -203,7 +203,8 @@ class HuggingFace(unittest.TestCase):
         tensors["transformer.h.1.mlp.c_fc.weight"] = torch.zeros(32, 96)
         tensors["transformer.h.1.mlp.c_proj.weight"] = torch.zeros(96, 32)
         save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
-        refused = kiln("train", config, "--set", f"model.init_from={bad}", expect=2)
+        refused = kiln("train", config, "--set", f"model.init_from={bad}", "--set", "run.name=bad",
+                       expect=2)
         self.assertIn("transformer.h.1.mlp.c_fc.weight", refused.stderr)
         self.assertNotIn("c_proj", refused.stderr)
         self.assertEqual(len(refused.stderr.strip().splitlines()), 1, refused.stderr)
