@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "ckpt/internal.h"
+#include "ckpt/resume.h"
 #include "core/clock.h"
 #include "core/files.h"
 #include "core/strings.h"
@@ -358,6 +359,8 @@ std::optional<LoadResult> load_newest(
     const std::filesystem::path step_dir = dir / step_dir_name(steps[k].get<int64_t>());
     try {
       return load(step_dir);
+    } catch (const StateMismatch&) {  // not damage: an older checkpoint holds the same state
+      throw;
     } catch (const UserError& e) {  // agreed on every rank (a CommunicationError is not caught)
       if (newest_error.empty()) newest_error = e.what();
       log::warn("checkpoint: cannot load " + step_dir.string() + ": " + e.what() +

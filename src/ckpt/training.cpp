@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "ckpt/internal.h"
+#include "ckpt/resume.h"
 #include "core/files.h"
 #include "core/stop_signals.h"
 #include "core/strings.h"
@@ -130,6 +131,15 @@ LoadResult restore_from(Trainer& trainer, Communicator& comm,
     error = step_dir.string() + ": " + one_line_error(e);
   }
   ckpt::agree(comm, error);
+  // Exact: every model and optimizer tensor of the checkpoint has its place here and every one
+  // here is in the checkpoint (the same on every rank: one index, the ranks' names merged).
+  if (const std::string difference =
+          ckpt::state_difference(index, ckpt::live_state_shapes(state, comm));
+      !difference.empty()) {
+    throw ckpt::StateMismatch(step_dir.string() +
+                              " holds another training state than this run's (" + difference +
+                              "); " + ckpt::state_mismatch_advice());
+  }
 
   LoadResult result = load_checkpoint(step_dir, targets, comm);
   try {
@@ -169,19 +179,6 @@ LoadResult restore_from(Trainer& trainer, Communicator& comm,
   log::info(fmt::format("resumed from {} at step {} (epoch {}, batch {})", step_dir.string(),
                         state.step, state.loader.epoch, state.loader.batch));
   return result;
-}
-
-// "" or "auto" or a path that exists (a step directory, or a directory of them). Throws UserError.
-void check_resume_argument(const std::string& resume) {
-  if (resume.empty() || resume == "auto") return;
-  const std::filesystem::path path(resume);
-  std::error_code ec;
-  if (std::filesystem::is_regular_file(path / ckpt::kIndexFile, ec)) return;
-  if (!std::filesystem::is_directory(path, ec)) {
-    throw UserError("--resume " + resume +
-                    ": no such checkpoint (give a step-<N> directory, a checkpoint directory, or "
-                    "auto)");
-  }
 }
 
 // Why saving checkpoints into `dir` must not start: a fresh start (no `resumed_step`) into a
@@ -279,7 +276,8 @@ SaveRequest capture_training_state(Trainer& trainer, Communicator& comm,
                             {"config_hash", config.hash()},
                             {"run_manifest", std::move(manifest_pointer)},
                             {"model", trainer.model().architecture()},
-                            {"optimizer", config.get_string("optim.name")}};
+                            {"optimizer", config.get_string("optim.name")},
+                            {"checkpointing", ckpt::checkpoint_settings(config)}};
   return request;
 }
 
@@ -430,7 +428,7 @@ std::shared_ptr<PreemptionHook> attach_preemption(Trainer& trainer, Communicator
 }
 
 bool check_train_start(const Config& config, const std::string& resume) {
-  check_resume_argument(resume);
+  ckpt::check_resume_argument(resume);
   const std::filesystem::path dir = checkpoint_options(config, run_directory(config)).dir;
   const bool saving = config.get_int("checkpoint.every_steps") > 0;
   std::error_code ec;
@@ -441,16 +439,29 @@ bool check_train_start(const Config& config, const std::string& resume) {
     }
     return false;
   }
-  if (resume == "auto") {
-    for (const auto& entry : list_checkpoints(dir)) {
-      if (entry.committed) return true;
+  const std::filesystem::path path(resume == "auto" ? dir : std::filesystem::path(resume));
+  const auto step_dir = ckpt::checkpoint_to_resume(path);
+  if (!step_dir) {
+    bool any = false;  // committed, but no index reads: the load says why
+    for (const auto& entry : list_checkpoints(path)) any = any || entry.committed;
+    if (resume == "auto") return any;  // none: a fresh start
+    if (!any) {
+      throw UserError("--resume " + resume +
+                      ": holds no committed checkpoint (no index.json, no step-<N>/)");
     }
-    return false;  // a fresh start
+    return true;
   }
-  const std::filesystem::path path(resume);
-  if (saving && std::filesystem::is_regular_file(path / ckpt::kIndexFile, ec)) {
-    const int64_t step = read_checkpoint_index(path).step;
-    if (std::string problem = start_problem(dir, step); !problem.empty())
+  // The checkpoint it loads first must hold exactly the training state this config builds.
+  const CheckpointIndex index = read_checkpoint_index(*step_dir);
+  if (const std::string difference =
+          ckpt::state_difference(index, ckpt::config_state_shapes(config));
+      !difference.empty()) {
+    throw UserError("--resume " + resume + ": " + step_dir->string() +
+                    " holds another training state than this config builds (" + difference + "); " +
+                    ckpt::state_mismatch_advice());
+  }
+  if (saving && resume != "auto" && std::filesystem::is_regular_file(path / ckpt::kIndexFile, ec)) {
+    if (std::string problem = start_problem(dir, index.step); !problem.empty())
       throw UserError("--resume " + resume + ": " + problem);
   }
   return true;
@@ -463,7 +474,7 @@ std::shared_ptr<CheckpointHook> attach_checkpointing(Trainer& trainer, Communica
   const CheckpointOptions options = checkpoint_options(config, run_dir);
   std::string error;
   try {
-    check_resume_argument(resume);
+    ckpt::check_resume_argument(resume);
   } catch (const std::exception& e) {
     error = one_line_error(e);
   }
@@ -488,7 +499,15 @@ std::shared_ptr<CheckpointHook> attach_checkpointing(Trainer& trainer, Communica
       }
     }
   }
-  if (config.get_int("checkpoint.every_steps") <= 0) return nullptr;
+  if (config.get_int("checkpoint.every_steps") <= 0) {
+    if (loaded && comm.rank() == 0) {
+      log::warn(fmt::format(
+          "--resume: this run saves no checkpoints (checkpoint.every_steps = 0), though {} holds "
+          "them up to step {}; set checkpoint.every_steps to keep saving",
+          options.dir.string(), loaded->index.step));
+    }
+    return nullptr;
+  }
   // Saving must not mix with (and prune) checkpoints of another history: rank 0's listing decides.
   if (comm.rank() == 0) {
     try {

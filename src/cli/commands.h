@@ -11,14 +11,27 @@
 
 namespace kiln::cli {
 
-/// What every config-taking subcommand shares: the config path and --set overrides.
+/// What every config-taking subcommand shares: the config path and --set overrides, followed by
+/// the KILN_SET environment variable's (white-space separated assignments: the docs test shrinks
+/// documented commands with it).
 struct ConfigArgs {
   std::string path;
   std::vector<std::string> overrides;
   /// Adds the positional <config> and repeatable --set to `command`.
   void add_to(CLI::App& command, bool config_required = true);
   Config load() const;
+  /// load(), then check_run_inputs(): for the commands that run a job.
+  Config load_for_run() const;
+  /// The keys the --set overrides (and KILN_SET's) name ("section.key"), in order.
+  std::vector<std::string> set_keys() const;
 };
+
+/// What `kiln config validate` and every command that trains check beyond the config's rules,
+/// cheaply and before anything is written: run.device = "cuda" needs a CUDA device; data.path
+/// (and data.val_path) must exist and a token file must open for reading (never read or hashed
+/// here; a prepared token directory is the data component's to check).
+/// Throws UserError with the same line the run itself would stop with.
+void check_run_inputs(const Config& config);
 
 /// The process's argv, recorded in run manifests.
 const std::vector<std::string>& process_argv();

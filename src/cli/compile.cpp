@@ -1,5 +1,6 @@
-#include "cli/commands.h"
 #include "kiln/compile.h"
+
+#include "cli/commands.h"
 #include "kiln/error.h"
 #include "kiln/rungs.h"
 
@@ -16,7 +17,7 @@ void add_compile_command(CLI::App& app, Action& action) {
   args->add_to(*command);
   command->callback([&action, args] {
     action = [args] {
-      Config config = args->load();
+      Config config = args->load_for_run();
       check_compile_start(config);  // Python, torch, cache: before anything is written
       auto session = open_session(config, {process_argv()});
       RungResult result = run_compile(*session);

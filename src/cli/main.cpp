@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <sstream>
 
 #include "cli/commands.h"
 #include "core/strings.h"
@@ -13,6 +15,7 @@ namespace kiln::cli {
 
 namespace {
 std::vector<std::string> g_argv;
+std::string g_kiln_set;  // KILN_SET, read once at start (the processes kiln starts never see it)
 
 std::vector<std::pair<int, CommandAdder>>& registry() {
   static std::vector<std::pair<int, CommandAdder>> adders;
@@ -42,8 +45,32 @@ void ConfigArgs::add_to(CLI::App& command, bool config_required) {
       ->allow_extra_args(false);
 }
 
+namespace {
+// The --set assignments, then KILN_SET's (white-space separated; docs/config.md): the last wins.
+std::vector<std::string> all_overrides(const std::vector<std::string>& overrides) {
+  std::vector<std::string> all = overrides;
+  std::istringstream words(g_kiln_set);
+  for (std::string word; words >> word;) all.push_back(word);
+  return all;
+}
+}  // namespace
+
 Config ConfigArgs::load() const {
-  return path.empty() ? Config::parse("", "<defaults>", overrides) : Config::load(path, overrides);
+  const auto all = all_overrides(overrides);
+  return path.empty() ? Config::parse("", "<defaults>", all) : Config::load(path, all);
+}
+
+Config ConfigArgs::load_for_run() const {
+  Config config = load();
+  check_run_inputs(config);
+  return config;
+}
+
+std::vector<std::string> ConfigArgs::set_keys() const {
+  std::vector<std::string> keys;
+  for (const auto& o : all_overrides(overrides))
+    keys.push_back(std::string(trim(o.substr(0, o.find('=')))));
+  return keys;
 }
 
 }  // namespace kiln::cli
@@ -51,15 +78,44 @@ Config ConfigArgs::load() const {
 int main(int argc, char** argv) {
   using namespace kiln;
   for (int k = 0; k < argc; ++k) cli::g_argv.emplace_back(argv[k]);
+  // KILN_SET applies to this command's config; the processes it starts (drill, pilot, scale
+  // ranks) get the resolved config from their parent, never these overrides a second time.
+  if (const char* env = std::getenv("KILN_SET"); env != nullptr) {
+    cli::g_kiln_set = env;
+    ::unsetenv("KILN_SET");
+  }
   die_with_launcher();  // under torchrun: a worker must not outlive its agent
   CLI::App app{
-      "kiln: a C++ training workbench on LibTorch. The ladder: baseline -> profile -> scale -> "
-      "checkpoint (compile and pilot are planned)"};
+      "kiln: a C++ training workbench on LibTorch. The ladder: baseline -> compile -> profile -> "
+      "scale -> checkpoint, then the pilot and the plan"};
   app.require_subcommand(1);
   app.set_version_flag("--version",
                        std::string(build_info().version) + " (" + build_info().git_commit + ")");
   cli::Action action;
   cli::add_registered_commands(app, action);
+  // A mistyped subcommand ("kiln trian"): name it and the closest one.
+  if (argc > 1 && argv[1][0] != '-') {
+    const std::string given = argv[1];
+    std::string closest;
+    size_t best = std::string::npos;
+    for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+      if (sub->check_name(given)) {
+        best = 0;
+        closest.clear();
+        break;
+      }
+      const size_t d = edit_distance(given, sub->get_name());
+      if (d < best) best = d, closest = sub->get_name();
+    }
+    if (best != 0) {
+      std::fprintf(stderr, "kiln: error: unknown subcommand '%s'%s (see kiln --help)\n",
+                   given.c_str(),
+                   best <= std::max<size_t>(2, given.size() / 3)
+                       ? (": did you mean '" + closest + "'?").c_str()
+                       : "");
+      return kExitUserError;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -33,6 +33,7 @@ void add_pilot_command(CLI::App& app, Action& action) {
         fmt::print("every pin of {} holds here\n", *pins);
         return 0;
       }
+      check_run_inputs(config);
       RungResult result = run_pilot(config, {process_argv()});
       print_rung(result);
       if (!result.passed) throw TrainingError("pilot failed: " + result.verdict);

@@ -13,6 +13,26 @@ namespace kiln::cli {
 
 namespace {
 
+// A run directory is what kiln train, a rung or the ladder wrote: config.toml, manifest.json,
+// metrics*.jsonl. Anything else (docs/, runs/, an empty folder) is refused before report.html is
+// written into it.
+void check_run_directory(const std::filesystem::path& dir) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) {
+    throw UserError(dir.string() + " is not a directory; give a run directory (runs/<run.name>)");
+  }
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name == "config.toml" || name == "manifest.json" ||
+        (name.starts_with("metrics") && name.ends_with(".jsonl")))
+      return;
+  }
+  throw UserError(dir.string() +
+                  " is not a run directory: a run directory (runs/<run.name>, written by kiln "
+                  "train, a rung or kiln ladder) holds config.toml, manifest.json and "
+                  "metrics.jsonl or metrics-<rung>.jsonl");
+}
+
 void add_report_command(CLI::App& app, Action& action) {
   auto run_dir = std::make_shared<std::string>();
   auto* command =
@@ -30,6 +50,8 @@ void add_report_command(CLI::App& app, Action& action) {
               "kiln report RUN_A RUN_B compares two runs: give --out DIR for its "
               "report.html");
         }
+        check_run_directory(*run_dir);
+        check_run_directory(*run_b);
         const ReportHtml report = write_comparison_html(*run_dir, *run_b, *out_dir);
         fmt::print("wrote {}: {} and {} side by side, {} charts\n",
                    (std::filesystem::path(*out_dir) / "report.html").string(), *run_dir, *run_b,
@@ -39,6 +61,7 @@ void add_report_command(CLI::App& app, Action& action) {
       return;
     }
     action = [run_dir, out_dir] {
+      check_run_directory(*run_dir);
       const std::filesystem::path into = out_dir->empty() ? *run_dir : *out_dir;
       ReportHtml report;
       if (out_dir->empty()) {

@@ -19,7 +19,7 @@ void add_scale_command(CLI::App& app, Action& action) {
                     "do not print the result table (the ladder's launch reads scale.json)");
   command->callback([&action, args, quiet] {
     action = [args, quiet] {
-      Config config = args->load();
+      Config config = args->load_for_run();
       RungResult result = run_scale_rung(config, {process_argv()});
       if (!*quiet && process_communicator(config)->rank() == 0) print_rung(result);
       if (!result.passed) throw TrainingError("scale gate failed: " + result.verdict);

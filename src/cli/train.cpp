@@ -1,10 +1,12 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "core/records.h"
 #include "core/strings.h"
 #include "kiln/checkpoint.h"
 #include "kiln/compile.h"
 #include "kiln/dist.h"
+#include "kiln/error.h"
 #include "kiln/report.h"
 #include "kiln/session.h"
 
@@ -20,21 +22,51 @@ void add_train_command(CLI::App& app, Action& action) {
   command->add_option(
       "--resume", *resume,
       "auto (the newest valid checkpoint in checkpoint.dir, if any) or a checkpoint path");
-  command->callback([&action, args, resume] {
-    action = [args, resume] {
+  auto overwrite = std::make_shared<bool>(false);
+  command->add_flag("--overwrite", *overwrite,
+                    "start afresh in a run directory that holds another run's records: move them "
+                    "into <run dir>/previous-<UTC time>/ first");
+  command->callback([&action, args, resume, overwrite] {
+    action = [args, resume, overwrite] {
       Config config = args->load();
+      if (*overwrite && !resume->empty()) {
+        throw UserError("--overwrite starts a run afresh and --resume continues one: give one");
+      }
+      // Before anything is written: --resume keeps the saved run's checkpoint settings (--set
+      // wins) and must name a checkpoint; run.device and data.path as `kiln config validate`.
+      config = resume_config(config, *resume, args->set_keys());
+      check_run_inputs(config);
       check_compile_start(config);  // compile.backend: Python, torch, cache (writes nothing)
       // One run per directory: the lock comes first, so a second `kiln train` into the same
       // run.name is refused (naming the holder) before it reads or writes anything there.
-      auto lock = lock_run_directories(config, *process_communicator(config), process_argv());
-      // --resume is checked before the session opens: bad input writes nothing (metrics.jsonl
-      // included), and a resumed run appends to its metrics.jsonl.
+      const auto comm = process_communicator(config);
+      auto lock = lock_run_directories(config, *comm, process_argv());
+      // --resume is checked before the session opens: bad input (a checkpoint of another model
+      // included) writes nothing, and a resumed run appends to its metrics.jsonl. A fresh run
+      // does not mix with another run's records: refused, or moved aside (--overwrite, and
+      // --resume auto finding no checkpoint to continue).
       const bool continues = check_train_start(config, *resume);
-      auto session =
-          open_session(config, SessionOptions{.argv = process_argv(), .append_metrics = continues});
+      const auto existing = continues                           ? RunOptions::Existing::kReplace
+                            : (*overwrite || *resume == "auto") ? RunOptions::Existing::kMoveAside
+                                                                : RunOptions::Existing::kRefuse;
+      if (!continues) {
+        std::string error;
+        if (comm->rank() == 0) {
+          try {
+            prepare_run_records(run_directory(config), "metrics.jsonl", existing);
+          } catch (const std::exception& e) {
+            error = one_line_error(e);
+          }
+        }
+        if (comm->world_size() > 1) error = comm->all_gather_bytes(error)[0];  // rank 0's
+        if (!error.empty()) throw UserError(error);
+      }
+      auto session = open_session(config, SessionOptions{.argv = process_argv(),
+                                                         .append_metrics = continues,
+                                                         .existing_records = existing});
       auto checkpointing =
           attach_checkpointing(*session->trainer, *session->comm, session->run->dir(),
-                               *resume);  // --resume, [checkpoint]
+                               *resume);                                // --resume, [checkpoint]
       auto compiled = attach_compiled_step(*session->trainer, config);  // [compile]
       // SIGTERM / SIGUSR1: finish the step, commit a checkpoint, exit 75 (kExitPreempted).
       attach_preemption(*session->trainer, *session->comm, checkpointing);

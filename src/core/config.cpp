@@ -586,9 +586,11 @@ std::string Config::to_toml(bool with_docs) const {
     out += (out.empty() ? "[" : "\n[") + section.name + "]\n";
     for (const auto& def : section.keys) {
       std::string line = def.name + " = " + value_to_toml(get(def.full_name()));
-      if (with_docs) {
+      if (with_docs) {  // the default beside a value that differs from it (`kiln config show`)
         line.resize(std::max<size_t>(line.size() + 1, 36), ' ');
-        line += "# " + def.doc;
+        const bool is_default = get(def.full_name()) == def.default_value;
+        line += "# " + def.doc +
+                (is_default ? "" : " (default " + value_to_toml(def.default_value) + ")");
       }
       out += line + "\n";
     }

@@ -4,11 +4,13 @@
 #include <ATen/Version.h>
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/utsname.h>
 #include <torch/cuda.h>
 #include <torch/version.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -22,6 +24,7 @@
 #include "core/files.h"
 #include "core/pins.h"
 #include "core/process.h"
+#include "core/records.h"
 #include "core/strings.h"
 #ifdef KILN_WITH_CUDA
 #include "core/cuda_info.h"
@@ -136,21 +139,24 @@ json container_pin() {
               {"digest_source", "/run/.containerenv (podman image id)"}};
     }
     return {{"digest", nullptr},
-            {"digest_source", "in a podman container without an image id in /run/.containerenv; "
-                              "set KILN_CONTAINER_DIGEST"}};
+            {"digest_source",
+             "in a podman container without an image id in /run/.containerenv; "
+             "set KILN_CONTAINER_DIGEST"}};
   }
   std::error_code ec;
   bool docker = std::filesystem::exists("/.dockerenv", ec);
   std::ifstream cgroup("/proc/1/cgroup");
   std::string line;
   while (!docker && std::getline(cgroup, line)) {
-    docker = line.find("docker") != std::string::npos || line.find("kubepods") != std::string::npos ||
+    docker = line.find("docker") != std::string::npos ||
+             line.find("kubepods") != std::string::npos ||
              line.find("containerd") != std::string::npos;
   }
   if (docker) {
     return {{"digest", nullptr},
-            {"digest_source", "in a container whose runtime exposes no image digest inside it "
-                              "(/.dockerenv or the cgroup); set KILN_CONTAINER_DIGEST"}};
+            {"digest_source",
+             "in a container whose runtime exposes no image digest inside it "
+             "(/.dockerenv or the cgroup); set KILN_CONTAINER_DIGEST"}};
   }
   return {{"digest", nullptr}, {"digest_source", "not in a container"}};
 }
@@ -191,8 +197,8 @@ void collect_differences(const json& pinned, const json& current, const std::str
     }
     for (const auto& [key, value] : current.items()) {
       if (!pinned.contains(key)) {
-        out.push_back(fmt::format("{}: (absent) -> {}", path.empty() ? key : path + "." + key,
-                                  value.dump()));
+        out.push_back(
+            fmt::format("{}: (absent) -> {}", path.empty() ? key : path + "." + key, value.dump()));
       }
     }
     return;
@@ -210,7 +216,8 @@ void collect_differences(const json& pinned, const json& current, const std::str
     }
     return;
   }
-  if (pinned != current) out.push_back(fmt::format("{}: {} -> {}", path, pinned.dump(), current.dump()));
+  if (pinned != current)
+    out.push_back(fmt::format("{}: {} -> {}", path, pinned.dump(), current.dump()));
 }
 
 }  // namespace
@@ -247,21 +254,34 @@ json environment_pins() {
   json pins;
   const std::string python = build_info().python;
   if (python.empty()) {
-    pins["python"] = {{"executable", nullptr}, {"pip_freeze", nullptr},
+    pins["python"] = {{"executable", nullptr},
+                      {"pip_freeze", nullptr},
                       {"note", "kiln was built without KILN_PYTHON"}};
   } else {
-    auto version = command_output("'" + python + "' -c 'import sys; print(sys.version.split()[0])' 2>/dev/null");
-    auto freeze = command_output("'" + python +
-                                 "' -m pip freeze --disable-pip-version-check 2>/dev/null");
+    auto version = command_output("'" + python +
+                                  "' -c 'import sys; print(sys.version.split()[0])' 2>/dev/null");
+    auto freeze =
+        command_output("'" + python + "' -m pip freeze --disable-pip-version-check 2>/dev/null");
     pins["python"] = {{"executable", python},
                       {"version", version ? json(std::string(trim(*version))) : json(nullptr)},
                       {"pip_freeze", freeze ? json(lines_of(*freeze)) : json(nullptr)}};
   }
   // The Debian packages the build uses (scripts/setup installs them), with their versions.
-  static const char* const kBuildPackages[] = {
-      "cmake", "ninja-build", "g++", "libstdc++6", "libgtest-dev", "libgmock-dev",
-      "libtomlplusplus-dev", "nlohmann-json3-dev", "libcli11-dev", "libfmt-dev",
-      "libxxhash-dev", "zlib1g-dev", "libgloo-dev", "python3-venv", "ccache"};
+  static const char* const kBuildPackages[] = {"cmake",
+                                               "ninja-build",
+                                               "g++",
+                                               "libstdc++6",
+                                               "libgtest-dev",
+                                               "libgmock-dev",
+                                               "libtomlplusplus-dev",
+                                               "nlohmann-json3-dev",
+                                               "libcli11-dev",
+                                               "libfmt-dev",
+                                               "libxxhash-dev",
+                                               "zlib1g-dev",
+                                               "libgloo-dev",
+                                               "python3-venv",
+                                               "ccache"};
   std::string query = "dpkg-query -W -f='${Package}=${Version}\\n'";
   for (const char* p : kBuildPackages) query += std::string(" ") + p;
   // dpkg-query exits 1 when some package is not installed; it still lists the others.
@@ -272,8 +292,7 @@ json environment_pins() {
 }
 
 std::vector<std::string> manifest_differences(const json& pinned, const json& current) {
-  static const char* const kVolatile[] = {"command_line", "start_time_utc", "device",
-                                          "world_size"};
+  static const char* const kVolatile[] = {"command_line", "start_time_utc", "device", "world_size"};
   json a = pinned, b = current;
   for (const char* key : kVolatile) {
     a.erase(key);
@@ -364,6 +383,57 @@ json make_manifest(const Config& config, const std::string& command_line,
   };
 }
 
+std::filesystem::path prepare_run_records(const std::filesystem::path& dir,
+                                          const std::string& metrics_file,
+                                          RunOptions::Existing existing) {
+  namespace fs = std::filesystem;
+  if (existing == RunOptions::Existing::kReplace) return {};
+  std::error_code ec;
+  std::vector<std::string> records, files;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (!it->is_regular_file(ec) || it->is_symlink(ec)) continue;
+    const std::string name = it->path().filename().string();
+    if (name == kRunLockFile) continue;
+    files.push_back(name);
+    const bool nonempty = it->file_size(ec) > 0;
+    if ((nonempty && (name == metrics_file || name == "train.log")) ||
+        name.starts_with("events.out.tfevents.")) {
+      records.push_back(name);
+    }
+  }
+  if (records.empty()) return {};
+  std::sort(records.begin(), records.end());
+  if (existing == RunOptions::Existing::kRefuse) {
+    std::string list;
+    for (const auto& r : records) list += (list.empty() ? "" : ", ") + r;
+    throw UserError(fmt::format(
+        "run directory {} holds another run's records ({}); continue that run with --resume "
+        "auto, move its records aside with --overwrite, or set run.name",
+        dir.string(), list));
+  }
+  std::string stamp = utc_now_iso8601();  // 2026-11-29T08:26:23Z -> 20261129T082623Z
+  stamp.erase(
+      std::remove_if(stamp.begin(), stamp.end(), [](char c) { return c == '-' || c == ':'; }),
+      stamp.end());
+  fs::path aside = dir / ("previous-" + stamp);
+  for (int n = 2; fs::exists(aside, ec); ++n) aside = dir / fmt::format("previous-{}-{}", stamp, n);
+  fs::create_directory(aside, ec);
+  if (ec) {
+    throw UserError("cannot create " + aside.string() + ": " + ec.message() +
+                    "; check run.dir's permissions");
+  }
+  for (const auto& name : files) {
+    fs::rename(dir / name, aside / name, ec);
+    if (ec) {
+      throw UserError("cannot move " + (dir / name).string() + " into " + aside.string() + ": " +
+                      ec.message() + "; move the earlier run's records by hand");
+    }
+  }
+  log::warn(fmt::format("{}: a fresh run; moved the earlier run's {} files ({}) into {}",
+                        dir.string(), files.size(), fmt::join(records, ", "), aside.string()));
+  return aside;
+}
+
 Run::Run(const Config& config, RunOptions options)
     : config_(config), options_(std::move(options)), dir_(run_directory(config)) {
   std::vector<const char*> argv;
@@ -371,6 +441,8 @@ Run::Run(const Config& config, RunOptions options)
   command_line_ = join_command_line(static_cast<int>(argv.size()), argv.data());
   start_time_utc_ = utc_now_iso8601();
   if (!options_.writer) return;
+  if (!options_.append_metrics)
+    prepare_run_records(dir_, options_.metrics_file, options_.existing_records);
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
   if (ec) {

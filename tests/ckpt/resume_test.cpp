@@ -1,6 +1,8 @@
 // Resuming training: bitwise equality with an uninterrupted run across processes (in the middle of
 // an epoch, with prefetching loader threads), DDP state resharded 2 -> 1 and 1 -> 2 with the loader
 // position converted, and the fallback to an older checkpoint when the newest is damaged.
+#include "ckpt/resume.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -13,6 +15,7 @@
 #include "ckpt/thread_comm.h"
 #include "kiln/checkpoint.h"
 #include "kiln/error.h"
+#include "kiln/models.h"
 #include "kiln/run.h"
 #include "kiln/session.h"
 
@@ -366,6 +369,149 @@ TEST(CkptResume, AVersion1CheckpointLoadsAndContinuesAsItsOwnRunDid) {
     const double want = expected["losses"][std::to_string(step)].get<double>();
     EXPECT_NEAR(loss, want, 1e-6 * std::abs(want)) << "step " << step;
   }
+}
+
+// Every file under `dir` but the run lock's record (every run takes the lock first), by path.
+std::map<std::string, std::string> files_under(const std::filesystem::path& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& item : std::filesystem::recursive_directory_iterator(dir)) {
+    if (item.is_regular_file() && item.path().filename() != kRunLockFile)
+      files[std::filesystem::relative(item.path(), dir).string()] = slurp(item.path());
+  }
+  return files;
+}
+
+// Issue 28's scenario: checkpoints of a 5-layer gpt-tiny, resumed with model.n_layer = 3. The
+// resume stops with one line naming the first tensor that differs, exit 2, before anything is
+// written: no 3-layer checkpoint beside the 5-layer ones, no retention, no metrics, the run
+// directory's config.toml and manifest.json unchanged. The same run resumes fine afterwards.
+TEST(CkptResume, ADifferentModelIsRefusedBeforeAnythingIsWritten) {
+  TempDir dir;
+  auto gpt_tiny = [&](const std::vector<std::string>& extra) {
+    std::vector<std::string> args = {"train", (source_dir() / "configs/gpt-tiny.toml").string()};
+    for (const std::string& set :
+         {"run.dir=" + dir.path().string(), std::string("run.progress=off"),
+          std::string("train.eval_every=0"), std::string("train.eval_batches=1"),
+          std::string("train.batch_size=4"), std::string("data.seq_len=16"),
+          std::string("checkpoint.every_steps=2"), std::string("checkpoint.keep_last_k=2")}) {
+      args.insert(args.end(), {"--set", set});
+    }
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  };
+  ASSERT_EQ(run_kiln_args(gpt_tiny({"--set", "train.steps=6"}), dir / "a.log"), 0)
+      << slurp(dir / "a.log");
+  const auto run_dir = dir / "gpt-tiny";
+  const auto before = files_under(run_dir);
+  ASSERT_EQ(
+      before.count("checkpoints/step-4/index.json") + before.count("checkpoints/step-6/index.json"),
+      2u);
+
+  auto shallower =
+      gpt_tiny({"--set", "train.steps=10", "--set", "model.n_layer=3", "--resume", "auto"});
+  EXPECT_EQ(run_kiln_args(shallower, dir / "b.log"), 2);
+  const std::string log = slurp(dir / "b.log");
+  EXPECT_THAT(log, HasSubstr("kiln: error: --resume auto: " +
+                             (run_dir / "checkpoints" / "step-6").string() +
+                             " holds another training state than this config builds ("));
+  // Sorted by name, the first difference is block 3's first tensor, which the 3-layer model lacks.
+  EXPECT_THAT(log, HasSubstr("the first: 'model/transformer.h.3.attn.c_attn.bias' [384] is in the "
+                             "checkpoint but not in the training state here"));
+  EXPECT_THAT(log, HasSubstr("--resume restores a run exactly"));
+  EXPECT_EQ(std::count(log.begin(), log.end(), '\n'), 1) << log;
+  EXPECT_EQ(files_under(run_dir), before) << "a refused resume wrote into " << run_dir;
+
+  // A narrower model: the shapes differ (the first by name: block 0's attention bias, 3 x n_embd).
+  EXPECT_EQ(run_kiln_args(gpt_tiny({"--set", "model.n_embd=64", "--set", "model.n_head=4",
+                                    "--resume", (run_dir / "checkpoints").string()}),
+                          dir / "c.log"),
+            2);
+  EXPECT_THAT(
+      slurp(dir / "c.log"),
+      HasSubstr("the first: 'model/transformer.h.0.attn.c_attn.bias' has shape [384] in the "
+                "checkpoint but [192] here"));
+  // Another optimizer: its state is another set of tensors.
+  EXPECT_EQ(run_kiln_args(gpt_tiny({"--set", "optim.name=sgd", "--set", "optim.momentum=0.9",
+                                    "--resume", "auto"}),
+                          dir / "d.log"),
+            2);
+  EXPECT_THAT(slurp(dir / "d.log"), HasSubstr(".exp_avg' "));
+  EXPECT_EQ(files_under(run_dir), before);
+
+  ASSERT_EQ(run_kiln_args(gpt_tiny({"--set", "train.steps=8", "--resume", "auto"}), dir / "e.log"),
+            0)
+      << slurp(dir / "e.log");
+  EXPECT_TRUE(checkpoint_committed(run_dir / "checkpoints" / "step-8"));
+}
+
+// The trainer-side check (a library caller that skips check_train_start): restoring a checkpoint
+// of another model throws StateMismatch naming the difference and leaves the trainer as it was;
+// restoring from the directory does not fall back to an older checkpoint (it holds the same).
+TEST(CkptResume, RestoreIntoAnotherModelThrowsWithoutFallingBack) {
+  TempDir dir;
+  Config saved_config = gpt_config(dir.path(), {"train.steps=2", "checkpoint.every_steps=1"});
+  {
+    auto session = open_session(saved_config, {{"kiln"}});
+    attach_checkpointing(*session->trainer, *session->comm, session->run->dir(), "");
+    session->trainer->fit(2, session->run.get());
+  }
+  const auto ckpts = dir / "t" / "checkpoints";
+  ASSERT_TRUE(checkpoint_committed(ckpts / "step-2"));
+  Config other = gpt_config(dir.path(), {"run.name=other", "model.n_layer=1"});
+  auto session = open_session(other, {{"kiln"}});
+  const auto weights = weights_hash(session->trainer->model());
+  try {
+    restore_training_state(*session->trainer, *session->comm, ckpts, /*dir_fallback=*/true);
+    ADD_FAILURE() << "a checkpoint of a 2-layer model restored into a 1-layer one";
+  } catch (const ckpt::StateMismatch& e) {
+    EXPECT_THAT(e.what(), HasSubstr((ckpts / "step-2").string() + " holds another training state"));
+    EXPECT_THAT(e.what(), HasSubstr("'model/transformer.h.1."));
+  }
+  EXPECT_EQ(weights_hash(session->trainer->model()), weights);
+  EXPECT_EQ(session->trainer->step(), 0);
+}
+
+// What check_train_start predicts from a config is what a Trainer built from it holds: the same
+// names, shapes and dtypes (gpt with AdamW, mlp with SGD momentum, and a buffer-free mlp).
+TEST(CkptResume, TheConfigsPredictedStateIsTheTrainersState) {
+  TempDir dir;
+  for (const Config& config :
+       {gpt_config(dir.path()), mlp_config(dir.path(), {"optim.name=sgd", "optim.momentum=0.9"}),
+        gpt_config(dir.path(), {"train.precision=bf16-mixed"})}) {
+    auto session = open_session(config, {{"kiln"}});
+    const auto live = ckpt::live_state_shapes(session->trainer->state(), *session->comm);
+    EXPECT_EQ(ckpt::config_state_shapes(config), live);
+    EXPECT_GT(live.size(), 4u);
+  }
+}
+
+// A resumed run keeps the checkpoint settings it was saved with (README: `--set
+// checkpoint.every_steps=500`, then `--resume auto`); --set still wins, and a resumed run that
+// saves nothing while its directory holds checkpoints says so.
+TEST(CkptResume, AResumedRunKeepsSavingAsItDid) {
+  TempDir dir;
+  const auto ckpts = dir / "r" / "checkpoints";
+  auto train = [&](const std::vector<std::string>& sets, const std::string& log) {
+    auto args = mlp_train_args(dir.path(), "r", sets);
+    args.insert(args.end(), {"--resume", "auto"});
+    return run_kiln_args(args, dir / log);
+  };
+  ASSERT_EQ(train({"train.steps=4", "checkpoint.every_steps=2"}, "a.log"), 0)
+      << slurp(dir / "a.log");
+  EXPECT_EQ(read_checkpoint_index(ckpts / "step-4").training_state["checkpointing"]["every_steps"],
+            2);
+  ASSERT_EQ(train({"train.steps=6"}, "b.log"), 0) << slurp(dir / "b.log");
+  EXPECT_THAT(slurp(dir / "b.log"), HasSubstr("keeps the saved run's checkpoint.every_steps = 2"));
+  EXPECT_TRUE(checkpoint_committed(ckpts / "step-6")) << slurp(dir / "b.log");
+  EXPECT_THAT(slurp(dir / "r" / "config.toml"), HasSubstr("every_steps = 2"));
+
+  ASSERT_EQ(train({"train.steps=8", "checkpoint.every_steps=0"}, "c.log"), 0)
+      << slurp(dir / "c.log");
+  EXPECT_FALSE(checkpoint_committed(ckpts / "step-8"));
+  EXPECT_THAT(slurp(dir / "c.log"),
+              HasSubstr("--resume: this run saves no checkpoints (checkpoint.every_steps = 0), "
+                        "though " +
+                        ckpts.string() + " holds them up to step 6"));
 }
 
 }  // namespace

@@ -1,12 +1,16 @@
 // The CLI's user-facing errors: one line on stderr, non-zero exit, never a stack trace.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
+#include "kiln/config.h"
+#include "kiln/run.h"
 #include "support/helpers.h"
 
 namespace kiln::testing {
@@ -38,17 +42,39 @@ TEST(Cli, BadOverride) {
 }
 
 TEST(Cli, UnknownSubcommandOrFlag) {
-  auto r = run_kiln("trian x.toml");
-  EXPECT_EQ(r.exit_code, 2);
-  EXPECT_THAT(r.err, HasSubstr("kiln: error:"));
+  expect_one_line_error(run_kiln("trian x.toml"), 2,
+                        "kiln: error: unknown subcommand 'trian': did you mean 'train'?");
+  expect_one_line_error(run_kiln("xyzzy"), 2, "kiln: error: unknown subcommand 'xyzzy' (see");
+  expect_one_line_error(run_kiln("train --frobnicate x.toml"), 2, "kiln: error:");
+  auto help = run_kiln("--help");
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_THAT(help.out, HasSubstr("baseline -> compile -> profile -> scale -> checkpoint"));
+  EXPECT_THAT(help.out, ::testing::Not(HasSubstr("planned")));
 }
 
-TEST(Cli, ConfigShowPrintsEveryKeyWithOverrides) {
+TEST(Cli, ConfigShowPrintsEveryKeyWithOverridesAndTheirDefaults) {
   auto r = run_kiln("config show --set optim.lr=0.5");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_THAT(r.out, HasSubstr("lr = 0.5"));
   EXPECT_THAT(r.out, HasSubstr("[baseline]"));
   EXPECT_THAT(r.out, HasSubstr("# peak learning rate"));
+  // Beside a value that differs from its default, the default; nowhere else.
+  const std::string lr_default = value_to_toml(find_key("optim.lr")->default_value);
+  std::istringstream lines(r.out);
+  int with_default = 0;
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("lr = 0.5", 0) == 0) {
+      EXPECT_THAT(line, ::testing::EndsWith(" (default " + lr_default + ")"));
+    }
+    with_default += line.find(" (default ") != std::string::npos;
+  }
+  EXPECT_EQ(with_default, 1) << r.out;
+  // KILN_SET (docs/config.md) applies after --set.
+  auto env = run_shell("KILN_SET='optim.lr=0.25 train.steps=7' " + std::string(KILN_CLI) +
+                       " config show --set optim.lr=0.5");
+  ASSERT_EQ(env.exit_code, 0) << env.err;
+  EXPECT_THAT(env.out, HasSubstr("\nlr = 0.25 "));
+  EXPECT_THAT(env.out, HasSubstr("\nsteps = 7 "));
 }
 
 TEST(Cli, ValidateAcceptsEveryBundledConfig) {
@@ -101,6 +127,133 @@ TEST(Cli, NonUtf8NamesAndArgumentsAreRecordedNotFatal) {
   ASSERT_TRUE(std::filesystem::exists(run_dir / "manifest.json"));
   auto manifest = nlohmann::json::parse(slurp(run_dir / "manifest.json"));
   EXPECT_THAT(manifest["command_line"].get<std::string>(), HasSubstr("run.name=r\xef\xbf\xbd"));
+}
+
+// `kiln config validate` refuses what `kiln train` refuses of the machine and the data (a CUDA
+// device on a CPU-only build, a token file that is not there), with the same line, and neither
+// writes anything. Cheap checks: the file is opened, never hashed.
+TEST(Cli, ValidateRefusesAMissingDeviceOrDataFileAsTrainDoes) {
+  TempDir dir;
+  const std::string gpt = (source_dir() / "configs/gpt-tiny.toml").string() +
+                          " --set run.dir=" + (dir / "runs").string();
+  std::vector<std::pair<std::string, std::string>> cases = {
+      {" --set data.name=tokens --set data.path=" + (dir / "none.bin").string(),
+       "token file " + (dir / "none.bin").string() +
+           " cannot be opened: No such file or directory"},
+      {" --set data.name=text --set data.path=" + (dir / "none.txt").string(),
+       "data.path = \"" + (dir / "none.txt").string() + "\" does not exist"}};
+  if (!torch::cuda::is_available()) {
+    cases.push_back({" --set run.device=cuda", "run.device = \"cuda\" but no CUDA device"});
+  }
+  for (const auto& [sets, message] : cases) {
+    for (const std::string command : {"config validate ", "train "}) {
+      SCOPED_TRACE(command + sets);
+      expect_one_line_error(run_kiln(command + gpt + sets), 2, "kiln: error: " + message);
+      EXPECT_FALSE(std::filesystem::exists(dir / "runs"));
+    }
+  }
+}
+
+// "Nothing written" on every refusal of a command that would write a run: bad input of each kind
+// (a --resume that names nothing, conflicting flags, a bad key, a missing data file, a compile
+// backend this machine cannot run, a failed rule) leaves no run directory behind, lock included.
+TEST(Cli, EveryRefusalLeavesNoRunDirectory) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "empty");
+  const std::string mlp = (source_dir() / "configs/mlp.toml").string();
+  const std::string gpt = (source_dir() / "configs/gpt-tiny.toml").string();
+  const std::string at = " --set run.dir=" + (dir / "runs").string();
+  const std::vector<std::pair<std::string, std::string>> refusals = {
+      {"train " + mlp + at + " --resume " + (dir / "missing").string(), "no such checkpoint"},
+      {"train " + mlp + at + " --resume " + (dir / "empty").string(),
+       "holds no committed checkpoint"},
+      {"train " + mlp + at + " --resume auto --overwrite", "give one"},
+      {"train " + mlp + at + " --set optim.lrr=1", "did you mean optim.lr?"},
+      {"train " + mlp + at + " --set optim.nesterov=true", "optim.nesterov = true needs"},
+      {"baseline " + gpt + at + " --set data.name=tokens --set data.path=/nonexistent.bin",
+       "token file /nonexistent.bin cannot be opened"},
+      {"compile " + gpt + at + " --set data.name=tokens --set data.path=/nonexistent.bin",
+       "token file /nonexistent.bin cannot be opened"},
+      {"profile " + gpt + at + " --set data.name=text --set data.path=/nonexistent.txt",
+       "does not exist"},
+      {"compile " + mlp + at + " --set compile.backend=cudagraphs", "compile.backend"},
+  };
+  for (const auto& [command, message] : refusals) {
+    SCOPED_TRACE(command);
+    auto r = run_kiln(command);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_THAT(r.err, HasSubstr(message));
+    EXPECT_FALSE(std::filesystem::exists(dir / "runs")) << command << " left " << (dir / "runs");
+  }
+}
+
+// One history per run directory: a fresh `kiln train` into a directory holding another run's
+// records is refused (nothing changes); --overwrite moves them into previous-<time>/ first, and
+// --resume auto with no checkpoint to continue does the same. TensorBoard never sees two runs
+// in one directory.
+TEST(Cli, AFreshRunDoesNotMixWithAnotherRunsRecords) {
+  TempDir dir;
+  const std::string train = "train " + (source_dir() / "configs/mlp.toml").string() +
+                            " --set run.dir=" + dir.path().string() +
+                            " --set train.steps=2 --set run.progress=off --set train.eval_every=0";
+  const auto run = dir / "mlp";
+  ASSERT_EQ(run_kiln(train).exit_code, 0);
+  const std::string metrics = slurp(run / "metrics.jsonl"), log = slurp(run / "train.log");
+  auto events = [&](const std::filesystem::path& at) {
+    int n = 0;
+    for (const auto& e : std::filesystem::directory_iterator(at))
+      n += e.path().filename().string().starts_with("events.out.tfevents.");
+    return n;
+  };
+  ASSERT_EQ(events(run), 1);
+
+  auto again = run_kiln(train + " --set train.steps=3");
+  expect_one_line_error(again, 2,
+                        "kiln: error: run directory " + run.string() +
+                            " holds another run's records (events.out.tfevents.");
+  EXPECT_THAT(again.err,
+              HasSubstr("metrics.jsonl, train.log); continue that run with --resume "
+                        "auto, move its records aside with --overwrite, or set run.name"));
+  EXPECT_EQ(slurp(run / "metrics.jsonl"), metrics);
+  EXPECT_EQ(slurp(run / "train.log"), log);
+
+  auto overwrite = run_kiln(train + " --set train.steps=3 --overwrite");
+  ASSERT_EQ(overwrite.exit_code, 0) << overwrite.err;
+  std::vector<std::filesystem::path> previous;
+  for (const auto& e : std::filesystem::directory_iterator(run)) {
+    if (e.path().filename().string().starts_with("previous-")) previous.push_back(e.path());
+  }
+  ASSERT_EQ(previous.size(), 1u);
+  EXPECT_THAT(overwrite.err, HasSubstr("into " + previous[0].string()));
+  EXPECT_EQ(slurp(previous[0] / "metrics.jsonl"), metrics);
+  EXPECT_EQ(slurp(previous[0] / "train.log"), log);
+  EXPECT_EQ(events(previous[0]), 1);
+  EXPECT_EQ(events(run), 1);
+  EXPECT_EQ(read_step_losses(run / "metrics.jsonl").size(), 3u);
+
+  // --resume auto, no checkpoint: a fresh start that keeps the earlier records aside too.
+  ASSERT_EQ(run_kiln(train + " --resume auto").exit_code, 0);
+  int aside = 0;
+  for (const auto& e : std::filesystem::directory_iterator(run))
+    aside += e.path().filename().string().starts_with("previous-");
+  EXPECT_EQ(aside, 2);
+  EXPECT_EQ(read_step_losses(run / "metrics.jsonl").size(), 2u);
+}
+
+// `kiln report` writes report.html only into a run directory; anything else is refused, naming
+// what a run directory holds.
+TEST(Cli, ReportRefusesADirectoryThatIsNotARun) {
+  TempDir dir;
+  for (const auto& target : {dir.path(), source_dir() / "docs"}) {
+    expect_one_line_error(run_kiln("report " + target.string()), 2,
+                          target.string() + " is not a run directory: a run directory");
+    EXPECT_FALSE(std::filesystem::exists(target / "report.html"));
+  }
+  expect_one_line_error(run_kiln("report " + (dir / "none").string()), 2, "is not a directory");
+  write_text(dir / "metrics.jsonl", "{\"step\": 1, \"loss\": 2.0}\n");
+  auto r = run_kiln("report " + dir.path().string());
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(std::filesystem::exists(dir / "report.html"));
 }
 
 // Determinism across processes, not only within one: global state (RNG, threads) must not leak.

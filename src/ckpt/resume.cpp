@@ -1,0 +1,223 @@
+// Strict resume: the training state a checkpoint holds against the one the trainer (or a config)
+// has, and the checkpoint settings a resumed run keeps (kiln/checkpoint.h resume_config).
+#include "ckpt/resume.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+
+#include "ckpt/internal.h"
+#include "core/strings.h"
+#include "kiln/log.h"
+#include "kiln/models.h"
+#include "kiln/run.h"
+#include "kiln/safetensors.h"
+
+namespace kiln {
+namespace ckpt {
+
+using nlohmann::json;
+
+StateShapes live_state_shapes(const TrainState& state, Communicator& comm) {
+  StateShapes live;
+  auto add = [&](const std::string& prefix, const NamedTensors& tensors) {
+    for (const auto& [name, tensor] : tensors) {
+      auto piece = state.pieces.find(name);
+      live[prefix + name] = {
+          piece != state.pieces.end()
+              ? piece->second.global_shape
+              : std::vector<int64_t>(tensor.sizes().begin(), tensor.sizes().end()),
+          tensor.scalar_type()};
+    }
+  };
+  add("model/", state.model);
+  add("optim/", state.optimizer);
+  if (comm.world_size() == 1) return live;
+  json mine = json::object();
+  for (const auto& [name, t] : live) mine[name] = {t.shape, static_cast<int>(t.dtype)};
+  for (const auto& text : comm.all_gather_bytes(mine.dump())) {
+    for (const auto& [name, t] : json::parse(text).items()) {
+      live.emplace(name, TensorShape{t[0].get<std::vector<int64_t>>(),
+                                     static_cast<torch::ScalarType>(t[1].get<int>())});
+    }
+  }
+  return live;
+}
+
+StateShapes config_state_shapes(const Config& config) {
+  Config plain = config;  // the shapes only: the weights model.init_from would load do not matter
+  if (find_key("model.init_from") != nullptr) plain.set("model.init_from", std::string());
+  const auto model = make_model(plain);
+  StateShapes out;
+  NamedTensors parameters;
+  for (const auto& item : model->named_parameters()) {
+    const torch::Tensor& p = item.value();
+    out["model/" + item.key()] = {p.sizes().vec(), p.scalar_type()};
+    parameters.emplace_back(item.key(), torch::empty(p.sizes(), p.options().device(torch::kMeta)));
+  }
+  for (const auto& item : model->named_buffers())
+    out["model/" + item.key()] = {item.value().sizes().vec(), item.value().scalar_type()};
+  Optimizer optimizer(plain, parameters);
+  for (const auto& [name, t] : optimizer.state())
+    out["optim/" + name] = {t.sizes().vec(), t.scalar_type()};
+  for (const auto& [name, t] : optimizer.step_counts())
+    out["optim/" + name] = {t.sizes().vec(), t.scalar_type()};
+  return out;
+}
+
+std::string state_difference(const CheckpointIndex& index, const StateShapes& live) {
+  auto in_state = [](const std::string& name) {
+    return name.starts_with("model/") || name.starts_with("optim/");
+  };
+  auto is_step_count = [](const std::string& name) {
+    return name.starts_with("optim/") && name.ends_with(".step");
+  };
+  const bool saved_step_counts =
+      std::any_of(index.tensors.begin(), index.tensors.end(),
+                  [&](const TensorInfo& t) { return is_step_count(t.name); });
+  std::map<std::string, std::string> differences;  // by tensor name: the first one is reported
+  for (const auto& info : index.tensors) {
+    if (!in_state(info.name)) continue;
+    auto it = live.find(info.name);
+    if (it == live.end()) {
+      differences[info.name] =
+          fmt::format("'{}' {} is in the checkpoint but not in the training state here", info.name,
+                      shape_text(info.shape));
+    } else if (it->second.shape != info.shape) {
+      differences[info.name] =
+          fmt::format("'{}' has shape {} in the checkpoint but {} here", info.name,
+                      shape_text(info.shape), shape_text(it->second.shape));
+    } else if (it->second.dtype != info.dtype) {
+      differences[info.name] =
+          fmt::format("'{}' is {} in the checkpoint but {} here", info.name,
+                      safetensors_dtype(info.dtype), safetensors_dtype(it->second.dtype));
+    }
+  }
+  for (const auto& [name, t] : live) {
+    if (index.find(name) != nullptr || (!saved_step_counts && is_step_count(name))) continue;
+    differences[name] =
+        fmt::format("'{}' {} is in the training state here but not in the checkpoint", name,
+                    shape_text(t.shape));
+  }
+  if (differences.empty()) return "";
+  return fmt::format("{} difference{}; the first: {}", differences.size(),
+                     differences.size() == 1 ? "" : "s", differences.begin()->second);
+}
+
+std::string state_mismatch_advice() {
+  return "--resume restores a run exactly: resume with the config it was saved with (the run "
+         "directory's config.toml), or start a new run.name from its weights with model.init_from "
+         "(after `kiln export`)";
+}
+
+void check_resume_argument(const std::string& resume) {
+  if (resume.empty() || resume == "auto") return;
+  const std::filesystem::path path(resume);
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(path / kIndexFile, ec)) return;
+  if (!std::filesystem::is_directory(path, ec)) {
+    throw UserError("--resume " + resume +
+                    ": no such checkpoint (give a step-<N> directory, a checkpoint directory, or "
+                    "auto)");
+  }
+}
+
+std::optional<std::filesystem::path> checkpoint_to_resume(const std::filesystem::path& path) {
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(path / kIndexFile, ec)) return path;
+  const auto entries = list_checkpoints(path);
+  for (auto it = entries.rbegin(); it != entries.rend(); ++it) {
+    if (!it->committed) continue;
+    try {
+      read_checkpoint_index(it->path);
+      return it->path;
+    } catch (const UserError&) {  // a damaged index: the load falls back past it too
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace ckpt
+
+namespace {
+
+// The checkpoint settings a resumed run keeps from the run it continues, and their types.
+constexpr std::pair<const char*, ValueType> kKeptSettings[] = {
+    {"every_steps", ValueType::kInt}, {"keep_last_k", ValueType::kInt},
+    {"keep_every", ValueType::kInt},  {"save_final", ValueType::kBool},
+    {"async", ValueType::kBool},      {"on_save_error", ValueType::kString}};
+
+}  // namespace
+
+nlohmann::json ckpt::checkpoint_settings(const Config& config) {
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& [key, type] : kKeptSettings) {
+    const std::string full = std::string("checkpoint.") + key;
+    switch (type) {
+      case ValueType::kInt:
+        out[key] = config.get_int(full);
+        break;
+      case ValueType::kBool:
+        out[key] = config.get_bool(full);
+        break;
+      default:
+        out[key] = config.get_string(full);
+        break;
+    }
+  }
+  return out;
+}
+
+Config resume_config(const Config& config, const std::string& resume,
+                     const std::vector<std::string>& explicit_keys) {
+  ckpt::check_resume_argument(resume);
+  if (resume.empty()) return config;
+  const std::filesystem::path where = resume == "auto"
+                                          ? checkpoint_options(config, run_directory(config)).dir
+                                          : std::filesystem::path(resume);
+  const auto step_dir = ckpt::checkpoint_to_resume(where);
+  if (!step_dir) {
+    if (resume == "auto") return config;  // a fresh start
+    throw UserError("--resume " + resume +
+                    ": holds no committed checkpoint (no index.json, no step-<N>/)");
+  }
+  const nlohmann::json saved =
+      read_checkpoint_index(*step_dir).training_state.value("checkpointing", nlohmann::json());
+  if (!saved.is_object()) return config;  // saved before kiln recorded its settings
+  Config out = config;
+  std::vector<std::string> kept;
+  for (const auto& [key, type] : kKeptSettings) {
+    const std::string full = std::string("checkpoint.") + key;
+    if (!saved.contains(key) ||
+        std::find(explicit_keys.begin(), explicit_keys.end(), full) != explicit_keys.end())
+      continue;
+    const nlohmann::json& value = saved[key];
+    try {
+      switch (type) {
+        case ValueType::kInt:
+          out.set(full, value.get<int64_t>());
+          break;
+        case ValueType::kBool:
+          out.set(full, value.get<bool>());
+          break;
+        default:
+          out.set(full, value.get<std::string>());
+          break;
+      }
+    } catch (const nlohmann::json::exception&) {
+      throw UserError(step_dir->string() + "/index.json: training_state.checkpointing." + key +
+                      " is not a " + type_name(type));
+    }
+    if (out.get(full) != config.get(full))
+      kept.push_back(full + " = " + value_to_toml(out.get(full)));
+  }
+  out.validate();
+  if (!kept.empty()) {
+    log::info(
+        fmt::format("--resume: keeps the saved run's {} (--set overrides)", fmt::join(kept, ", ")));
+  }
+  return out;
+}
+
+}  // namespace kiln
