@@ -44,7 +44,7 @@ SEPARATOR_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 CHUNK_BYTES = 1 << 20  # text files above SPLIT_BYTES are encoded in ~1 MiB pieces cut at newlines
 SPLIT_BYTES = 8 << 20
-BATCH_BYTES = 8 << 20  # documents per encode_batch call (the tokenizer's threads share them)
+BATCH_BYTES = 4 << 20  # text per encode_batch call (the tokenizer's threads share its documents)
 BATCH_DOCUMENTS = 4096
 STAGING_PREFIX = ".kiln-prepare-"
 
@@ -284,42 +284,50 @@ class Progress:
 
 
 def tokenize_to_staging(files, tokenizer, field, separator, dtype, staging, progress):
-    """Encodes every input into one raw token file per split (staging[split]); returns the
-    token and document counts per input (in `files`)."""
+    """Encodes every input into one raw token file per split (staging[split]), in order; sets
+    each input's token and document counts. Documents are encoded in batches that span inputs,
+    so the tokenizer's threads always have several documents to share."""
     sinks = {split: open(path, "wb") for split, path in staging.items()}
+    separator_ids = (np.asarray([separator["id"]], dtype=dtype) if separator is not None
+                     else None)
+    for entry in files:
+        entry["tokens"] = 0
+        entry["documents"] = 0
+    batch, batch_bytes = [], 0
+
+    def write(entry, pieces):
+        if pieces:
+            tokens = np.concatenate(pieces)
+            tokens.tofile(sinks[entry["split"]])
+            entry["tokens"] += int(tokens.size)
+
+    def flush():
+        encodings = tokenizer.encode_batch([text for _, text, _ in batch],
+                                           add_special_tokens=False)
+        current, pieces = None, []
+        for (entry, _, ends), encoding in zip(batch, encodings):
+            if entry is not current:
+                if current is not None:
+                    write(current, pieces)
+                current, pieces = entry, []
+            pieces.append(np.asarray(encoding.ids, dtype=dtype))
+            if ends:
+                entry["documents"] += 1
+                if separator_ids is not None:
+                    pieces.append(separator_ids)
+        write(current, pieces)
+        progress.update(batch_bytes)
+        check_parent()
+
     try:
         for entry in files:
-            sink = sinks[entry["split"]]
-            entry["tokens"] = 0
-            entry["documents"] = 0
-            batch, batch_bytes = [], 0
-
-            def flush():
-                nonlocal batch, batch_bytes
-                if not batch:
-                    return
-                encodings = tokenizer.encode_batch([text for text, _ in batch],
-                                                   add_special_tokens=False)
-                pieces = []
-                for (text, ends), encoding in zip(batch, encodings):
-                    pieces.append(np.asarray(encoding.ids, dtype=dtype))
-                    if ends:
-                        entry["documents"] += 1
-                        if separator is not None:
-                            pieces.append(np.asarray([separator["id"]], dtype=dtype))
-                if pieces:
-                    tokens = np.concatenate(pieces)
-                    tokens.tofile(sink)
-                    entry["tokens"] += int(tokens.size)
-                progress.update(batch_bytes)
-                check_parent()
-                batch, batch_bytes = [], 0
-
             for text, ends in documents(entry, field):
-                batch.append((text, ends))
+                batch.append((entry, text, ends))
                 batch_bytes += len(text)
                 if batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_DOCUMENTS:
                     flush()
+                    batch, batch_bytes = [], 0
+        if batch:
             flush()
     finally:
         for sink in sinks.values():
