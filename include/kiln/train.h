@@ -206,10 +206,13 @@ class TrainerHook {
 };
 
 /// Marks a phase for every hook for the lifetime of the scope (RAII: closed on exceptions too).
+/// Closing the phase may throw (FSDP's on_phase_end frees a group and can raise a
+/// CommunicationError): outside unwinding that exception leaves the destructor, hence
+/// noexcept(false); while unwinding it is swallowed, the first exception wins.
 class PhaseScope {
  public:
   PhaseScope(Trainer& trainer, Phase phase);
-  ~PhaseScope();
+  ~PhaseScope() noexcept(false);
   PhaseScope(const PhaseScope&) = delete;
   PhaseScope& operator=(const PhaseScope&) = delete;
 

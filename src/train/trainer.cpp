@@ -145,9 +145,9 @@ PhaseScope::PhaseScope(Trainer& trainer, Phase phase)
   trainer_.phase_begin(phase_);
 }
 
-PhaseScope::~PhaseScope() {
+PhaseScope::~PhaseScope() noexcept(false) {
   if (std::uncaught_exceptions() == uncaught_) {
-    trainer_.phase_end(phase_);  // may throw: the destructor is noexcept(false) in effect
+    trainer_.phase_end(phase_);  // may throw: the destructor is noexcept(false)
     return;
   }
   try {  // unwinding: close the phase for every hook, but never throw a second exception

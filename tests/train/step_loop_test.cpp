@@ -9,6 +9,7 @@
 #include <limits>
 #include <stdexcept>
 
+#include "kiln/comm.h"
 #include "kiln/error.h"
 #include "kiln/session.h"
 #include "support/helpers.h"
@@ -134,6 +135,29 @@ TEST(StepLoop, AHookThrowingAtPhaseBeginStillClosesThatPhase) {
   EXPECT_THROW(trainer.train_step(), UserError);
   EXPECT_THAT(recorder->events, ElementsAre("step_begin 0", "micro 0 last", "+data_wait",
                                             "-data_wait", "step_failed 1"));
+}
+
+TEST(StepLoop, AHookThrowingAtPhaseEndPropagatesInsteadOfAborting) {
+  TempDir dir;
+  // FSDP's on_phase_end frees a group and can raise a CommunicationError. Outside unwinding that
+  // exception leaves ~PhaseScope (noexcept(false)): the step fails with it, and the CLI exits 3;
+  // a destructor that is noexcept would call std::terminate (SIGABRT) instead.
+  class ThrowOnBackwardEnd : public TrainerHook {
+   public:
+    void on_phase_end(Trainer&, Phase phase) override {
+      if (phase == Phase::kBackward) throw CommunicationError("free_group: the peer went away");
+    }
+  };
+  Config config = mlp_config(dir.path(), {"data.num_workers=0"});
+  Trainer trainer(config, make_model(config), make_datasets(config));
+  auto recorder = std::make_shared<Recorder>();
+  trainer.add_hook(recorder);
+  trainer.add_hook(std::make_shared<ThrowOnBackwardEnd>());
+  EXPECT_THROW(trainer.train_step(), CommunicationError);
+  EXPECT_THAT(recorder->events,
+              ElementsAre("step_begin 0", "micro 0 last", "+data_wait", "-data_wait", "+forward",
+                          "-forward", "+backward", "-backward", "step_failed 1"));
+  EXPECT_EQ(trainer.step(), 0);
 }
 
 // Counts the scalar reads (aten::item, a host sync on a device) that kiln's own code makes on
