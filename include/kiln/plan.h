@@ -112,53 +112,63 @@ struct JobShape {
   /// The mixed precisions keep fp32 parameters, gradients and optimizer state.
   std::string precision = "fp32";
   bool activation_checkpointing = false;
+  /// How the world holds the model state, for the memory model's step peak: "none" (one process,
+  /// or the plan's DDP/FSDP rule decides), "ddp" (every rank the whole state plus gradient
+  /// buckets) or "fsdp" (sharded over world_size ranks, units gathered one at a time).
+  std::string strategy = "none";
+  bool fsdp_prefetch = true;               // dist.fsdp_prefetch
+  bool fsdp_reshard_after_forward = true;  // dist.reshard_after_forward
+  bool fsdp_accumulate_sharded = false;    // dist.fsdp_accumulate = "sharded"
 };
 
 /// The config's job shape: train.batch_size, data.seq_len (gpt), train.grad_accum_steps,
 /// plan.gpus as the world size, optim.name / optim.momentum, train.precision when the schema
-/// declares it (else "fp32") and plan.activation_checkpointing.
+/// declares it (else "fp32"), activation checkpointing when train.activation_checkpointing is
+/// "block" or plan.activation_checkpointing is set, and the dist.fsdp_* options (strategy stays
+/// "none": the caller that knows the layout sets it).
 JobShape job_shape(const Config& config);
 
 /// Model-state bytes per parameter: 4 parameter + 4 gradient + optimizer (adamw 8, sgd with
 /// momentum 4, plain sgd 0), the same for fp32 and the mixed precisions (fp32 master state).
 double state_bytes_per_parameter(const JobShape& job);
 
-/// The analytic peak of one full optimizer step on one device, split into parts (bytes). Model
-/// state is unsharded (DDP); activations are those of one micro-batch (Korthikanti et al. 2022,
-/// adapted to kiln's block as docs/plan.md shows).
+/// The memory of one full optimizer step on one device (docs/plan.md, "Memory"), from a walk of
+/// the step's allocations and frees in the order kiln's step makes them (forward unit by unit,
+/// the loss, backward unit by unit with activation checkpointing's recomputation, FSDP's gathers
+/// and reduce-scatter buffers, autocast's weight copies, accumulation). The parts are those live
+/// at the step's peak; they sum to step_peak().
 struct MemoryEstimate {
-  double parameters = 0, gradients = 0, optimizer = 0;
-  double activations = 0;  // saved for backward by the blocks, the final norm; the batch
-  double logits = 0;       // the [b, s, V] buffers at the loss's backward: log-softmax and grads
-  /// What joins the activations at the last block's backward (its gradient buffers, the first
-  /// parameter gradients) once the logits buffers are freed.
-  double backward_extra = 0;
-  /// Everything at once: what DDP must hold (its gradient buckets keep the gradients between
-  /// steps), the strategy rule's figure.
-  double total() const {
-    return parameters + gradients + optimizer + activations +
-           (logits > backward_extra ? logits : backward_extra);
-  }
-  /// The peak of one eager kiln step (one micro-batch per step): gradients are freed between steps
-  /// (zero_grad sets them to none) and grow in backward while the activations are freed, so the
-  /// peak is the largest of the loss's backward (activations + logits), the last block's backward
-  /// (activations + backward_extra) and the end of backward (all gradients). With gradient
-  /// accumulation the gradients of the earlier micro-batches stay live through the later ones'
-  /// forward and backward: then the peak holds them all beside the activations.
-  double step_peak() const {
-    double moment = activations + logits;
-    if (activations + backward_extra > moment) moment = activations + backward_extra;
-    if (gradients_held) return parameters + optimizer + gradients + moment;
-    if (gradients > moment) moment = gradients;
-    return parameters + optimizer + moment;
-  }
+  /// Held across steps: parameters (FSDP: this rank's shards) and optimizer state.
+  double parameters = 0, optimizer = 0;
+  /// Gradients live at the peak (parameter gradients; FSDP: the gradient shards and the
+  /// accumulated full gradients of earlier micro-batches).
+  double gradients = 0;
+  double activations = 0;     // saved for backward at the peak (unit inputs, blocks, the batch)
+  double logits = 0;          // the [b, s, V] buffers live at the peak (logits, log-softmax, grads)
+  double backward_extra = 0;  // backward's working buffers at the peak (activation gradients)
+  double autocast_copies = 0;  // bf16/fp16 copies of the weights autocast made (mixed precision)
+  /// FSDP: gathered units, all-gather buffers and reduce-scatter buffers; DDP: gradient buckets.
+  double communication = 0;
+  /// The gradients held after the step (until the next step's zero_grad): the parameter
+  /// gradients, FSDP's gradient shards, DDP's buckets (the gradients are views of them).
+  double gradients_after_step = 0;
+  /// The step's peak: the sum of the parts above except gradients_after_step.
+  double peak_bytes = 0;
+  /// Where the peak falls, in words ("the loss's backward", "block 3's recomputation").
+  std::string peak_at;
+  /// Everything at once under DDP, unsharded (the strategy rule's figure): the full state
+  /// (parameters, gradients, optimizer) plus one micro-batch's activations and logits.
+  double everything_bytes = 0;
+  double total() const { return everything_bytes; }
+  double step_peak() const { return peak_bytes; }
   bool gradients_held = false;  // grad_accum_steps > 1
 };
 MemoryEstimate estimate_memory(const ModelShape& shape, const JobShape& job);
 nlohmann::json to_json(const MemoryEstimate& estimate);
 
-/// The strategy input for `device_memory_bytes` from the analytic model (activations and logits
-/// of one micro-batch; the config's plan.headroom and the job's world size).
+/// The strategy input for `device_memory_bytes` from the analytic model (the unsharded estimate:
+/// activations and logits of one micro-batch; the config's plan.headroom and the job's world
+/// size).
 StrategyInput strategy_input(const ModelShape& shape, const JobShape& job,
                              double device_memory_bytes, double headroom_fraction);
 
@@ -178,6 +188,10 @@ struct Device {
   double network_bytes_per_second = 0;       // per GPU, between nodes
   std::map<std::string, double> peak_flops;  // dense peak per precision: fp32 tf32 bf16 fp16
   std::string source, date;                  // where the figures come from, and when
+  /// Host (CPU) memory of one node, bytes (0 = the row does not say): async checkpointing stages
+  /// the state there. host_memory_source names where the figure comes from.
+  double host_memory_bytes = 0;
+  std::string host_memory_source;
   /// Upper-case words of a runtime device name that mean this row ("H100").
   std::vector<std::string> match;
   /// Dense peak FLOP/s for "fp32" | "tf32" | "bf16" | "fp16", or a train.precision value
@@ -219,19 +233,29 @@ std::string manifest_device_name(const nlohmann::json& manifest, int cuda_index)
 /// order), with delta the time one save costs the job and M the job's mean time between failures.
 double young_interval_seconds(double save_seconds, double job_mtbf_seconds);
 
+/// The recovery-aware checkpoint period Tc = delta + sqrt(2 (M + R) delta + delta^2): the time
+/// from one save's start to the next (the save included), with delta the save's stall, M the
+/// job's MTBF and R the time a restart costs (requeue, process start, restore, first step): a
+/// restart's cost lengthens the period beside Young's sqrt(2 delta M), which ignores it. 0 when
+/// delta or M is not positive. Known answer: delta = 60 s, M = 3.1 h, R = 10 min: 1249.5 s.
+double recovery_aware_interval_seconds(double save_seconds, double job_mtbf_seconds,
+                                       double recovery_seconds);
+
 /// The whole process's time on one hardware row (docs/plan.md, "Budget").
 struct Budget {
-  double step_seconds = 0;                 // compute + exposed communication
-  double compute_seconds = 0;              // per step
-  double communication_seconds = 0;        // per step, not overlapped
-  double train_seconds = 0;                // steps x step_seconds
-  double eval_seconds = 0;                 // all evaluations
-  double save_seconds = 0;                 // one checkpoint's stall (delta)
-  double checkpoint_interval_seconds = 0;  // Young's tau (0 when M is unknown)
-  double saves_seconds = 0;                // all saves
-  double job_mtbf_seconds = 0;             // per-GPU MTBF / GPUs (0 = failures not modelled)
+  double step_seconds = 0;           // compute + exposed communication
+  double compute_seconds = 0;        // per step
+  double communication_seconds = 0;  // per step, not overlapped
+  double train_seconds = 0;          // steps x step_seconds
+  double eval_seconds = 0;           // all evaluations
+  double save_seconds = 0;           // one checkpoint's stall (delta)
+  /// The recovery-aware period Tc (save included; 0 when M is unknown).
+  double checkpoint_interval_seconds = 0;
+  double young_interval_seconds = 0;  // Young's sqrt(2 delta M), beside it
+  double saves_seconds = 0;           // all saves
+  double job_mtbf_seconds = 0;        // per-GPU MTBF / GPUs (0 = failures not modelled)
   double expected_failures = 0;
-  double lost_seconds = 0;    // failures x (tau/2 + restart)
+  double lost_seconds = 0;    // failures x (Tc/2 + restart)
   double drills_seconds = 0;  // restore drills
   double pilot_seconds = 0;
   double margin_seconds = 0;
@@ -247,7 +271,7 @@ struct BudgetInput {
   double evals = 0;                           // evaluations in the run
   double eval_seconds = 0;                    // one evaluation
   double save_seconds = 0;                    // delta: what one checkpoint save stalls the job
-  double restart_seconds = 0;                 // per failure and per drill: reschedule, start, load
+  double restart_seconds = 0;  // R, per failure and per drill: requeue, start, restore, first step
   int64_t gpus = 1;
   double gpu_mtbf_hours = 0;  // per GPU; 0 = failures not modelled (no saves for them either)
   int64_t restore_drills = 0;
@@ -255,10 +279,11 @@ struct BudgetInput {
   double margin_fraction = 0;  // added to everything else
 };
 
-/// The whole process (docs/plan.md, "Budget"): work W = steps x step + evals; saves every Young
-/// interval tau cost W/tau x delta; failures arrive every M = MTBF/GPUs and each loses tau/2 +
-/// restart, so the run takes (W + saves) / (1 - (tau/2 + restart)/M); then drills, the pilot and
-/// the margin. wall_seconds is infinite when failures outpace progress.
+/// The whole process (docs/plan.md, "Budget"): work W = steps x step + evals; a save every
+/// recovery-aware period Tc (W/(Tc - delta) saves of delta each); failures arrive every
+/// M = MTBF/GPUs and each loses Tc/2 + R, so the run takes (W + saves) / (1 - (Tc/2 + R)/M);
+/// then drills, the pilot and the margin. wall_seconds is infinite when failures outpace
+/// progress.
 Budget budget(const BudgetInput& input);
 
 // ---- the plan ----------------------------------------------------------------------------------
@@ -272,7 +297,9 @@ struct PilotCalibration {
   double eval_seconds = 0;            // one evaluation, measured
   double write_bytes_per_second = 0;  // checkpoint save, measured
   double activation_ratio = 0;        // measured / estimated activations + logits (0 = none)
-  double wall_seconds = 0;            // the pilot's own duration
+  /// A restart as the pilot measured it: process start, restore, first step (0 = none).
+  double recovery_seconds = 0;
+  double wall_seconds = 0;  // the pilot's own duration
 };
 
 /// Hash of the config with the [plan] and [pilot] keys at their defaults: what a pilot and a plan

@@ -1,4 +1,6 @@
-// Young's interval and the whole-process budget (docs/plan.md, "Budget").
+// Young's interval, the recovery-aware period and the whole-process budget (docs/plan.md,
+// "Budget").
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -9,6 +11,13 @@ namespace kiln {
 double young_interval_seconds(double save_seconds, double job_mtbf_seconds) {
   if (save_seconds <= 0 || job_mtbf_seconds <= 0) return 0;
   return std::sqrt(2.0 * save_seconds * job_mtbf_seconds);
+}
+
+double recovery_aware_interval_seconds(double save_seconds, double job_mtbf_seconds,
+                                       double recovery_seconds) {
+  if (save_seconds <= 0 || job_mtbf_seconds <= 0) return 0;
+  const double d = save_seconds, m = job_mtbf_seconds, r = std::max(0.0, recovery_seconds);
+  return d + std::sqrt(2.0 * (m + r) * d + d * d);
 }
 
 Budget budget(const BudgetInput& in) {
@@ -24,11 +33,14 @@ Budget budget(const BudgetInput& in) {
   double run = work;
   if (in.gpu_mtbf_hours > 0 && in.gpus > 0) {
     b.job_mtbf_seconds = in.gpu_mtbf_hours * 3600.0 / static_cast<double>(in.gpus);
-    b.checkpoint_interval_seconds = young_interval_seconds(in.save_seconds, b.job_mtbf_seconds);
-    if (b.checkpoint_interval_seconds > 0) {
-      b.saves_seconds = work / b.checkpoint_interval_seconds * in.save_seconds;
+    b.young_interval_seconds = young_interval_seconds(in.save_seconds, b.job_mtbf_seconds);
+    b.checkpoint_interval_seconds =
+        recovery_aware_interval_seconds(in.save_seconds, b.job_mtbf_seconds, in.restart_seconds);
+    if (b.checkpoint_interval_seconds > in.save_seconds) {
+      // One save of delta per Tc - delta of work.
+      b.saves_seconds = work / (b.checkpoint_interval_seconds - in.save_seconds) * in.save_seconds;
     }
-    // Each failure loses half an interval of work on average, and the restart.
+    // Each failure loses half a period on average, and the restart.
     const double lost_per_failure = b.checkpoint_interval_seconds / 2.0 + in.restart_seconds;
     const double waste = lost_per_failure / b.job_mtbf_seconds;
     if (waste >= 1.0) {

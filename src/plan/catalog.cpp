@@ -101,9 +101,18 @@ std::vector<Device> read_rows(const std::filesystem::path& file) {
     }
     d.source = text(*row, "source", where);
     d.date = text(*row, "date", where);
-    if (d.memory_bytes <= 0 || d.interconnect_bytes_per_second <= 0 ||
-        d.network_bytes_per_second <= 0) {
-      throw UserError(where + ": memory and bandwidths must be positive");
+    for (const auto& [key, value] :
+         {std::pair{"memory_gb", d.memory_bytes},
+          std::pair{"memory_bandwidth_gb_per_s", d.memory_bandwidth_bytes_per_second},
+          std::pair{"interconnect_gb_per_s", d.interconnect_bytes_per_second},
+          std::pair{"network_gb_per_s", d.network_bytes_per_second}}) {
+      if (!(value > 0)) throw UserError(fmt::format("{}: {} must be positive", where, key));
+    }
+    if (row->contains("host_memory_gb")) {
+      d.host_memory_bytes = number(*row, "host_memory_gb", where) * 1e9;
+      if (!(d.host_memory_bytes > 0))
+        throw UserError(fmt::format("{}: host_memory_gb must be positive", where));
+      d.host_memory_source = text(*row, "host_memory_source", where);
     }
     if (const toml::array* match = row->get_as<toml::array>("match")) {
       for (const auto& m : *match) {
@@ -166,12 +175,28 @@ std::vector<Device> load_catalog(const std::filesystem::path& extra_file) {
 const Device& find_device(const std::vector<Device>& catalog, std::string_view name,
                           std::string_view key) {
   const std::string wanted = lower(trim(name));
-  std::string closest;
-  size_t best = std::string::npos;
   for (const auto& d : catalog) {
     if (d.name == wanted) return d;
-    const size_t distance = edit_distance(wanted, d.name);
-    if (distance < best) best = distance, closest = d.name;
+  }
+  // The closest: a row whose name starts with the text or whose match words (the runtime names,
+  // "H100") the text contains, when exactly one does; else the nearest name by edit distance.
+  std::vector<std::string> named;
+  for (const auto& d : catalog) {
+    bool hit = !wanted.empty() && d.name.starts_with(wanted);
+    for (const auto& word : d.match) {
+      if (!word.empty() && upper(wanted).find(word) != std::string::npos) hit = true;
+    }
+    if (hit) named.push_back(d.name);
+  }
+  std::string closest;
+  if (named.size() == 1) {
+    closest = named.front();
+  } else {
+    size_t best = std::string::npos;
+    for (const auto& d : catalog) {
+      const size_t distance = edit_distance(wanted, d.name);
+      if (distance < best) best = distance, closest = d.name;
+    }
   }
   std::string known;
   for (const auto& d : catalog) known += (known.empty() ? "" : ", ") + d.name;

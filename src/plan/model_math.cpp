@@ -12,10 +12,6 @@
 namespace kiln {
 namespace {
 
-double element_bytes(const std::string& precision) {
-  return precision == "fp32" || precision == "tf32" ? 4.0 : 2.0;
-}
-
 int64_t block_parameters(int64_t c) {
   // ln_1 2C, c_attn 3C^2 + 3C, attn.c_proj C^2 + C, ln_2 2C, c_fc 4C^2 + 4C, mlp.c_proj 4C^2 + C
   return 12 * c * c + 13 * c;
@@ -75,79 +71,17 @@ JobShape job_shape(const Config& config) {
   job.optimizer = config.get_string("optim.name");
   job.momentum = config.get_float("optim.momentum") > 0;
   job.precision = training_precision(config);
-  job.activation_checkpointing = config.get_bool("plan.activation_checkpointing");
+  job.activation_checkpointing = config.get_bool("plan.activation_checkpointing") ||
+                                 config.get_string("train.activation_checkpointing") == "block";
+  job.fsdp_prefetch = config.get_bool("dist.fsdp_prefetch");
+  job.fsdp_reshard_after_forward = config.get_bool("dist.reshard_after_forward");
+  job.fsdp_accumulate_sharded = config.get_string("dist.fsdp_accumulate") == "sharded";
   return job;
 }
 
 double state_bytes_per_parameter(const JobShape& job) {
   const double optimizer = job.optimizer == "adamw" ? 8.0 : (job.momentum ? 4.0 : 0.0);
   return 4.0 + 4.0 + optimizer;  // fp32 parameters and gradients in every precision
-}
-
-MemoryEstimate estimate_memory(const ModelShape& s, const JobShape& job) {
-  MemoryEstimate m;
-  const double n = static_cast<double>(analytic_parameter_count(s));
-  m.parameters = 4.0 * n;
-  m.gradients = 4.0 * n;
-  m.optimizer = (state_bytes_per_parameter(job) - 8.0) * n;
-  m.gradients_held = job.grad_accum_steps > 1;
-  const double e = element_bytes(job.precision);
-  const double b = static_cast<double>(job.micro_batch);
-  if (s.architecture == "mlp") {
-    // fc1 saves its input [b, D], relu its output [b, H], fc2 its input [b, H]; cross-entropy's
-    // log-softmax output [b, K] and the two gradients of it in backward.
-    m.activations =
-        b * (static_cast<double>(s.input_dim) + 2.0 * static_cast<double>(s.hidden_dim)) * e;
-    m.logits = 3.0 * b * static_cast<double>(s.num_classes) * 4.0;
-    m.backward_extra = b * static_cast<double>(s.hidden_dim) * e;  // the hidden layer's gradient
-    return m;
-  }
-  const double t = static_cast<double>(job.seq_len), h = static_cast<double>(s.n_embd),
-               a = static_cast<double>(s.n_head), layers = static_cast<double>(s.n_layer);
-  const double sbh = t * b * h, sb = t * b;
-  // Per block (Korthikanti et al. 2022, sbh(34 + 5as/h) bytes in 16-bit, adapted to kiln's block:
-  // no dropout, so none of its two sbh masks; SDPA keeps no [s, s] matrix but an fp32 log-sum-exp
-  // [b, a, s]): 16 sbh elements (32 sbh bytes in 16-bit) plus the two LayerNorms' mean and rstd.
-  const double block = 16.0 * sbh * e + 4.0 * a * sb + 2.0 * 2.0 * sb * 4.0;
-  const double per_block = job.activation_checkpointing ? sbh * e : block;
-  // With checkpointing, one block's activations are live again while it is recomputed.
-  const double recomputed = job.activation_checkpointing ? block : 0.0;
-  // The final LayerNorm's input and output, and the batch (inputs and targets, int64).
-  m.activations = layers * per_block + recomputed + 2.0 * sbh * e + 2.0 * sb * 4.0 + 2.0 * sb * 8.0;
-  // Cross-entropy in fp32: log-softmax's output [b, s, V] lives until backward, where the
-  // gradient of it and of the logits join it.
-  const double v = static_cast<double>(s.vocab_size);
-  m.logits = 3.0 * sb * v * 4.0;
-  // The last block's MLP backward: the gradients of the residual stream (sbh), the GELU output
-  // and the c_fc output (4 sbh each) while the final norm's and the log-softmax's tensors are
-  // freed, and the first parameter gradients (the tied head, mlp.c_proj) are live.
-  m.backward_extra = 7.0 * sbh * e + 4.0 * (v * h + 4.0 * h * h);
-  return m;
-}
-
-nlohmann::json to_json(const MemoryEstimate& m) {
-  return {{"parameters_bytes", m.parameters},
-          {"gradients_bytes", m.gradients},
-          {"optimizer_bytes", m.optimizer},
-          {"activations_bytes", m.activations},
-          {"logits_bytes", m.logits},
-          {"backward_extra_bytes", m.backward_extra},
-          {"gradients_held_across_micro_batches", m.gradients_held},
-          {"step_peak_bytes", m.step_peak()},
-          {"total_bytes", m.total()}};
-}
-
-StrategyInput strategy_input(const ModelShape& shape, const JobShape& job,
-                             double device_memory_bytes, double headroom_fraction) {
-  const MemoryEstimate m = estimate_memory(shape, job);
-  StrategyInput in;
-  in.ddp_model_state_bytes = m.parameters + m.gradients + m.optimizer;
-  in.largest_unit_parameter_bytes = 4.0 * static_cast<double>(largest_unit_parameter_count(shape));
-  in.activation_bytes = m.activations + std::max(m.logits, m.backward_extra);
-  in.device_memory_bytes = device_memory_bytes;
-  in.headroom_fraction = headroom_fraction;
-  in.gpu_count = job.world_size;
-  return in;
 }
 
 }  // namespace kiln

@@ -42,6 +42,61 @@ std::string days_text(double seconds) {
   return std::isfinite(seconds) ? fmt::format("{:.2f}", seconds / kDay) : "never";
 }
 
+// Why no row fits 30 days, from the row that comes closest: memory, failures (the job's MTBF
+// against a checkpoint period and a restart), communication, a global batch so large the run is
+// a few steps, or plain compute (the only case more GPUs help).
+std::string what_limits(const json& rows, double steps, double tokens_per_step) {
+  const json* closest = nullptr;
+  double closest_wall = std::numeric_limits<double>::infinity();
+  bool any_fits_memory = false;
+  for (const auto& row : rows) {
+    if (!row["fits_memory"].get<bool>()) continue;
+    any_fits_memory = true;
+    const double wall = row["wall_seconds"].is_null() ? std::numeric_limits<double>::infinity()
+                                                      : row["wall_seconds"].get<double>();
+    if (closest == nullptr || wall < closest_wall) closest = &row, closest_wall = wall;
+  }
+  if (!any_fits_memory) {
+    return "memory: no row holds the job even sharded over every GPU; enable activation "
+           "checkpointing (train.activation_checkpointing = \"block\"), lower train.batch_size, "
+           "or plan on a row with more memory";
+  }
+  const json& row = *closest;
+  std::vector<std::string> limits;
+  const double mtbf = row["job_mtbf_seconds"].get<double>();
+  const double period = row["checkpoint_interval_seconds"].get<double>();
+  const double restart = row["restart_seconds"].get<double>();
+  if (mtbf > 0 && (!std::isfinite(closest_wall) || row["ettr"].get<double>() < 0.5)) {
+    limits.push_back(fmt::format(
+        "failures: the job's MTBF on {} at {} GPUs is {} (plan.gpu_mtbf_hours / GPUs), against a "
+        "checkpoint period of {} and a restart of {}; more GPUs fail more often: use fewer, "
+        "faster saves (checkpoint.async) and faster restarts",
+        row["hardware"].get<std::string>(), row["gpus"].get<int64_t>(), format_duration(mtbf),
+        format_duration(period), format_duration(restart)));
+  }
+  const double comm = row["communication_seconds_per_step"].get<double>();
+  const double compute = row["compute_seconds_per_step"].get<double>();
+  if (comm > compute) {
+    limits.push_back(fmt::format(
+        "communication: {} of each {} step is communication at {} GPUs, and more GPUs add to it",
+        format_duration(comm), format_duration(comm + compute), row["gpus"].get<int64_t>()));
+  }
+  constexpr double kFewSteps = 100;
+  if (steps < kFewSteps) {
+    limits.push_back(fmt::format(
+        "the global batch: {:.3g} tokens per optimizer step leaves {:.0f} steps for the planned "
+        "tokens; more GPUs only grow the batch (lower plan.gpus, train.batch_size or "
+        "train.grad_accum_steps)",
+        tokens_per_step, steps));
+  }
+  if (limits.empty()) {
+    return "compute: add GPUs (plan.gpus), lower plan.tokens, or plan on a faster row";
+  }
+  std::string out;
+  for (const auto& l : limits) out += (out.empty() ? "" : "; ") + l;
+  return out;
+}
+
 }  // namespace
 
 std::string job_hash(const Config& config) {
@@ -90,6 +145,7 @@ PilotCalibration read_pilot(const std::filesystem::path& run_dir, const Config& 
   if (j.contains("checkpoint"))
     p.write_bytes_per_second = number(j["checkpoint"], "write_bytes_per_second");
   if (j.contains("memory")) p.activation_ratio = number(j["memory"], "activation_ratio");
+  if (j.contains("restore")) p.recovery_seconds = number(j["restore"], "recovery_seconds");
   return p;
 }
 
@@ -132,6 +188,21 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
       pilot && pilot->activation_ratio > 0 ? pilot->activation_ratio : 1.0;
   const auto& price_7d = config.get_table("plan.price_7d_per_gpu_hour");
   const auto& price_30d = config.get_table("plan.price_30d_per_gpu_hour");
+  for (const auto& [key, prices] : {std::pair{"plan.price_7d_per_gpu_hour", &price_7d},
+                                    std::pair{"plan.price_30d_per_gpu_hour", &price_30d}}) {
+    for (const auto& [name, price] : *prices) {
+      const std::string where = fmt::format("{}.{}", key, name);
+      const Device& device = find_device(catalog, name, where);  // unknown: names the closest
+      if (device.name != name) {
+        throw UserError(fmt::format("{}: write the row's name as the catalog does: {}.{}", where,
+                                    key, device.name));
+      }
+      if (!(price > 0)) {
+        throw UserError(
+            fmt::format("{} = {}: a price per GPU-hour must be positive", where, price));
+      }
+    }
+  }
   if (require_cost && mtbf <= 0) {
     throw UserError(
         "plan.gpu_mtbf_hours = 0 (unknown) but --cost needs the failure model; set "
@@ -155,15 +226,22 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
                       "it to the catalog row",
                       device->name, compute_precision(job.precision), job.precision));
     }
-    const bool measured_here =
-        pilot && pilot->mfu > 0 && device_for_name(catalog, pilot->device) == device;
-    const double mfu = measured_here ? pilot->mfu : config.get_float("plan.mfu");
+    // The pilot ran on this row's device: its measurements (MFU when the device's peak was
+    // known there, eval, write speed, restart, its own duration) stand for this row.
+    const bool measured_here = pilot && device_for_name(catalog, pilot->device) == device;
+    const bool mfu_measured = measured_here && pilot->mfu > 0;
+    const double mfu = mfu_measured ? pilot->mfu : config.get_float("plan.mfu");
     (measured_here ? measured_rows : assumed_rows).push_back(device->name);
     const double write_speed = measured_here && pilot->write_bytes_per_second > 0
                                    ? pilot->write_bytes_per_second
                                    : assumed_write_speed;
     const double save_seconds = checkpoint_bytes / write_speed;
-    const double restart_seconds = config.get_float("plan.restart_minutes") * 60.0 + save_seconds;
+    // R: the requeue (plan.restart_minutes), then process start, restore and the first step as
+    // the pilot measured them on this device, else the checkpoint's load at the write speed.
+    const double recovery_seconds =
+        measured_here && pilot->recovery_seconds > 0 ? pilot->recovery_seconds : save_seconds;
+    const double restart_seconds =
+        config.get_float("plan.restart_minutes") * 60.0 + recovery_seconds;
     const bool one_node = gpus <= device->gpus_per_node;
     const double bandwidth =
         one_node ? device->interconnect_bytes_per_second / 2.0 : device->network_bytes_per_second;
@@ -210,7 +288,7 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
         {"fits_memory", fits_memory},
         {"peak_flops_per_gpu", peak},
         {"mfu", mfu},
-        {"mfu_source", measured_here ? "pilot (measured on this device)" : "plan.mfu (assumed)"},
+        {"mfu_source", mfu_measured ? "pilot (measured on this device)" : "plan.mfu (assumed)"},
         {"step_seconds", result.step_seconds},
         {"compute_seconds_per_step", result.compute_seconds},
         {"communication_seconds_per_step", result.communication_seconds},
@@ -219,7 +297,12 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
         {"save_seconds", result.save_seconds},
         {"write_bytes_per_second", write_speed},
         {"restart_seconds", restart_seconds},
+        {"recovery_seconds", recovery_seconds},
+        {"recovery_source", measured_here && pilot->recovery_seconds > 0
+                                ? "pilot (process start, restore, first step)"
+                                : "checkpoint load at the write speed (assumed)"},
         {"checkpoint_interval_seconds", result.checkpoint_interval_seconds},
+        {"young_interval_seconds", result.young_interval_seconds},
         {"saves_seconds", result.saves_seconds},
         {"job_mtbf_seconds", result.job_mtbf_seconds},
         {"expected_failures", finite_or_null(result.expected_failures)},
@@ -305,9 +388,8 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
       }
     }
     recommendation = best.is_null()
-                         ? "nothing fits a 30-day reservation at plan.gpus GPUs: add GPUs, lower "
-                           "plan.tokens, or "
-                           "enable activation checkpointing where memory is the limit"
+                         ? fmt::format("nothing fits a 30-day reservation at {} GPUs: {}", gpus,
+                                       what_limits(out_rows, steps, tokens_per_step))
                          : fmt::format(
                                "{} for {} days: the shortest reservation that fits with the margin "
                                "({} days); set plan.price_7d_per_gpu_hour and "

@@ -21,13 +21,13 @@ ConfigSection plan_section() {
                     "share of device memory kept free (allocator, workspaces, buffers)"),
           bool_key("plan", "activation_checkpointing", false,
                    "plan with full activation checkpointing (one more forward, block inputs "
-                   "only)"),
+                   "only); train.activation_checkpointing = \"block\" implies it"),
           float_key("plan", "gpu_mtbf_hours", 50676.0, 0.0, kUnbounded,
                     "mean time between failures of one GPU with its share of the host (default: "
                     "Llama 3, 419 interruptions in 54 days on 16,384 GPUs; 0 = unknown)"),
           float_key("plan", "restart_minutes", 10.0, 0.0, kUnbounded,
-                    "per failure: requeue, start and reach the first step (loading the "
-                    "checkpoint is added)"),
+                    "per failure: requeue and reschedule (the pilot's measured process start, "
+                    "restore and first step is added; without a pilot, the checkpoint's load)"),
           float_key("plan", "checkpoint_write_gb_per_second", 2.0, 1e-6, kUnbounded,
                     "the job's checkpoint write and read speed where no pilot measured it"),
           int_key("plan", "restore_drills", 1, 0, 1e6, "restore drills budgeted in the run"),
@@ -50,9 +50,9 @@ ConfigSection pilot_section() {
               int_key("pilot", "steps", 2, 2, 1e6,
                       "optimizer steps of the pilot: the first allocates the optimizer state, "
                       "the last is measured"),
-              float_key("pilot", "max_estimate_error", 0.15, 0.0, 10.0,
+              float_key("pilot", "max_estimate_error", 0.25, 0.0, 10.0,
                         "the memory estimate's allowed error against the measured peak (the "
-                        "pilot warns beyond it)"),
+                        "pilot fails beyond it, naming the part that differs most)"),
           },
           {}};
 }

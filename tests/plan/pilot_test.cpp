@@ -2,12 +2,16 @@
 // cycle with the restore check in a fresh process, the pins and --check-pins (docs/plan.md).
 #include "kiln/pilot.h"
 
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 
+#include "ckpt/thread_comm.h"
+#include "kiln/dist.h"
 #include "kiln/memory.h"
 #include "kiln/plan.h"
 #include "kiln/rungs.h"
@@ -26,54 +30,134 @@ std::string corpus() {
   return text;
 }
 
-// Measures one full optimizer step the way the pilot does (the state held across steps plus the
-// step's own peak of live tensor bytes) and returns measured / estimated.
-double measured_over_estimate(const std::vector<std::string>& overrides) {
-  TempDir dir;
-  write_text(dir / "corpus.txt", corpus());
+// A communicator for ranks as threads whose FSDP collectives allocate nothing, as NCCL writes
+// straight into the caller's buffers: the ranks trade their buffers' addresses and copy (or sum)
+// from each other's memory, then meet again before anyone reuses its input. (The test
+// ThreadCommunicator's copies of every rank's buffer would be measured as step memory.) The
+// other collectives go through the thread group.
+class DirectCommunicator final : public Communicator {
+ public:
+  explicit DirectCommunicator(Communicator& group) : group_(group) {}
+  int rank() const override { return group_.rank(); }
+  int world_size() const override { return group_.world_size(); }
+  void barrier() override { group_.barrier(); }
+  void all_reduce_sum(torch::Tensor& tensor) override { group_.all_reduce_sum(tensor); }
+  void broadcast(torch::Tensor& tensor, int root) override { group_.broadcast(tensor, root); }
+  std::vector<std::string> all_gather_bytes(const std::string& mine) override {
+    return group_.all_gather_bytes(mine);
+  }
+  std::unique_ptr<PendingCollective> all_gather_async(const torch::Tensor& mine,
+                                                      torch::Tensor& output) override {
+    const auto buffers = addresses(mine);
+    const int64_t n = mine.numel();
+    torch::NoGradGuard no_grad;
+    for (int r = 0; r < world_size(); ++r)
+      output.view(-1).narrow(0, r * n, n).copy_(torch::from_blob(buffers[r], {n}, mine.options()));
+    group_.barrier();
+    return std::make_unique<Done>();
+  }
+  std::unique_ptr<PendingCollective> reduce_scatter_sum_async(const torch::Tensor& input,
+                                                              torch::Tensor& output) override {
+    const auto buffers = addresses(input);
+    const int64_t n = output.numel();
+    torch::NoGradGuard no_grad;
+    output.zero_();
+    for (int r = 0; r < world_size(); ++r) {
+      output.view(-1).add_(torch::from_blob(buffers[r], {world_size() * n}, input.options())
+                               .narrow(0, rank() * n, n));
+    }
+    group_.barrier();
+    return std::make_unique<Done>();
+  }
+
+ private:
+  struct Done final : PendingCollective {
+    void wait() override {}
+  };
+  std::vector<void*> addresses(const torch::Tensor& t) {
+    std::vector<void*> out;
+    for (const auto& text : group_.all_gather_bytes(
+             std::to_string(reinterpret_cast<uintptr_t>(t.contiguous().data_ptr()))))
+      out.push_back(reinterpret_cast<void*>(std::stoull(text)));
+    return out;
+  }
+  Communicator& group_;
+};
+
+Config memory_cell_config(const TempDir& dir, const std::vector<std::string>& overrides) {
+  if (!std::filesystem::exists(dir / "corpus.txt")) write_text(dir / "corpus.txt", corpus());
   std::vector<std::string> all = {"run.dir=" + dir.path().string(),
                                   "data.path=" + (dir / "corpus.txt").string(),
                                   "run.name=m",
                                   "run.progress=off",
                                   "model.name=gpt",
+                                  "model.preset=tiny",
+                                  "model.n_layer=2",
+                                  "model.n_embd=128",
                                   "data.name=text",
+                                  "data.seq_len=64",
+                                  "train.batch_size=8",
                                   "train.eval_every=0",
                                   "data.num_workers=0"};
   all.insert(all.end(), overrides.begin(), overrides.end());
   Config config = Config::defaults();
   for (const auto& o : all) config.set_from_string(o);
   config.validate();
-  auto session = open_session(config, {{"kiln"}});
-  Trainer& trainer = *session->trainer;
-  trainer.run_steps(1);  // allocates the optimizer state
-  double state = 0;
-  for (const auto& p : trainer.model().parameters()) state += static_cast<double>(p.nbytes());
-  for (const auto& [name, t] : trainer.optimizer().state())
-    state += static_cast<double>(t.nbytes());
-  MemoryMeter meter;
-  trainer.train_step(/*sync=*/true);
-  meter.stop();
-  const double measured = state + static_cast<double>(meter.peak_bytes());
-  JobShape job = job_shape(config);
-  job.world_size = 1;
-  const double estimated = estimate_memory(model_shape(config), job).step_peak();
-  return measured / estimated;
+  return config;
 }
 
-TEST(PilotMemory, EstimateWithinFifteenPercentOfTheMeasuredPeak) {
-  const std::vector<std::vector<std::string>> cases = {
-      {"model.preset=tiny", "data.seq_len=64", "train.batch_size=8"},
-      {"model.preset=tiny", "data.seq_len=64", "train.batch_size=16"},
-      // Accumulation: the earlier micro-batches' gradients stay live beside the activations.
-      {"model.preset=tiny", "data.seq_len=64", "train.batch_size=8", "train.grad_accum_steps=2"},
-      {"model.preset=small", "data.seq_len=64", "train.batch_size=4"},
-      {"model.preset=small", "data.seq_len=128", "train.batch_size=4"},
-  };
-  for (const auto& c : cases) {
-    const double ratio = measured_over_estimate(c);
-    std::printf("measured / estimated peak: %.3f for %s\n", ratio,
-                ::testing::PrintToString(c).c_str());
-    EXPECT_NEAR(ratio, 1.0, 0.15) << ::testing::PrintToString(c);
+// measured / estimated peak of one full optimizer step (the pilot's measure_step_memory) on one
+// process, or on each of `world` FSDP ranks as threads.
+std::vector<double> memory_ratios(const Config& config, int world) {
+  apply_runtime_settings(config);
+  JobShape job = job_shape(config);
+  job.world_size = world;
+  job.strategy = world > 1 ? "fsdp" : "none";
+  const MemoryEstimate estimate = estimate_memory(model_shape(config), job);
+  if (world == 1) {
+    Trainer trainer(config, make_model(config), make_datasets(config));
+    trainer.run_steps(1);  // allocates the optimizer state
+    return {measure_step_memory(trainer, torch::kCPU, 0).peak_bytes() / estimate.step_peak()};
+  }
+  std::vector<double> out(static_cast<size_t>(world));
+  run_ranks(world, [&](Communicator& group) {
+    auto comm = std::make_shared<DirectCommunicator>(group);
+    Trainer trainer(config, make_model(config), make_datasets(config),
+                    TrainerOptions{torch::kCPU, comm->rank(), world, comm});
+    auto fsdp = FullyShardedDataParallel::attach(trainer, comm, fsdp_options(config));
+    trainer.run_steps(1);
+    const StepMemory m = measure_step_memory(trainer, torch::kCPU,
+                                             static_cast<double>(fsdp->memory().gradient_shards));
+    out[static_cast<size_t>(comm->rank())] = m.peak_bytes() / estimate.step_peak();
+  });
+  return out;
+}
+
+// The memory model's table (docs/plan.md, "Memory"): measured / estimated within 0.9-1.1 in
+// every cell of {fp32, bf16-mixed} x {no checkpointing, per block} x {one process, FSDP over 2
+// ranks as threads} x {accumulation 1, 2}, a 2-layer gpt of width 128 at 8 x 64 tokens (the
+// step's working memory is three quarters of the peak there, so the cells test the walk, not the
+// held state).
+TEST(PilotMemory, EstimateWithinTenPercentInEveryCell) {
+  TempDir dir;
+  for (const char* precision : {"fp32", "bf16-mixed"}) {
+    for (const char* checkpointing : {"none", "block"}) {
+      for (int world : {1, 2}) {
+        for (int accumulation : {1, 2}) {
+          const Config config = memory_cell_config(
+              dir, {fmt::format("train.precision={}", precision),
+                    fmt::format("train.activation_checkpointing={}", checkpointing),
+                    fmt::format("train.grad_accum_steps={}", accumulation)});
+          const std::string cell =
+              fmt::format("{}, checkpointing {}, {}, accumulation {}", precision, checkpointing,
+                          world == 1 ? "one process" : "fsdp x2", accumulation);
+          for (double ratio : memory_ratios(config, world)) {
+            std::printf("measured / estimated peak %.3f: %s\n", ratio, cell.c_str());
+            EXPECT_NEAR(ratio, 1.0, 0.1) << cell;
+          }
+        }
+      }
+    }
   }
 }
 
@@ -96,16 +180,33 @@ TEST(Pilot, FullCycleRestoreCheckPinsAndPlan) {
   EXPECT_TRUE(pilot["restore"]["passed"].get<bool>());
   EXPECT_TRUE(pilot["restore"]["loss_bitwise_equal"].get<bool>());
   EXPECT_TRUE(pilot["restore"]["differing_tensors"].empty());
+  // gpt tiny (L 5, C 128, V 256, block 256): N = 2 x 256 x 128 + 5 x (12 x 128^2 + 13 x 128) +
+  // 2 x 128 = 1,057,152 parameters, 4,228,608 bytes in fp32; AdamW's two moments twice that.
   const auto& m = pilot["memory"]["measured"];
-  EXPECT_GT(m["parameters_bytes"].get<double>(), 0);
-  EXPECT_EQ(m["gradients_bytes"], m["parameters_bytes"]);
-  EXPECT_EQ(m["optimizer_bytes"].get<double>(),
-            2 * m["parameters_bytes"].get<double>());  // AdamW's two moments
-  EXPECT_GT(m["activations_and_logits_bytes"].get<double>(), 0);
+  EXPECT_EQ(m["parameters_bytes"].get<double>(), 4'228'608.0);
+  EXPECT_EQ(m["gradients_bytes"].get<double>(), 4'228'608.0);
+  EXPECT_EQ(m["optimizer_bytes"].get<double>(), 2 * 4'228'608.0);
+  EXPECT_EQ(m["held_gradient_bytes"].get<double>(), 0);  // one process: freed at the step's start
+  EXPECT_EQ(m["peak_bytes"].get<double>(),
+            3 * 4'228'608.0 + m["step_peak_above_state_bytes"].get<double>());
   EXPECT_GT(m["process_peak_rss_bytes"].get<double>(), m["peak_bytes"].get<double>());
-  EXPECT_NEAR(pilot["memory"]["measured_over_estimate"].get<double>(), 1.0, 0.15);
-  EXPECT_GT(pilot["checkpoint"]["write_bytes_per_second"].get<double>(), 0);
-  EXPECT_GT(pilot["eval_seconds"].get<double>(), 0);
+  EXPECT_NEAR(pilot["memory"]["measured_over_estimate"].get<double>(), 1.0, 0.1);
+  EXPECT_TRUE(pilot["memory"]["within_allowed_error"].get<bool>());
+  EXPECT_EQ(pilot["memory"]["parts"].size(), 5u);
+  // The checkpoint: the parameters and both moments (12 B x N), with the step counters, the
+  // RNG and loader state and the files' headers on top (under 1%).
+  const double checkpoint_bytes = pilot["checkpoint"]["bytes"].get<double>();
+  EXPECT_GE(checkpoint_bytes, 3 * 4'228'608.0);
+  EXPECT_LE(checkpoint_bytes, 1.01 * 3 * 4'228'608.0);
+  EXPECT_DOUBLE_EQ(pilot["checkpoint"]["write_bytes_per_second"].get<double>(),
+                   checkpoint_bytes / pilot["checkpoint"]["save_seconds"].get<double>());
+  // Recovery: the restore child's time less its final save and evaluation.
+  const double restore_seconds = pilot["restore"]["seconds"].get<double>();
+  EXPECT_DOUBLE_EQ(
+      pilot["restore"]["recovery_seconds"].get<double>(),
+      std::max(0.0, restore_seconds - pilot["checkpoint"]["save_seconds"].get<double>() -
+                        pilot["eval_seconds"].get<double>()));
+  EXPECT_LT(pilot["restore"]["recovery_seconds"].get<double>(), restore_seconds);
 
   // The pins: revision, environment, container.
   auto manifest = nlohmann::json::parse(slurp(run_dir / "manifest.json"));
@@ -114,14 +215,33 @@ TEST(Pilot, FullCycleRestoreCheckPinsAndPlan) {
   EXPECT_FALSE(manifest["pins"]["python"]["pip_freeze"].empty());
   EXPECT_THAT(manifest["pins"]["debian_packages"].dump(), HasSubstr("cmake="));
 
-  // The plan calibrates from it; a plan of another job refuses it.
+  // The plan calibrates from it: on a catalog row that is this machine (a user row matching
+  // "cpu") it takes the pilot's measured restart as R; a plan of another job refuses it.
+  write_text(dir / "cpu.toml", R"([device.this-cpu]
+match = ["CPU"]
+memory_gb = 8
+memory_bandwidth_gb_per_s = 20
+interconnect_gb_per_s = 10
+network_gb_per_s = 1
+peak_tflops = { fp32 = 0.1 }
+source = "a test row"
+date = "2026-12"
+)");
   auto plan = run_kiln("plan " + tiny_pilot_args(dir) + " --set data.revision=v1 --pilot " +
-                       run_dir.string() + " --set plan.hardware=h100-sxm");
+                       run_dir.string() + " --set plan.hardware=h100-sxm,this-cpu" +
+                       " --set plan.catalog=" + (dir / "cpu.toml").string());
   ASSERT_EQ(plan.exit_code, 0) << plan.err;
   auto plan_json = nlohmann::json::parse(slurp(run_dir / "plan.json"));
   EXPECT_EQ(plan_json["pilot"], run_dir.string());
   EXPECT_DOUBLE_EQ(plan_json["memory_per_device"]["activation_calibration"].get<double>(),
                    pilot["memory"]["activation_ratio"].get<double>());
+  const auto& mine = plan_json["rows"][1];
+  ASSERT_EQ(mine["hardware"], "this-cpu");
+  EXPECT_DOUBLE_EQ(mine["recovery_seconds"].get<double>(),
+                   pilot["restore"]["recovery_seconds"].get<double>());
+  EXPECT_DOUBLE_EQ(mine["restart_seconds"].get<double>(),
+                   600 + pilot["restore"]["recovery_seconds"].get<double>());
+  EXPECT_NE(plan_json["rows"][0]["recovery_source"], mine["recovery_source"]);
   auto other = run_kiln("plan " + tiny_pilot_args(dir) + " --set train.batch_size=5 --pilot " +
                         run_dir.string());
   EXPECT_EQ(other.exit_code, 2);
@@ -142,6 +262,25 @@ TEST(Pilot, FullCycleRestoreCheckPinsAndPlan) {
   EXPECT_EQ(changed.exit_code, 3);
   EXPECT_THAT(changed.out, HasSubstr("data.revision \"v1\" is unchanged but the data's content "
                                      "hash changed"));
+}
+
+// The memory gate: an estimate outside 1 +- pilot.max_estimate_error fails the pilot (exit 3),
+// naming the part that differs most; the rest of the cycle (the restore) still runs and passes.
+// (bf16 with checkpointing is estimated within a few percent, not exactly: outside 0.1%.)
+TEST(Pilot, AMemoryEstimateOutsideTheAllowedErrorFailsNamingThePart) {
+  TempDir dir;
+  write_text(dir / "corpus.txt", corpus());
+  auto r = run_kiln("pilot " + tiny_pilot_args(dir,
+                                               " --set pilot.max_estimate_error=0.001"
+                                               " --set train.precision=bf16-mixed"
+                                               " --set train.activation_checkpointing=block"));
+  EXPECT_EQ(r.exit_code, 3) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("the memory estimate is off"));
+  EXPECT_THAT(r.err, HasSubstr("the part that differs most: "));
+  auto pilot = nlohmann::json::parse(slurp(dir / "p" / "pilot.json"));
+  EXPECT_FALSE(pilot["memory"]["within_allowed_error"].get<bool>());
+  EXPECT_TRUE(pilot["restore"]["passed"].get<bool>());
+  EXPECT_FALSE(pilot["passed"].get<bool>());
 }
 
 TEST(Pilot, ARestoreThatDiffersFailsNamingTheTensors) {

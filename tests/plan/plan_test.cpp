@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "kiln/error.h"
@@ -66,16 +67,22 @@ TEST(PlanModel, StateBytesPerParameter) {
   EXPECT_EQ(state_bytes_per_parameter(job), 12);
 }
 
-// The known answer: ~6.7B parameters, 16 B/param ~ 107 GB of fp32 AdamW state.
+// Known answers, worked by hand.
+//
+// gpt-6.7b (configs/gpt-6.7b.toml: L = 32, C = 4096, V = 32000, block 2048):
+//   N = V C + block C + L (12 C^2 + 13 C) + 2 C
+//     = 131,072,000 + 8,388,608 + 32 x 201,379,840 + 8,192 = 6,583,623,680 parameters;
+//   fp32 AdamW: 4 (parameter) + 4 (gradient) + 8 (two moments) = 16 B each:
+//   16 x 6,583,623,680 = 105.34 GB of state, more than an 80 GB device holds, so DDP (every
+//   device the whole state) never fits an H100 or an A100 80GB, at any GPU count; FSDP over 8
+//   holds 105.34 / 8 = 13.17 GB of it per device. An MI300X (192 GB, 172.8 GB usable at 10%
+//   headroom) holds it under DDP.
 TEST(PlanKnownAnswers, SixPointSevenBillionOnEightyGigabyteDevices) {
   const Config config = gpt_6_7b();
   const ModelShape shape = model_shape(config);
-  const double n = static_cast<double>(analytic_parameter_count(shape));
-  EXPECT_NEAR(n, 6.6e9, 0.15e9);
+  EXPECT_EQ(analytic_parameter_count(shape), 6'583'623'680);
   const JobShape job = job_shape(config);
-  const double state = n * state_bytes_per_parameter(job);
-  EXPECT_NEAR(state / 1e9, 107, 3);
-
+  EXPECT_EQ(state_bytes_per_parameter(job), 16);
   const auto catalog = load_catalog();
   const Device& h100 = find_device(catalog, "h100-sxm", "test");
   const Device& a100 = find_device(catalog, "a100-80gb-sxm", "test");
@@ -83,10 +90,10 @@ TEST(PlanKnownAnswers, SixPointSevenBillionOnEightyGigabyteDevices) {
     for (int64_t gpus : {1, 2, 4, 8, 16, 64}) {
       JobShape at = job;
       at.world_size = gpus;
-      const StrategyDecision d =
-          choose_strategy(strategy_input(shape, at, device->memory_bytes, 0.1));
-      EXPECT_NE(d.strategy, "ddp") << device->name << " x" << gpus;  // never at any count
-      EXPECT_GT(d.ddp_bytes_per_device, device->memory_bytes);
+      const StrategyInput in = strategy_input(shape, at, device->memory_bytes, 0.1);
+      EXPECT_NEAR(in.ddp_model_state_bytes, 105.34e9, 0.01e9);
+      const StrategyDecision d = choose_strategy(in);
+      EXPECT_NE(d.strategy, "ddp") << device->name << " x" << gpus;
     }
   }
   JobShape eight = job;
@@ -94,53 +101,55 @@ TEST(PlanKnownAnswers, SixPointSevenBillionOnEightyGigabyteDevices) {
   const StrategyInput in = strategy_input(shape, eight, h100.memory_bytes, 0.1);
   const StrategyDecision d = choose_strategy(in);
   EXPECT_EQ(d.strategy, "fsdp");
-  EXPECT_NEAR(in.ddp_model_state_bytes / 8 / 1e9, 13.4, 0.5);  // model state per GPU
+  EXPECT_NEAR(in.ddp_model_state_bytes / 8, 13.17e9, 0.01e9);
   EXPECT_THAT(d.reason, HasSubstr("fsdp over"));
-
-  const Device& mi300x = find_device(catalog, "MI300X", "test");
-  EXPECT_EQ(mi300x.memory_bytes, 192e9);
   JobShape one = job;
   one.world_size = 1;
-  const StrategyInput mi = strategy_input(shape, one, mi300x.memory_bytes, 0.1);
-  EXPECT_LT(mi.ddp_model_state_bytes, mi300x.memory_bytes * 0.9);  // DDP's model state fits
-  EXPECT_EQ(choose_strategy(mi).strategy, "ddp");
+  const Device& mi300x = find_device(catalog, "MI300X", "test");
+  EXPECT_EQ(mi300x.memory_bytes, 192e9);
+  EXPECT_EQ(choose_strategy(strategy_input(shape, one, mi300x.memory_bytes, 0.1)).strategy, "ddp");
 }
 
-// Young: delta = 60 s, M = 3.1 h -> sqrt(2 * 60 * 11160) = 1157 s, about 19 minutes.
-TEST(PlanKnownAnswers, YoungInterval) {
-  const double tau = young_interval_seconds(60, 3.1 * 3600);
-  EXPECT_NEAR(tau / 60, 19.3, 0.1);
+// Young: delta = 60 s, M = 3.1 h = 11,160 s: sqrt(2 x 60 x 11,160) = sqrt(1,339,200) = 1157.2 s.
+// Recovery-aware with R = 10 min = 600 s: 60 + sqrt(2 x (11,160 + 600) x 60 + 60^2)
+//   = 60 + sqrt(1,414,800) = 60 + 1189.45 = 1249.45 s.
+TEST(PlanKnownAnswers, CheckpointIntervals) {
+  EXPECT_NEAR(young_interval_seconds(60, 3.1 * 3600), 1157.2, 0.05);
+  EXPECT_NEAR(recovery_aware_interval_seconds(60, 3.1 * 3600, 600), 1249.45, 0.01);
   EXPECT_EQ(young_interval_seconds(60, 0), 0);
+  EXPECT_EQ(recovery_aware_interval_seconds(60, 0, 600), 0);
 }
 
-TEST(PlanBudget, WholeProcess) {
+// The budget with failures, by hand: W = 1000 steps x 1 s; delta = 60 s, R = 600 s, M = 3.1 h
+// for the job (one GPU of MTBF 3.1 h). Tc = 1249.45 s (above); saves: W / (Tc - delta) x delta
+// = 1000 / 1189.45 x 60 = 50.44 s; each failure loses Tc / 2 + R = 1224.73 s, a share
+// 1224.73 / 11,160 = 0.10974 of the time; the run: (1000 + 50.44) / (1 - 0.10974) = 1179.93 s;
+// expected failures 1179.93 / 11,160 = 0.1057, losing 129.49 s; ETTR 1000 / 1179.93 = 0.8475.
+TEST(PlanBudget, KnownAnswerWithFailuresAndRestarts) {
   BudgetInput in;
   in.steps = 1000;
-  in.compute_seconds_per_step = 0.9;
-  in.communication_seconds_per_step = 0.1;
-  in.evals = 10;
-  in.eval_seconds = 30;
+  in.compute_seconds_per_step = 0.75;
+  in.communication_seconds_per_step = 0.25;
   in.save_seconds = 60;
   in.restart_seconds = 600;
-  in.gpus = 16384;
-  in.gpu_mtbf_hours = 3.1 * 16384;  // M = 3.1 h for the job
-  in.restore_drills = 1;
-  in.pilot_seconds = 3600;
-  in.margin_fraction = 0.1;
+  in.gpus = 1;
+  in.gpu_mtbf_hours = 3.1;
   const Budget b = budget(in);
   EXPECT_DOUBLE_EQ(b.step_seconds, 1.0);
   EXPECT_DOUBLE_EQ(b.train_seconds, 1000);
-  EXPECT_DOUBLE_EQ(b.eval_seconds, 300);
-  EXPECT_NEAR(b.job_mtbf_seconds, 3.1 * 3600, 1e-6);
-  const double tau = std::sqrt(2 * 60 * 3.1 * 3600);
-  EXPECT_NEAR(b.checkpoint_interval_seconds, tau, 1e-6);
-  EXPECT_NEAR(b.saves_seconds, 1300 / tau * 60, 1e-6);
-  const double run = (1300 + b.saves_seconds) / (1 - (tau / 2 + 600) / (3.1 * 3600));
-  EXPECT_NEAR(b.expected_failures, run / (3.1 * 3600), 1e-9);
-  EXPECT_NEAR(b.lost_seconds, run - 1300 - b.saves_seconds, 1e-6);
-  EXPECT_DOUBLE_EQ(b.drills_seconds, 660);
-  EXPECT_NEAR(b.wall_seconds, 1.1 * (run + 660 + 3600), 1e-6);
-  EXPECT_NEAR(b.ettr, 1000 / b.wall_seconds, 1e-12);
+  EXPECT_NEAR(b.checkpoint_interval_seconds, 1249.45, 0.01);
+  EXPECT_NEAR(b.young_interval_seconds, 1157.2, 0.05);
+  EXPECT_NEAR(b.saves_seconds, 50.44, 0.01);
+  EXPECT_NEAR(b.wall_seconds, 1179.93, 0.01);
+  EXPECT_NEAR(b.expected_failures, 0.1057, 0.0001);
+  EXPECT_NEAR(b.lost_seconds, 129.49, 0.01);
+  EXPECT_NEAR(b.ettr, 0.8475, 0.0001);
+  // The drills (restart + save each), the pilot and a 10% margin on top: 1.1 x (1179.93 + 660 +
+  // 3600) = 5983.92 s.
+  in.restore_drills = 1;
+  in.pilot_seconds = 3600;
+  in.margin_fraction = 0.1;
+  EXPECT_NEAR(budget(in).wall_seconds, 5983.92, 0.01);
   // Failures faster than progress: never finishes.
   in.gpu_mtbf_hours = 0.1;
   EXPECT_FALSE(std::isfinite(budget(in).wall_seconds));
@@ -149,6 +158,32 @@ TEST(PlanBudget, WholeProcess) {
   const Budget quiet = budget(in);
   EXPECT_EQ(quiet.saves_seconds, 0);
   EXPECT_EQ(quiet.expected_failures, 0);
+}
+
+// A job's days by hand: gpt-6.7b in bf16 on one MI300X (DDP, no communication) at MFU 0.5.
+//   FLOPs per token: 6 (N - block C) + 12 L C T = 6 x 6,575,235,072 + 12 x 32 x 4096 x 2048
+//     = 42,672,635,904;
+//   tokens per step: 1 x 2048 x 64 (micro-batch x seq x accumulation) = 131,072;
+//   plan.tokens 1,310,720,000 = 10,000 steps;
+//   one step: 42,672,635,904 x 131,072 / (0.5 x 1307.4e12) = 8.5562 s; 10,000 steps: 85,562 s
+//   = 0.9903 days; one evaluation of one batch (2048 tokens at a third of the training FLOPs):
+//   0.045 s. No failures, pilot, drills or margin: 0.9903 days.
+TEST(PlanKnownAnswers, DaysFromStepsTokensAndMfu) {
+  Config config = gpt_6_7b();
+  for (const char* o :
+       {"train.precision=bf16-mixed", "plan.hardware=mi300x", "plan.gpus=1", "plan.mfu=0.5",
+        "plan.tokens=1310720000", "train.eval_every=0", "train.eval_batches=1",
+        "plan.gpu_mtbf_hours=0", "plan.pilot_hours=0", "plan.margin=0", "plan.restore_drills=0"})
+    config.set_from_string(o);
+  const auto plan = make_plan(config, nullptr, /*require_cost=*/false);
+  EXPECT_EQ(plan["job"]["steps"].get<double>(), 10000);
+  EXPECT_EQ(plan["model"]["flops_per_token"].get<double>(), 42'672'635'904.0);
+  const auto& row = plan["rows"][0];
+  EXPECT_EQ(row["strategy"]["strategy"], "ddp");
+  EXPECT_EQ(row["communication_seconds_per_step"].get<double>(), 0);
+  EXPECT_NEAR(row["step_seconds"].get<double>(), 8.5562, 0.0001);
+  EXPECT_NEAR(row["wall_days"].get<double>(), 0.9903, 0.0001);
+  EXPECT_NEAR(row["ettr"].get<double>(), 1.0, 1e-6);
 }
 
 TEST(PlanCatalog, EveryRowHasItsPeaksSourceAndDate) {
@@ -233,7 +268,7 @@ TEST(Plan, SixPointSevenBillionPlan) {
 }
 
 // train.precision = "bf16-mixed" computes in bf16: each row's compute time uses its bf16 peak
-// (the same FLOPs over a larger peak), and activations are 2 bytes, so memory per device shrinks.
+// (the same FLOPs over a larger peak); its memory adds autocast's weight copies.
 TEST(Plan, MixedPrecisionUsesTheHalfPrecisionPeak) {
   Config fp32 = gpt_6_7b();
   Config bf16 = gpt_6_7b();
@@ -252,10 +287,13 @@ TEST(Plan, MixedPrecisionUsesTheHalfPrecisionPeak) {
         ra["compute_seconds_per_step"].get<double>() / rb["compute_seconds_per_step"].get<double>(),
         d.peak_flops_for("bf16") / d.peak_flops_for("fp32"), 1e-9)
         << d.name;
-    EXPECT_LT(rb["strategy"]["ddp_bytes_per_device"].get<double>(),
-              ra["strategy"]["ddp_bytes_per_device"].get<double>())
-        << d.name;
   }
+  // Autocast's bf16 copies of the linear weights live at the loss's backward: 2 B x (32 blocks x
+  // 12 x 4096^2 + the tied head's 32000 x 4096) = 2 x 6,573,522,944 = 13,147,045,888 B. fp32
+  // has none.
+  EXPECT_EQ(b["memory_per_device"]["estimate"]["autocast_copies_bytes"].get<double>(),
+            13'147'045'888.0);
+  EXPECT_EQ(a["memory_per_device"]["estimate"]["autocast_copies_bytes"].get<double>(), 0);
   EXPECT_EQ(compute_precision("FP16-mixed"), "fp16");
   EXPECT_EQ(compute_precision("tf32"), "tf32");
 }
@@ -271,23 +309,14 @@ TEST(Plan, CostsTheCheapestRowThatFits) {
   const auto& h100 = plan["rows"][0];
   EXPECT_DOUBLE_EQ(h100["reservation_7d"]["cost"].get<double>(), 8 * 7 * 24 * 3.0);
   EXPECT_DOUBLE_EQ(h100["reservation_30d"]["cost"].get<double>(), 8 * 30 * 24 * 2.0);
-  // The cheapest (row, reservation) that fits.
-  double cheapest = 1e300;
-  std::string name;
-  int days = 0;
-  for (const auto& row : plan["rows"]) {
-    for (int d : {7, 30}) {
-      const auto& r = row[d == 7 ? "reservation_7d" : "reservation_30d"];
-      if (r["fits"].get<bool>() && r["cost"].get<double>() < cheapest) {
-        cheapest = r["cost"].get<double>();
-        name = row["hardware"];
-        days = d;
-      }
-    }
-  }
-  ASSERT_FALSE(name.empty());
-  EXPECT_EQ(plan["recommendation"]["hardware"], name);
-  EXPECT_EQ(plan["recommendation"]["reservation_days"], days);
+  // By hand: 8 GPUs x 7 days x 24 h x price: h100-sxm 4032, mi300x 2688; 30 days at the 30-day
+  // prices: h100-sxm 11,520, mi300x 8640. 2e9 tokens take about two days on either, so every
+  // reservation fits and the cheapest is the MI300X's 7 days at 2688.
+  EXPECT_DOUBLE_EQ(plan["rows"][1]["reservation_7d"]["cost"].get<double>(), 2688);
+  EXPECT_TRUE(plan["rows"][1]["reservation_7d"]["fits"].get<bool>());
+  EXPECT_EQ(plan["recommendation"]["hardware"], "mi300x");
+  EXPECT_EQ(plan["recommendation"]["reservation_days"], 7);
+  EXPECT_DOUBLE_EQ(plan["recommendation"]["cost"].get<double>(), 2688);
 }
 
 TEST(Plan, MissingPriceOrMtbfNamesTheKey) {
@@ -310,6 +339,66 @@ TEST(Plan, MissingPriceOrMtbfNamesTheKey) {
   }
 }
 
+// Bad input is one error naming the key: a price for a row the catalog lacks (the closest named),
+// a price that is not positive, a catalog row without a field.
+TEST(Plan, BadPricesAndRowsNameTheKey) {
+  auto error_of = [](const Config& config) {
+    try {
+      make_plan(config, nullptr, /*require_cost=*/false);
+    } catch (const UserError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  Config config = gpt_6_7b();
+  config.set_from_string("plan.price_7d_per_gpu_hour={ h100 = 2.5 }");
+  EXPECT_THAT(error_of(config), HasSubstr("plan.price_7d_per_gpu_hour.h100: unknown hardware"));
+  EXPECT_THAT(error_of(config), HasSubstr("did you mean \"h100-sxm\""));
+  config.set_from_string("plan.price_7d_per_gpu_hour={ h100-sxm = 0 }");
+  EXPECT_THAT(error_of(config),
+              HasSubstr("plan.price_7d_per_gpu_hour.h100-sxm = 0: a price per GPU-hour must be "
+                        "positive"));
+  TempDir dir;
+  write_text(dir / "bad.toml", R"([device.x]
+memory_gb = 24
+interconnect_gb_per_s = 64
+network_gb_per_s = 12.5
+peak_tflops = { bf16 = 160 }
+source = "mine"
+date = "2026-11"
+)");
+  config = gpt_6_7b();
+  config.set_from_string("plan.catalog=" + (dir / "bad.toml").string());
+  EXPECT_THAT(error_of(config), HasSubstr("[device.x]: missing memory_bandwidth_gb_per_s"));
+  write_text(dir / "zero.toml", R"([device.x]
+memory_gb = 24
+memory_bandwidth_gb_per_s = 0
+interconnect_gb_per_s = 64
+network_gb_per_s = 12.5
+peak_tflops = { bf16 = 160 }
+source = "mine"
+date = "2026-11"
+)");
+  config.set_from_string("plan.catalog=" + (dir / "zero.toml").string());
+  EXPECT_THAT(error_of(config),
+              HasSubstr("[device.x]: memory_bandwidth_gb_per_s must be positive"));
+}
+
+// At a million GPUs more GPUs are not the way out: the advice names what limits. gpt-6.7b's
+// GPUs fail every 50,676 h / 10^6 = 182 s as a job, less than a checkpoint period plus a restart;
+// 2048 x 64 x 10^6 = 1.3e11 tokens per step leave 1 step for 1e11 tokens.
+TEST(Plan, AtAMillionGpusTheAdviceSaysWhatLimits) {
+  Config config = gpt_6_7b();
+  config.set_from_string("plan.gpus=1000000");
+  config.set_from_string("plan.tokens=1e11");
+  const auto plan = make_plan(config, nullptr, /*require_cost=*/false);
+  const std::string advice = plan["recommendation_text"];
+  EXPECT_THAT(advice, HasSubstr("nothing fits a 30-day reservation at 1000000 GPUs"));
+  EXPECT_THAT(advice, HasSubstr("failures: the job's MTBF"));
+  EXPECT_THAT(advice, HasSubstr("the global batch"));
+  EXPECT_THAT(advice, ::testing::Not(HasSubstr("add GPUs")));
+}
+
 TEST(Plan, CliPlansWithoutBuildingTheModel) {
   TempDir dir;
   // 70B-class shape: building it would need ~280 GB; planning takes no memory to speak of.
@@ -321,10 +410,12 @@ TEST(Plan, CliPlansWithoutBuildingTheModel) {
   EXPECT_THAT(plan.out, HasSubstr("Recommendation:"));
   auto j = nlohmann::json::parse(slurp(dir / "gpt-6.7b" / "plan.json"));
   EXPECT_GT(j["model"]["parameters"].get<double>(), 60e9);
+  // A runtime name for a catalog row: the row it means, in one line, exit 2.
   auto unknown = run_kiln("plan " + (source_dir() / "configs" / "gpt-6.7b.toml").string() +
-                          " --set run.dir=" + dir.path().string() + " --set plan.hardware=h10");
+                          " --set run.dir=" + dir.path().string() + " --set plan.hardware=h100");
   EXPECT_EQ(unknown.exit_code, 2);
-  EXPECT_THAT(unknown.err, HasSubstr("did you mean"));
+  EXPECT_THAT(unknown.err, HasSubstr("did you mean \"h100-sxm\""));
+  EXPECT_EQ(std::count(unknown.err.begin(), unknown.err.end(), '\n'), 1) << unknown.err;
 }
 
 }  // namespace

@@ -1,0 +1,572 @@
+// The memory model (docs/plan.md, "Memory"): one optimizer step on one device, walked allocation
+// by allocation in the order kiln's step makes them (src/train/trainer.cpp device_step, the gpt
+// of src/models/models.cpp, src/train/checkpointing.cpp, src/dist/fsdp.cpp and ddp.cpp), with the
+// live bytes summed by part and the peak kept. A walk rather than a closed formula because the
+// peak moves: the loss's backward without checkpointing, the first blocks' recomputation with
+// it (the gradients have grown by then), a later micro-batch under accumulation.
+//
+// Units: b micro-batch, t tokens, h = n_embd, X = b t h elements, e bytes of the compute dtype
+// (4 fp32, 2 under bf16/fp16-mixed), r bytes of the residual stream (fp32 under autocast: the
+// embeddings and the residual adds stay fp32; bf16 under FSDP mixed precision, whose gathered
+// parameters are bf16 themselves).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "kiln/plan.h"
+
+namespace kiln {
+namespace {
+
+enum Part {
+  kParameters,
+  kOptimizer,
+  kGradients,
+  kActivations,
+  kLogits,
+  kBackward,
+  kCopies,
+  kCommunication,
+  kParts
+};
+
+// Live bytes by part, and the largest sum seen with its parts and moment.
+class Walk {
+ public:
+  void add(Part part, double bytes, const std::string& moment) {
+    live_[part] += bytes;
+    double sum = 0;
+    for (double v : live_) sum += v;
+    if (sum > peak_) {
+      peak_ = sum;
+      at_peak_ = live_;
+      peak_at_ = moment;
+    }
+  }
+  void free(Part part, double bytes) { live_[part] -= bytes; }
+  double live(Part part) const { return live_[part]; }
+
+  void fill(MemoryEstimate& m) const {
+    m.parameters = at_peak_[kParameters];
+    m.optimizer = at_peak_[kOptimizer];
+    m.gradients = at_peak_[kGradients];
+    m.activations = at_peak_[kActivations];
+    m.logits = at_peak_[kLogits];
+    m.backward_extra = at_peak_[kBackward];
+    m.autocast_copies = at_peak_[kCopies];
+    m.communication = at_peak_[kCommunication];
+    m.peak_bytes = std::max(peak_, 0.0);
+    m.peak_at = peak_at_;
+  }
+
+ private:
+  std::array<double, kParts> live_{}, at_peak_{};
+  double peak_ = -1;
+  std::string peak_at_;
+};
+
+// One parameter: rows (its dim 0) x row_numel elements; linear weights go through autocast.
+struct Param {
+  double rows = 0, row_numel = 1;
+  bool linear_weight = false;  // cast by autocast (a linear's weight or bias)
+  double numel() const { return rows * row_numel; }
+};
+
+// gpt's parameters per FSDP group: each block (Model::units()), then the root (wte, wpe, ln_f).
+std::vector<std::vector<Param>> gpt_groups(const ModelShape& s) {
+  const double h = static_cast<double>(s.n_embd);
+  const std::vector<Param> block = {{h, 1, false},    {h, 1, false},     // ln_1
+                                    {3 * h, h, true}, {3 * h, 1, true},  // attn.c_attn
+                                    {h, h, true},     {h, 1, true},      // attn.c_proj
+                                    {h, 1, false},    {h, 1, false},     // ln_2
+                                    {4 * h, h, true}, {4 * h, 1, true},  // mlp.c_fc
+                                    {h, 4 * h, true}, {h, 1, true}};     // mlp.c_proj
+  std::vector<std::vector<Param>> groups(static_cast<size_t>(s.n_layer), block);
+  groups.push_back({{static_cast<double>(s.vocab_size), h, false},
+                    {static_cast<double>(s.block_size), h, false},
+                    {h, 1, false},
+                    {h, 1, false}});
+  return groups;
+}
+
+// The gpt step on one device.
+class GptStep {
+ public:
+  GptStep(const ModelShape& s, const JobShape& job) : s_(s), job_(job) {
+    b_ = static_cast<double>(job.micro_batch);
+    t_ = static_cast<double>(job.seq_len);
+    h_ = static_cast<double>(s.n_embd);
+    heads_ = static_cast<double>(s.n_head);
+    v_ = static_cast<double>(s.vocab_size);
+    tok_ = b_ * t_;
+    x_ = tok_ * h_;
+    const std::string compute = compute_precision(job.precision);  // "bf16-mixed" -> "bf16"
+    mixed_ = compute == "bf16" || compute == "fp16";
+    e_ = mixed_ ? 2.0 : 4.0;
+    fsdp_ = job.strategy == "fsdp" && job.world_size > 1;
+    ddp_ = job.strategy == "ddp" && job.world_size > 1;
+    world_ = fsdp_ ? static_cast<double>(job.world_size) : 1.0;
+    r_ = fsdp_ && mixed_ ? 2.0 : 4.0;  // FSDP mixed: bf16 parameters, a bf16 residual stream
+    cast_ = mixed_ && !fsdp_;          // autocast copies fp32 weights and activations
+    gathered_dtype_ = mixed_ ? 2.0 : 4.0;
+    groups_ = gpt_groups(s);
+    const size_t n = groups_.size();
+    gathered_.assign(n, false);
+    in_flight_.assign(n, false);
+    grad_bytes_.assign(n, 0.0);
+    has_grad_.assign(n, false);
+    reduce_bytes_.assign(n, 0.0);
+    for (const auto& g : groups_) {
+      double full = 0, shard = 0;
+      for (const Param& p : g) {
+        full += p.numel();
+        shard += std::ceil(p.rows / world_) * p.row_numel;
+      }
+      full_.push_back(full);
+      shard_.push_back(shard);
+      parameters_ += full;
+      shard_total_ += shard;
+    }
+    optimizer_per_parameter_ = state_bytes_per_parameter(job) - 8.0;
+  }
+
+  MemoryEstimate run() {
+    // Held across steps.
+    walk_.add(kParameters, 4.0 * shard_total_, "the held state");
+    walk_.add(kOptimizer, optimizer_per_parameter_ * shard_total_, "the held state");
+    if (fsdp_) walk_.add(kGradients, 4.0 * shard_total_, "the held state");    // gradient shards
+    if (ddp_) walk_.add(kCommunication, 4.0 * parameters_, "the held state");  // buckets
+    const int micro_steps = static_cast<int>(std::max<int64_t>(1, job_.grad_accum_steps));
+    for (int micro = 0; micro < micro_steps; ++micro) {
+      micro_ = micro;
+      communicating_ = micro == micro_steps - 1 || job_.fsdp_accumulate_sharded;
+      if (fsdp_) micro_step_begin();
+      forward_and_loss();
+      backward();
+    }
+    if (fsdp_) {
+      finish_reduces();
+      for (size_t g = 0; g < groups_.size(); ++g) free_group(g);
+    }
+    MemoryEstimate m;
+    walk_.fill(m);
+    m.gradients_held = micro_steps > 1;
+    m.gradients_after_step = 4.0 * (fsdp_ ? shard_total_ : parameters_);
+    return m;
+  }
+
+ private:
+  std::string block_name(size_t unit) const { return fmt::format("block {}", unit); }
+  size_t root() const { return groups_.size() - 1; }
+  std::string micro_text() const {
+    return job_.grad_accum_steps > 1 ? fmt::format(" (micro-batch {})", micro_ + 1) : "";
+  }
+
+  // ---- FSDP (src/dist/fsdp.cpp) ----
+  void start_gather(size_t g) {
+    if (!fsdp_ || gathered_[g] || in_flight_[g]) return;
+    in_flight_[g] = true;
+    walk_.add(kCommunication, gather_buffer_bytes(g), "an all-gather");
+  }
+  double gather_buffer_bytes(size_t g) const {
+    // The [W x S] buffer, and the shard cast to the gather dtype when that differs.
+    return world_ * shard_[g] * gathered_dtype_ + (mixed_ ? shard_[g] * gathered_dtype_ : 0.0);
+  }
+  void ensure_gathered(size_t g, const std::string& moment) {
+    if (!fsdp_ || gathered_[g]) return;
+    start_gather(g);
+    walk_.add(kCommunication, full_[g] * gathered_dtype_, moment);
+    walk_.free(kCommunication, gather_buffer_bytes(g));
+    in_flight_[g] = false;
+    gathered_[g] = true;
+  }
+  void free_group(size_t g) {
+    if (!fsdp_) return;
+    if (in_flight_[g]) walk_.free(kCommunication, gather_buffer_bytes(g));
+    in_flight_[g] = false;
+    if (gathered_[g]) walk_.free(kCommunication, full_[g] * gathered_dtype_);
+    gathered_[g] = false;
+  }
+  void launch_reduce(size_t g, const std::string& moment) {
+    walk_.add(kCommunication, 4.0 * world_ * shard_[g], moment);  // the fp32 [W x S] input
+    walk_.free(kGradients, grad_bytes_[g]);                       // the full gradients
+    grad_bytes_[g] = 0;
+    has_grad_[g] = false;
+    walk_.add(kCommunication, 4.0 * shard_[g], moment);  // the [S] output
+    reduce_bytes_[g] = 4.0 * (world_ + 1.0) * shard_[g];
+    free_group(g);
+  }
+  void finish_reduces() {
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      walk_.free(kCommunication, reduce_bytes_[g]);
+      reduce_bytes_[g] = 0;
+    }
+  }
+  void micro_step_begin() {
+    if (micro_ > 0 && job_.fsdp_accumulate_sharded) finish_reduces();
+    for (size_t g = 0; g + 1 < groups_.size(); ++g) free_group(g);
+    ensure_gathered(root(), "gathering the embeddings" + micro_text());
+    if (job_.fsdp_prefetch) start_gather(0);
+  }
+  // All of group g's gradients arrived.
+  void group_ready(size_t g, const std::string& moment) {
+    if (!fsdp_) return;
+    if (communicating_) {
+      launch_reduce(g, moment);
+    } else {
+      free_group(g);  // the full gradients stay, accumulating
+    }
+  }
+
+  // ---- a parameter's gradient, as autograd accumulates it ----
+  void parameter_gradient(size_t g, const Param& p, const std::string& moment) {
+    const double n = p.numel();
+    if (fsdp_) {
+      const double computed = gathered_dtype_ * n;  // the gathered parameter's dtype
+      if (communicating_) {
+        if (has_grad_[g] && !mixed_) {  // fp32, unsharded accumulation: added in place
+          walk_.add(kBackward, computed, moment);
+          walk_.free(kBackward, computed);
+        } else {
+          walk_.add(kGradients, computed, moment);
+          grad_bytes_[g] += computed;
+        }
+        return;
+      }
+      if (mixed_) {  // accumulated in fp32 beside, the bf16 gradient dropped
+        walk_.add(kGradients, computed, moment);
+        if (micro_ == 0) {
+          walk_.add(kGradients, 4.0 * n, moment);
+          grad_bytes_[g] += 4.0 * n;
+        }
+        walk_.free(kGradients, computed);
+      } else if (micro_ == 0) {
+        walk_.add(kGradients, 4.0 * n, moment);
+        grad_bytes_[g] += 4.0 * n;
+      } else {
+        walk_.add(kBackward, 4.0 * n, moment);
+        walk_.free(kBackward, 4.0 * n);
+      }
+      has_grad_[g] = true;
+      return;
+    }
+    // One process or DDP: fp32 gradients; a cast weight's gradient is computed in the compute
+    // dtype and cast back (ToCopyBackward).
+    const bool through_cast = cast_ && p.linear_weight;
+    if (through_cast) walk_.add(kBackward, e_ * n, moment);
+    if (micro_ == 0) {
+      walk_.add(kGradients, 4.0 * n, moment);
+    } else {  // accumulated into .grad in place
+      walk_.add(kBackward, 4.0 * n, moment);
+      walk_.free(kBackward, 4.0 * n);
+    }
+    if (through_cast) walk_.free(kBackward, e_ * n);
+  }
+  void gradients(size_t g, std::initializer_list<size_t> indices, const std::string& moment) {
+    for (size_t k : indices) parameter_gradient(g, groups_[g][k], moment);
+  }
+
+  // Autocast's weight copies of block g's linears (cached for the autocast scope; the weights'
+  // copies are also saved for backward, the biases' are not).
+  double weight_copy(size_t g, size_t k) const { return cast_ ? e_ * groups_[g][k].numel() : 0; }
+  double block_weight_copies(size_t g) const {
+    return weight_copy(g, 2) + weight_copy(g, 4) + weight_copy(g, 8) + weight_copy(g, 10);
+  }
+  double block_bias_copies(size_t g) const {
+    return weight_copy(g, 3) + weight_copy(g, 5) + weight_copy(g, 9) + weight_copy(g, 11);
+  }
+
+  // ---- forward ----
+  // One block's forward. `saving`: grad mode (the saved tensors stay); else (activation
+  // checkpointing's first forward) each tensor is freed where the C++ statement ends.
+  void block_forward(size_t g, bool saving, const std::string& moment) {
+    const double X = x_, e = e_, r = r_, stats = 2.0 * 4.0 * tok_;
+    const double lse = 4.0 * heads_ * tok_;
+    // x = x + attn(ln_1(x))
+    walk_.add(kActivations, stats + r * X, moment);  // ln_1: mean/rstd, output
+    if (cast_) walk_.add(kCopies, weight_copy(g, 2) + weight_copy(g, 3), moment);
+    if (cast_) walk_.add(kActivations, e * X, moment);  // the input cast for c_attn
+    walk_.add(kActivations, 3 * e * X, moment);         // qkv
+    walk_.add(kActivations, e * X + lse, moment);       // attention output, log-sum-exp
+    if (cast_) walk_.add(kCopies, weight_copy(g, 4) + weight_copy(g, 5), moment);
+    walk_.add(kActivations, e * X, moment);      // c_proj's output
+    walk_.add(kActivations, r * X, moment);      // x2, the residual sum
+    walk_.free(kActivations, e * X);             // c_proj's output
+    if (cast_) walk_.free(kActivations, r * X);  // ln_1's fp32 output (its cast is saved)
+    if (!saving) {
+      walk_.free(kActivations, stats + (cast_ ? e : r) * X + 3 * e * X + e * X + lse);
+    }
+    // h = gelu(c_fc(ln_2(x)))
+    walk_.add(kActivations, stats + r * X, moment);
+    if (cast_) walk_.add(kCopies, weight_copy(g, 8) + weight_copy(g, 9), moment);
+    if (cast_) walk_.add(kActivations, e * X, moment);
+    walk_.add(kActivations, 4 * e * X, moment);  // c_fc's output
+    walk_.add(kActivations, 4 * e * X, moment);  // gelu's output
+    if (cast_) walk_.free(kActivations, r * X);
+    if (!saving) walk_.free(kActivations, stats + (cast_ ? e : r) * X + 4 * e * X);
+    // x + c_proj(h)
+    if (cast_) walk_.add(kCopies, weight_copy(g, 10) + weight_copy(g, 11), moment);
+    walk_.add(kActivations, e * X, moment);
+    walk_.add(kActivations, r * X, moment);  // the block's output
+    walk_.free(kActivations, e * X);
+    if (!saving) walk_.free(kActivations, 4 * e * X + r * X);  // h and x2
+  }
+
+  void forward_and_loss() {
+    const std::string fwd = "the forward" + micro_text();
+    const double X = x_, r = r_;
+    walk_.add(kActivations, 2.0 * 8.0 * tok_, fwd);  // the batch: inputs and targets, int64
+    // Embeddings: wte(idx) + wpe(pos).
+    walk_.add(kActivations, r * X + r * t_ * h_, fwd);
+    walk_.add(kActivations, r * X, fwd);  // x0
+    walk_.free(kActivations, r * X + r * t_ * h_);
+    const size_t units = groups_.size() - 1;
+    for (size_t g = 0; g < units; ++g) {
+      const std::string moment = fmt::format("{}'s forward{}", block_name(g), micro_text());
+      if (fsdp_) {
+        ensure_gathered(g, moment);
+        if (job_.fsdp_prefetch && g + 1 < units) start_gather(g + 1);
+      }
+      block_forward(g, !job_.activation_checkpointing, moment);
+      if (fsdp_ && (job_.fsdp_reshard_after_forward || job_.activation_checkpointing))
+        free_group(g);
+    }
+    // ln_f, the tied head, cross-entropy in fp32.
+    const std::string loss = "the loss" + micro_text();
+    const double lnf = 2.0 * 4.0 * tok_ + r * X;
+    walk_.add(kActivations, lnf, loss);
+    if (cast_) walk_.add(kCopies, e_ * v_ * h_, loss);      // the head's weight (wte) copy
+    if (cast_) walk_.add(kActivations, e_ * X, loss);       // ln_f's output cast for the head
+    const double logits = (mixed_ ? e_ : 4.0) * tok_ * v_;  // the head's output
+    walk_.add(kLogits, logits, loss);
+    if (mixed_) walk_.add(kLogits, 4.0 * tok_ * v_, loss);  // cross-entropy's fp32 input
+    walk_.add(kLogits, 4.0 * tok_ * v_, loss);              // log-softmax's output (saved)
+    if (mixed_) walk_.free(kLogits, 4.0 * tok_ * v_);
+    if (cast_) walk_.free(kActivations, r * X);  // ln_f's fp32 output (its cast is saved)
+    walk_.free(kLogits, logits);                 // the forward scope ends
+    if (cast_) {  // autocast's scope ends: its cache (the biases' copies) is cleared
+      const size_t blocks = groups_.size() - 1;
+      for (size_t g = 0; g < blocks; ++g) {
+        walk_.free(kCopies, block_bias_copies(g));
+        if (job_.activation_checkpointing) walk_.free(kCopies, block_weight_copies(g));
+      }
+    }
+  }
+
+  // ---- backward ----
+  // One block's backward from the gradient of its output (live in kBackward).
+  void block_backward(size_t g, const std::string& moment) {
+    const double X = x_, e = e_, r = r_, stats = 2.0 * 4.0 * tok_;
+    const double lse = 4.0 * heads_ * tok_;
+    const bool ac = job_.activation_checkpointing;
+    // x3 = x2 + c_proj(h): the bf16 branch's gradient is a cast copy.
+    if (cast_) walk_.add(kBackward, e * X, moment);
+    walk_.add(kBackward, 4 * e * X, moment);  // d h
+    gradients(g, {10, 11}, moment);
+    walk_.free(kActivations, 4 * e * X);  // h
+    walk_.free(kCopies, weight_copy(g, 10));
+    if (cast_) walk_.free(kBackward, e * X);
+    walk_.add(kBackward, 4 * e * X, moment);  // d c_fc output (gelu's backward)
+    walk_.free(kActivations, 4 * e * X);
+    walk_.free(kBackward, 4 * e * X);
+    walk_.add(kBackward, e * X, moment);  // d ln_2 output
+    gradients(g, {8, 9}, moment);
+    walk_.free(kActivations, (cast_ ? e : r) * X);
+    walk_.free(kCopies, weight_copy(g, 8));
+    walk_.free(kBackward, 4 * e * X);
+    if (cast_) {
+      walk_.add(kBackward, r * X, moment);
+      walk_.free(kBackward, e * X);
+    }
+    const double d_ln = cast_ ? r * X : e * X;
+    walk_.add(kBackward, r * X, moment);  // d x2 through ln_2
+    gradients(g, {6, 7}, moment);
+    walk_.free(kActivations, stats + r * X);  // ln_2's mean/rstd, x2
+    walk_.free(kBackward, d_ln);
+    // Summed into the residual gradient: in place, except inside checkpointing's recomputed
+    // graph, where the outer gradient is still referenced.
+    if (ac) walk_.add(kBackward, r * X, moment);
+    walk_.free(kBackward, r * X);
+    // x2 = x + attn(ln_1(x))
+    if (cast_) walk_.add(kBackward, e * X, moment);
+    walk_.add(kBackward, e * X, moment);  // d attention output
+    gradients(g, {4, 5}, moment);
+    walk_.free(kCopies, weight_copy(g, 4));
+    if (cast_) walk_.free(kBackward, e * X);
+    walk_.add(kBackward, 3 * e * X, moment);  // d q, d k, d v
+    walk_.free(kBackward, e * X);
+    walk_.free(kActivations, e * X + lse);
+    walk_.add(kBackward, 3 * e * X, moment);  // d qkv
+    walk_.free(kBackward, 3 * e * X);
+    walk_.add(kBackward, e * X, moment);  // d ln_1 output
+    gradients(g, {2, 3}, moment);
+    walk_.free(kActivations, 3 * e * X + (cast_ ? e : r) * X);
+    walk_.free(kCopies, weight_copy(g, 2));
+    walk_.free(kBackward, 3 * e * X);
+    if (cast_) {
+      walk_.add(kBackward, r * X, moment);
+      walk_.free(kBackward, e * X);
+    }
+    walk_.add(kBackward, r * X, moment);  // d x through ln_1
+    gradients(g, {0, 1}, moment);
+    walk_.free(kActivations, stats + r * X);  // ln_1's mean/rstd, the block's input
+    walk_.free(kBackward, d_ln);
+    walk_.free(kBackward, r * X);  // summed in place into the residual gradient
+    if (ac) {
+      walk_.free(kActivations, r * X);  // the recomputed output
+      walk_.free(kBackward, r * X);     // the outer gradient of the block's output
+    }
+    group_ready(g, moment);
+  }
+
+  void backward() {
+    const double X = x_, r = r_;
+    const size_t rg = root();
+    // Cross-entropy's backward: d log-softmax, d logits (fp32), then the head's.
+    const std::string loss = "the loss's backward" + micro_text();
+    walk_.add(kLogits, 4.0 * tok_ * v_, loss);
+    walk_.add(kLogits, 4.0 * tok_ * v_, loss);
+    walk_.free(kLogits, 8.0 * tok_ * v_);  // the log-softmax output and its gradient
+    if (mixed_) {
+      walk_.add(kLogits, e_ * tok_ * v_, loss);
+      walk_.free(kLogits, 4.0 * tok_ * v_);
+    }
+    const double d_logits = (mixed_ ? e_ : 4.0) * tok_ * v_;
+    const std::string head = "the head's backward" + micro_text();
+    walk_.add(kBackward, (mixed_ ? e_ : 4.0) * X, head);  // d ln_f output
+    parameter_gradient(rg, {v_, h_, true}, head);         // the tied head's share of wte
+    walk_.free(kLogits, d_logits);
+    walk_.free(kActivations, cast_ ? e_ * X : r * X);  // ln_f's output as the head saw it
+    if (cast_) walk_.free(kCopies, e_ * v_ * h_);
+    if (cast_) {
+      walk_.add(kBackward, r * X, head);
+      walk_.free(kBackward, e_ * X);
+    }
+    walk_.add(kBackward, r * X, head);  // d of the last block's output
+    parameter_gradient(rg, groups_[rg][2], head);
+    parameter_gradient(rg, groups_[rg][3], head);
+    walk_.free(kActivations, 2.0 * 4.0 * tok_ + r * X);  // ln_f's mean/rstd and input
+    walk_.free(kBackward, (mixed_ && !cast_ ? e_ : r) * X);
+    const size_t units = groups_.size() - 1;
+    for (size_t k = units; k-- > 0;) {
+      const std::string moment = fmt::format(
+          "{}'s {}{}", block_name(k),
+          job_.activation_checkpointing ? "recomputation and backward" : "backward", micro_text());
+      if (fsdp_) {
+        ensure_gathered(k, moment);
+        const bool prefetch = job_.fsdp_prefetch &&
+                              (job_.fsdp_reshard_after_forward || job_.activation_checkpointing);
+        if (prefetch && k > 0) start_gather(k - 1);
+      }
+      if (job_.activation_checkpointing) {  // the kept input's block, recomputed with grad
+        block_forward(k, true, moment);
+        if (cast_) walk_.free(kCopies, block_bias_copies(k));
+      }
+      block_backward(k, moment);
+    }
+    // The embeddings: wte's gradient (summed into the head's), wpe's.
+    const std::string embed = "the embeddings' backward" + micro_text();
+    walk_.add(kBackward, r * static_cast<double>(s_.vocab_size) * h_, embed);
+    walk_.free(kBackward, r * static_cast<double>(s_.vocab_size) * h_);
+    walk_.add(kBackward, r * t_ * h_, embed);  // d pos embedding output, summed over the batch
+    parameter_gradient(rg, groups_[rg][1], embed);
+    walk_.free(kBackward, r * t_ * h_);
+    walk_.free(kBackward, r * X);                // the gradient of x0
+    walk_.free(kActivations, 2.0 * 8.0 * tok_);  // the batch
+    group_ready(rg, embed);
+    if (ddp_ && communicating_) {
+      // The gradients become views of the averaged buckets.
+      walk_.free(kGradients, walk_.live(kGradients));
+    }
+  }
+
+  const ModelShape& s_;
+  const JobShape& job_;
+  double b_ = 0, t_ = 0, h_ = 0, heads_ = 0, v_ = 0, tok_ = 0, x_ = 0;
+  double e_ = 4, r_ = 4, gathered_dtype_ = 4, world_ = 1;
+  bool mixed_ = false, fsdp_ = false, ddp_ = false, cast_ = false;
+  std::vector<std::vector<Param>> groups_;
+  std::vector<double> full_, shard_, grad_bytes_, reduce_bytes_;
+  std::vector<bool> gathered_, in_flight_, has_grad_;
+  double parameters_ = 0, shard_total_ = 0, optimizer_per_parameter_ = 0;
+  int micro_ = 0;
+  bool communicating_ = true;
+  Walk walk_;
+};
+
+// The mlp (fc1, ReLU, fc2): small enough for a closed form. fc1 saves its input [b, D], ReLU its
+// output [b, H], fc2 its input [b, H]; cross-entropy's log-softmax [b, K] and two gradients.
+MemoryEstimate mlp_estimate(const ModelShape& s, const JobShape& job) {
+  MemoryEstimate m;
+  const double n = static_cast<double>(analytic_parameter_count(s));
+  const std::string compute = compute_precision(job.precision);
+  const double e = compute == "bf16" || compute == "fp16" ? 2.0 : 4.0;
+  const double b = static_cast<double>(job.micro_batch);
+  m.parameters = 4.0 * n;
+  m.optimizer = (state_bytes_per_parameter(job) - 8.0) * n;
+  m.activations =
+      b * (static_cast<double>(s.input_dim) + 2.0 * static_cast<double>(s.hidden_dim)) * e;
+  m.logits = 3.0 * b * static_cast<double>(s.num_classes) * 4.0;
+  m.backward_extra = b * static_cast<double>(s.hidden_dim) * e;
+  m.gradients_held = job.grad_accum_steps > 1;
+  m.gradients = m.gradients_held ? 4.0 * n : 0.0;
+  const double moment = std::max(m.activations + m.logits, m.activations + m.backward_extra);
+  m.peak_bytes = m.parameters + m.optimizer +
+                 (m.gradients_held ? m.gradients + moment : std::max(moment, 4.0 * n));
+  m.peak_at = "the loss's backward";
+  m.gradients_after_step = 4.0 * n;
+  m.everything_bytes = 4.0 * n + 4.0 * n + m.optimizer + moment;
+  return m;
+}
+
+}  // namespace
+
+MemoryEstimate estimate_memory(const ModelShape& shape, const JobShape& job) {
+  if (shape.architecture == "mlp") return mlp_estimate(shape, job);
+  MemoryEstimate m = GptStep(shape, job).run();
+  // The strategy rule's figure: DDP on every device, one micro-batch.
+  JobShape ddp = job;
+  ddp.strategy = "ddp";
+  ddp.world_size = 2;
+  ddp.grad_accum_steps = 1;
+  m.everything_bytes = GptStep(shape, ddp).run().peak_bytes;
+  return m;
+}
+
+nlohmann::json to_json(const MemoryEstimate& m) {
+  return {{"parameters_bytes", m.parameters},
+          {"gradients_bytes", m.gradients},
+          {"optimizer_bytes", m.optimizer},
+          {"activations_bytes", m.activations},
+          {"logits_bytes", m.logits},
+          {"backward_extra_bytes", m.backward_extra},
+          {"autocast_copies_bytes", m.autocast_copies},
+          {"communication_bytes", m.communication},
+          {"gradients_after_step_bytes", m.gradients_after_step},
+          {"gradients_held_across_micro_batches", m.gradients_held},
+          {"peak_at", m.peak_at},
+          {"step_peak_bytes", m.step_peak()},
+          {"total_bytes", m.total()}};
+}
+
+StrategyInput strategy_input(const ModelShape& shape, const JobShape& job,
+                             double device_memory_bytes, double headroom_fraction) {
+  JobShape unsharded = job;
+  unsharded.strategy = "none";
+  const MemoryEstimate m = estimate_memory(shape, unsharded);
+  const double n = static_cast<double>(analytic_parameter_count(shape));
+  StrategyInput in;
+  in.ddp_model_state_bytes = n * state_bytes_per_parameter(job);
+  in.largest_unit_parameter_bytes = 4.0 * static_cast<double>(largest_unit_parameter_count(shape));
+  in.activation_bytes = std::max(0.0, m.total() - in.ddp_model_state_bytes);
+  in.device_memory_bytes = device_memory_bytes;
+  in.headroom_fraction = headroom_fraction;
+  in.gpu_count = job.world_size;
+  return in;
+}
+
+}  // namespace kiln
