@@ -11,9 +11,15 @@ Four step times, same model, batch shape, optimizer and thread count:
   Python eager and Python torch.compile (inductor, default mode): the twin model from
       python/kiln_py, AdamW as kiln's, batches preloaded, eager and compiled steps interleaved.
 Repeated --repeats times, alternating kiln and Python; the medians of the per-repeat medians and
-their ratios are reported (lower is faster for the numerator). Compile times: kiln cold and
-cached (package build or load), Python's first compiled iteration.
+their ratios are reported (lower is faster for the numerator), and every repeat's numbers are kept
+in the result ("repeats_detail"). Compile times: kiln cold and cached (package build or load),
+Python's first compiled iteration.
+
+train.precision = "bf16-mixed" (--set train.precision=bf16-mixed): kiln's package is exported
+under autocast; the Python side runs its forward and loss under torch.autocast(cpu, bfloat16),
+eager and torch.compile alike, with fp32 parameters and optimizer, as kiln does.
 """
+import contextlib
 import argparse
 import json
 import os
@@ -77,6 +83,15 @@ def python_side(cfg, warmup, steps):
         inputs = torch.randn(batch, m["input_dim"])
         targets = torch.randint(0, m["num_classes"], (batch,))
     clip = cfg["train"]["clip_grad_norm"]
+    precision = cfg["train"].get("precision", "fp32")
+    if precision not in ("fp32", "bf16-mixed"):
+        raise SystemExit(f"train.precision = {precision!r}: this bench compares fp32 and "
+                         f"bf16-mixed (fp16-mixed needs Python's GradScaler)")
+
+    def autocast():
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=torch.bfloat16)
 
     def side(compiled):
         model = from_config(m)
@@ -88,7 +103,8 @@ def python_side(cfg, warmup, steps):
         def step():
             begin = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            loss = model_loss(fn(inputs), targets)
+            with autocast():
+                loss = model_loss(fn(inputs), targets)
             loss.backward()
             if clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, clip)
@@ -155,7 +171,15 @@ def main():
         "compile_seconds": {"kiln_cold": kiln_runs[0]["compile_seconds"],
                             "kiln_cached": [k["compile_seconds"] for k in kiln_runs[1:]],
                             "python_first_iteration": [p[2] for p in py_runs]},
+        "precision": cfg["train"].get("precision", "fp32"),
         "kiln_numerics": [k["numerics"]["max_relative_loss_difference"] for k in kiln_runs],
+        "repeats_detail": [
+            {"kiln_eager": k["eager"]["median_seconds"],
+             "kiln_inductor": k["compiled"]["median_seconds"],
+             "kiln_compile_seconds": k["compile_seconds"], "kiln_cache": k["cache"],
+             "python_eager": p[0], "python_torch_compile": p[1],
+             "python_first_iteration_seconds": p[2]}
+            for k, p in zip(kiln_runs, py_runs)],
         "kiln_verdicts": [k["verdict"] for k in kiln_runs],
         "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

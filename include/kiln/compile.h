@@ -40,7 +40,7 @@ struct CompileOptions {
   bool fullgraph = true;
   int recompile_limit = 8;
   std::vector<int64_t> probe_seq_lens;  // the rung's shape probe (resolved; may be empty)
-  double tolerance = 1e-4;
+  double tolerance = 1e-4;  // resolved: compile.tolerance, else default_compile_tolerance()
   double min_speedup = 1.05;
   int64_t warmup_steps = 3;
   int64_t steps = 10;
@@ -62,6 +62,12 @@ struct CompileOptions {
 /// compile.probe_seq_lens: "" -> nullopt (data.seq_len/2 and /4), "none" -> no probe, else the
 /// comma-separated lengths. Throws UserError naming the key.
 std::optional<std::vector<int64_t>> parse_probe_seq_lens(const std::string& text);
+
+/// The compile rung's gate when compile.tolerance = 0: the relative difference of compiled and
+/// eager losses and parameters that `precision` allows (fp32 1e-4; bf16-mixed and fp16-mixed
+/// wider: Inductor fuses ops and rounds to the low precision at other places than eager does,
+/// and training amplifies it; the measured noise is in docs/compile.md).
+double default_compile_tolerance(TrainOptions::Precision precision);
 
 /// "eager", "inductor", "cudagraphs", "inductor+cudagraphs"; "auto", "dynamic", "static".
 const char* backend_name(CompileOptions::Backend backend);
@@ -213,12 +219,17 @@ struct CompilerPython {
   static const CompilerPython& probe(const std::string& python);
 };
 
-/// The checks `kiln train`/`kiln compile` make before anything is written to the run directory:
-/// the backend is available on this device, Python and torch match, the cache is writable, the
-/// model has a Python twin, the combination (DDP, accumulation) is supported; train.precision is
-/// "fp32" and train.activation_checkpointing "none" (the compiled step has neither yet; also
-/// refused by CompiledStep's constructor). Throws UserError.
+/// The checks `kiln train`/`kiln compile` make before anything is written to the run directory,
+/// beyond the [compile] section's rules (which refuse the combinations with train.precision,
+/// train.activation_checkpointing, dist.strategy, run.device and optim.fused that kiln does not
+/// support): this kiln build has CUDA graphs when asked, Python and torch match, the cache is
+/// writable. Throws UserError.
 void check_compile_start(const Config& config);
+
+/// Why FSDP and a compiled or captured step do not compose (one clause, no key names): the
+/// [compile] rule's line for dist.strategy = "fsdp", and the refusal of dist.strategy = "auto"
+/// resolving to fsdp (decided by the model's memory, so not by a rule).
+std::string fsdp_with_compile_problem();
 
 // ---- the compiled step -------------------------------------------------------------------------
 
@@ -228,6 +239,7 @@ void check_compile_start(const Config& config);
 struct CompileReport {
   std::string backend;
   std::string dynamic;
+  std::string precision = "fp32";  // train.precision: the autocast policy inside the graphs
   /// Graph breaks with fullgraph = false: every step and every evaluation runs eager.
   bool fallback_to_eager = false;
   std::vector<GraphBreak> breaks;
@@ -251,6 +263,11 @@ struct CompileReport {
 };
 
 /// The Trainer's compiled forward+backward and eval forward (compile.backend = "inductor").
+/// Under train.precision = "bf16-mixed"/"fp16-mixed" the graphs are exported under
+/// torch.autocast(device, bf16/fp16), the policy kiln's eager step runs under (ATen's autocast
+/// op lists); the parameters stay fp32 (kiln's), and under fp16-mixed the train graph takes the
+/// loss scaler's scale as an input and returns the gradients of loss x scale, which the Trainer
+/// unscales as in eager. The precision is part of each package's fingerprint.
 /// Builds or loads one package per graph kind ("train": loss and gradients; "eval": loss, and
 /// correct predictions for a classifier) and shape, on first use of that shape; binds the
 /// model's own parameter tensors to the package's constants by name without copying, so the
@@ -264,7 +281,10 @@ class CompiledStep : public CompiledForwardBackward {
   CompiledStep(const Config& config, Model& model, torch::Device device);
   ~CompiledStep() override;
 
-  torch::Tensor forward_backward(const Batch& batch, double scale) override;
+  /// Throws UserError when `loss_scale` is defined and train.precision is not "fp16-mixed" (or
+  /// the reverse): the package was built for the other.
+  torch::Tensor forward_backward(const Batch& batch, double scale,
+                                 const torch::Tensor& loss_scale) override;
   /// Through the eval package of the batch's shape (built or loaded on first use); undefined
   /// outputs when the batch runs eager (graph breaks with fullgraph = false, over the limit).
   /// Throws as the constructor does, when the eval package is built.
@@ -289,6 +309,7 @@ class CompiledStep : public CompiledForwardBackward {
   size_t resolve(Kind& kind, const InputShapes& shapes);
 
   CompileOptions options_;
+  TrainOptions::Precision precision_;
   Model& model_;
   torch::Device device_;
   nlohmann::json model_json_;

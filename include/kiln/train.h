@@ -279,8 +279,12 @@ class CompiledForwardBackward {
   /// 0-dim tensor on the device. Returns an undefined tensor when this batch must run eager (a
   /// shape over the recompile limit); the Trainer then runs its eager forward and backward.
   /// Autograd's gradient hooks do not fire for a compiled micro-step (DDP reduces every bucket
-  /// in on_gradients_ready instead, without overlap).
-  virtual torch::Tensor forward_backward(const Batch& batch, double scale) = 0;
+  /// in on_gradients_ready instead, without overlap). `loss_scale`: under fp16-mixed the loss
+  /// scaler's scale (float32 [1] on the device), and the gradients added are those of
+  /// loss x loss_scale, as eager's backward of MixedPrecision::scale_loss(loss) (the returned loss
+  /// is not multiplied by it; the Trainer unscales the gradients); undefined otherwise.
+  virtual torch::Tensor forward_backward(const Batch& batch, double scale,
+                                         const torch::Tensor& loss_scale) = 0;
   /// Evaluate's forward of one validation batch (already on the device), through a forward-only
   /// graph of its own: `loss` the batch's mean loss (0-dim), `correct` for a classifier the
   /// number of samples whose argmax is the target (0-dim int64; undefined for token models).

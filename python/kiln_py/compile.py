@@ -12,8 +12,17 @@ its own tensors to the package's constants by name) -> torch._dynamo.explain lis
 break with its reason and place -> torch.export.export with the spec's dynamic dimensions ->
 for "train" the joint forward+backward graph (loss, then every parameter's gradient) ->
 torch._inductor.aoti_compile_and_package with the weights left out of the shared library.
+
+Precision (spec "precision"): "bf16-mixed" and "fp16-mixed" export the forward and the loss under
+torch.autocast(device, bfloat16 / float16), the policy kiln's eager step runs under (ATen's
+autocast op lists, which kiln's C++ autocast guard uses too): the autocast regions become part of
+the graph, the parameters stay float32 and their gradients come back float32. "fp16-mixed" adds a
+third input, the loss scaler's scale (float32 [1]), and the joint graph differentiates
+loss x scale, so small fp16 gradients do not underflow inside the graph; its loss output is
+loss x scale too. The scaler itself (unscale, overflow check, growth and back-off) stays kiln's.
 """
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -36,6 +45,8 @@ INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False,
                     "always_keep_tensor_constants": True}
 
 DTYPES = {"float32": torch.float32, "int64": torch.int64}
+# train.precision -> the autocast dtype of the exported forward and loss (None: no autocast).
+AUTOCAST = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 # What each twin takes: (inputs dtype, inputs rank, targets dtype, targets rank).
 SIGNATURES = {"mlp": ("float32", 2, "int64", 1), "gpt": ("int64", 2, "int64", 2)}
 SIGNATURES["llama"] = SIGNATURES["gpt"]  # token ids [B, T] -> logits [B, T, V]
@@ -66,6 +77,9 @@ def read_spec(path):
         raise SpecError(f"{path}: graph = {spec['graph']!r}; use \"train\" or \"eval\"")
     if spec["device"] not in ("cpu", "cuda"):
         raise SpecError(f"{path}: device = {spec['device']!r}; use \"cpu\" or \"cuda\"")
+    if spec.get("precision", "fp32") not in AUTOCAST:
+        raise SpecError(f"{path}: precision = {spec['precision']!r}; use one of "
+                        f"{', '.join(AUTOCAST)}")
     if not os.path.isabs(spec["package"]):
         raise SpecError(f"{path}: package = {spec['package']!r} must be an absolute path")
     name = spec["model"]["name"]
@@ -101,8 +115,14 @@ def read_spec(path):
     return spec
 
 
+def scales_loss(spec):
+    """The train graph takes the loss scaler's scale as a third input (fp16-mixed)."""
+    return spec["graph"] == "train" and spec.get("precision", "fp32") == "fp16-mixed"
+
+
 def example_inputs(spec, device):
-    """Random example tensors of the spec's shapes; integer ones in range (vocabulary or classes)."""
+    """Random example tensors of the spec's shapes; integer ones in range (vocabulary or classes);
+    under fp16-mixed's train graph also a loss scale (torch.amp.GradScaler's initial 2**16)."""
     m = spec["model"]
     high = m.get("vocab_size", m.get("num_classes"))  # token models: the vocabulary
     out = []
@@ -112,6 +132,8 @@ def example_inputs(spec, device):
             out.append(torch.randn(shape, dtype=dtype, device=device))
         else:
             out.append(torch.randint(0, int(high), shape, dtype=dtype, device=device))
+    if scales_loss(spec):
+        out.append(torch.full([1], 65536.0, dtype=torch.float32, device=device))
     return tuple(out)
 
 
@@ -132,7 +154,8 @@ def dynamic_shapes(spec, notes):
         shapes[d["tensor"]][d["dim"]] = dims[d["name"]]
     if not dims:
         return None
-    return tuple(shapes[t] or None for t in ("inputs", "targets"))
+    out = tuple(shapes[t] or None for t in ("inputs", "targets"))
+    return out + (None,) if scales_loss(spec) else out
 
 
 # ---- graph breaks -------------------------------------------------------------------------------
@@ -240,14 +263,46 @@ def joint_graph(ep, notes):
     return ep._update(gm, signature)
 
 
-class EvalOutputs(models.WithLoss):
-    """The "eval" graph's module: forward(inputs, targets) -> the loss, and for a classifier
-    ([B, C] logits) also the number of samples whose argmax is the target (an int64 scalar), as
-    kiln's Trainer::evaluate counts them. Same parameter names as WithLoss."""
+def autocast(device, precision):
+    """torch.autocast for the spec's precision on its device (a no-op context under fp32)."""
+    dtype = AUTOCAST[precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device, dtype=dtype)
+
+
+class TrainLoss(models.WithLoss):
+    """The "train" graph's module: forward(inputs, targets) -> the loss, under the precision's
+    autocast (as kiln's eager forward and loss run). Same parameter names as WithLoss."""
+
+    def __init__(self, model, device, precision):
+        super().__init__(model)
+        self.device_type, self.precision = device, precision
 
     def forward(self, inputs, targets):
-        logits = self.model(inputs)
-        loss = models.loss(logits, targets)
+        with autocast(self.device_type, self.precision):
+            return models.loss(self.model(inputs), targets)
+
+
+class ScaledTrainLoss(TrainLoss):
+    """fp16-mixed's "train" graph: forward(inputs, targets, loss_scale) -> loss x loss_scale (a
+    scalar), the value kiln's eager step calls backward on; the joint graph's gradients are those
+    of it, unscaled by kiln afterwards."""
+
+    def forward(self, inputs, targets, loss_scale):
+        return super().forward(inputs, targets) * loss_scale.squeeze(0)
+
+
+class EvalOutputs(TrainLoss):
+    """The "eval" graph's module: forward(inputs, targets) -> the loss, and for a classifier
+    ([B, C] logits) also the number of samples whose argmax is the target (an int64 scalar), as
+    kiln's Trainer::evaluate counts them, under the precision's autocast. Same parameter names as
+    WithLoss."""
+
+    def forward(self, inputs, targets):
+        with autocast(self.device_type, self.precision):
+            logits = self.model(inputs)
+            loss = models.loss(logits, targets)
         if logits.dim() == 2:
             return loss, logits.argmax(1).eq(targets).sum()
         return loss
@@ -350,7 +405,12 @@ def run(spec, result):
     except ValueError as e:
         raise SpecError(str(e))
     device = torch.device(spec["device"])
-    module = (models.WithLoss(model) if spec["graph"] == "train" else EvalOutputs(model)).to(device)
+    precision = spec.get("precision", "fp32")
+    if spec["graph"] == "eval":
+        kind = EvalOutputs
+    else:
+        kind = ScaledTrainLoss if scales_loss(spec) else TrainLoss
+    module = kind(model, spec["device"], precision).to(device)
     if spec["graph"] == "train":
         module.train()
     else:
@@ -378,6 +438,8 @@ def run(spec, result):
         ep = make_joint()
         seconds["joint"] = time.perf_counter() - begin
     result["parameters"], result["outputs"] = outputs_of(ep)
+    result["precision"] = precision
+    result["inputs"] = ["inputs", "targets"] + (["loss_scale"] if scales_loss(spec) else [])
     result["accepts"] = accepted_shapes(ep, spec)
 
     begin = time.perf_counter()

@@ -34,25 +34,6 @@ struct CompiledStep::Loaded {
 
 namespace {
 
-// train.precision and train.activation_checkpointing change the step the compiled graph would
-// have to contain (autocast, the loss scaler, recomputation); the compiled step has neither yet.
-void refuse_unsupported_training(const Config& config, const CompileOptions& options) {
-  const TrainOptions train = TrainOptions::from_config(config);
-  if (train.precision != TrainOptions::Precision::kFp32) {
-    throw UserError(fmt::format(
-        "train.precision = \"{}\" is not supported by the compiled step (compile.backend = "
-        "\"{}\") yet; set train.precision = \"fp32\" or compile.backend = \"eager\"",
-        precision_name(train.precision), backend_name(options.backend)));
-  }
-  if (train.activation_checkpointing != TrainOptions::ActivationCheckpointing::kNone) {
-    throw UserError(fmt::format(
-        "train.activation_checkpointing = \"block\" is not supported by the compiled step "
-        "(compile.backend = \"{}\") yet; set train.activation_checkpointing = \"none\" or "
-        "compile.backend = \"eager\"",
-        backend_name(options.backend)));
-  }
-}
-
 int64_t max_seq_len(const Model& model) {
   const json d = model.describe();
   return d.contains("block_size") ? d["block_size"].get<int64_t>() : 0;
@@ -112,7 +93,8 @@ const char* kind_name(bool eval) {
 
 // What a graph's package depends on: `graph` is "train" or "eval".
 Fingerprint fingerprint_of(const CompilerPython& python, const json& model, const char* graph,
-                           const GraphShape& shape, torch::Device device, const Batch* example) {
+                           const GraphShape& shape, torch::Device device,
+                           TrainOptions::Precision precision, const Batch* example) {
   json fields = {
       {"kiln", build_info().version},
       {"torch", python.torch_version},
@@ -123,6 +105,8 @@ Fingerprint fingerprint_of(const CompilerPython& python, const json& model, cons
       {"model", model},
       {"graph", graph},
       {"param_dtype", "float32"},
+      // The autocast policy exported into the graph (and, for fp16-mixed, the loss-scale input).
+      {"precision", precision_name(precision)},
       {"deterministic", at::globalContext().deterministicAlgorithms()},
       // Symbolic: a dynamic dimension's example size does not change the package's meaning.
       {"shape", shape.str()},
@@ -165,6 +149,7 @@ json CompileReport::to_json() const {
     break_list.push_back({{"reason", b.reason}, {"where", b.where}});
   return {{"backend", backend},
           {"dynamic", dynamic},
+          {"precision", precision},
           {"fallback_to_eager", fallback_to_eager},
           {"graph_breaks", break_list},
           {"graphs", graph_list(graphs, "train")},
@@ -178,6 +163,7 @@ json CompileReport::to_json() const {
 
 CompiledStep::CompiledStep(const Config& config, Model& model, torch::Device device)
     : options_(CompileOptions::from_config(config)),
+      precision_(TrainOptions::from_config(config).precision),
       model_(model),
       device_(device),
       model_json_(model_json(model)),
@@ -186,7 +172,9 @@ CompiledStep::CompiledStep(const Config& config, Model& model, torch::Device dev
           false, ShapeTracker(options_.dynamic, options_.recompile_limit, max_seq_len(model)), {}},
       eval_{
           true, ShapeTracker(options_.dynamic, options_.recompile_limit, max_seq_len(model)), {}} {
-  refuse_unsupported_training(config, options_);
+  // The [compile] rules (train.activation_checkpointing, dist.strategy, ...), also for a config
+  // changed in code (the compile rung's compiled side): the line `kiln config validate` prints.
+  config.validate();
   if (!options_.inductor()) {
     throw UserError(
         fmt::format("compile.backend = \"{}\" has no AOTInductor step; kiln builds one "
@@ -203,6 +191,7 @@ CompiledStep::CompiledStep(const Config& config, Model& model, torch::Device dev
   CompilerPython::probe(options_.python);  // fails early, naming compile.python
   report_.backend = backend_name(options_.backend);
   report_.dynamic = dynamic_name(options_.dynamic);
+  report_.precision = precision_name(precision_);
 }
 
 CompiledStep::~CompiledStep() = default;
@@ -257,7 +246,15 @@ CompiledForwardBackward::EvalOutputs CompiledStep::evaluate(const Batch& batch) 
   return out;
 }
 
-torch::Tensor CompiledStep::forward_backward(const Batch& batch, double scale) {
+torch::Tensor CompiledStep::forward_backward(const Batch& batch, double scale,
+                                             const torch::Tensor& loss_scale) {
+  const bool scaled = precision_ == TrainOptions::Precision::kFp16Mixed;
+  if (loss_scale.defined() != scaled) {
+    throw UserError(fmt::format(
+        "the compiled step was built for train.precision = \"{}\" and called {} a loss scale; "
+        "build the Trainer and the compiled step from the same config",
+        precision_name(precision_), loss_scale.defined() ? "with" : "without"));
+  }
   const size_t index = resolve(train_, InputShapes::of(batch));
   if (index == SIZE_MAX) {
     if (!report_.fallback_to_eager) ++report_.eager_micro_steps;  // over the recompile limit
@@ -265,8 +262,12 @@ torch::Tensor CompiledStep::forward_backward(const Batch& batch, double scale) {
   }
   Loaded& graph = *train_.loaded[index];
   torch::NoGradGuard no_grad;
-  std::vector<torch::Tensor> outputs =
-      graph.loader->run({batch.inputs.contiguous(), batch.targets.contiguous()});
+  std::vector<torch::Tensor> inputs = {batch.inputs.contiguous(), batch.targets.contiguous()};
+  if (scaled) inputs.push_back(loss_scale.reshape({1}).to(torch::kFloat).contiguous());
+  std::vector<torch::Tensor> outputs = graph.loader->run(inputs);
+  // fp16-mixed: the graph's loss output is loss x scale (the value it differentiates); the scale
+  // is a power of two, so dividing it out is exact.
+  if (scaled) outputs[0] = outputs[0] / loss_scale.reshape({});
   for (size_t k = 0; k < graph.gradient_of.size(); ++k) {
     torch::Tensor& param = parameters_[graph.gradient_of[k]].second;
     torch::Tensor& gradient = outputs[k + 1];
@@ -283,7 +284,7 @@ size_t CompiledStep::load_graph(Kind& kind, GraphShape& shape) {
   const CompilerPython& python = CompilerPython::probe(options_.python);
   const char* graph_kind = kind_name(kind.eval);
   const Fingerprint fingerprint =
-      fingerprint_of(python, model_json_, graph_kind, shape, device_, nullptr);
+      fingerprint_of(python, model_json_, graph_kind, shape, device_, precision_, nullptr);
   CompileReport::Graph entry;
   entry.shape = shape;
   std::string why_not;
@@ -307,6 +308,7 @@ size_t CompiledStep::load_graph(Kind& kind, GraphShape& shape) {
         {"targets", {{"shape", shape.shapes.targets}, {"dtype", "int64"}}},
         {"dynamic", shape.to_json()["dynamic"]},
         {"device", device_.is_cuda() ? "cuda" : "cpu"},
+        {"precision", precision_name(precision_)},
         {"package", (scratch / "model.pt2").string()},
         {"threads", at::get_num_threads()},
         {"deterministic", at::globalContext().deterministicAlgorithms()},
@@ -398,6 +400,16 @@ size_t CompiledStep::load_graph(Kind& kind, GraphShape& shape) {
       entry.shape = accepted;
     }
   }
+  const json expected_inputs = !kind.eval && precision_ == TrainOptions::Precision::kFp16Mixed
+                                   ? json{"inputs", "targets", "loss_scale"}
+                                   : json{"inputs", "targets"};
+  if (report.value("inputs", json{"inputs", "targets"}) != expected_inputs) {
+    throw UserError(fmt::format(
+        "the compiled package {} takes {}, not {} (train.precision = \"{}\"); remove it from "
+        "compile.cache_dir",
+        hit->package.string(), report.value("inputs", json::array()).dump(), expected_inputs.dump(),
+        precision_name(precision_)));
+  }
   if (kind.eval) {
     const json outputs = report.value("outputs", json::array());
     if (outputs.empty() || outputs[0] != "loss" || outputs.size() > 2 ||
@@ -440,15 +452,11 @@ size_t CompiledStep::load_graph(Kind& kind, GraphShape& shape) {
 void check_compile_start(const Config& config) {
   const CompileOptions options = CompileOptions::from_config(config);
   if (options.backend == CompileOptions::Backend::kEager) return;
-  refuse_unsupported_training(config, options);
+  // The combinations (precision, activation checkpointing, FSDP, device, fused optimizer) are
+  // the [compile] section's rules, checked when the config was loaded. What remains depends on
+  // this build and machine:
   if (options.cuda_graphs()) {
     cuda_graph_recorders(resolve_device(config));  // CUDA device and a CUDA build, else UserError
-    if (!config.get_bool("optim.fused")) {
-      throw UserError(fmt::format(
-          "compile.backend = \"{}\" captures the optimizer with a learning rate read on the "
-          "device, which needs the fused optimizer; set optim.fused = true",
-          backend_name(options.backend)));
-    }
   }
   if (!options.inductor()) return;
   CompilerPython::probe(options.python);

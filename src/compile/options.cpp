@@ -49,6 +49,18 @@ std::optional<std::vector<int64_t>> parse_probe_seq_lens(const std::string& text
   return out;
 }
 
+double default_compile_tolerance(TrainOptions::Precision precision) {
+  switch (precision) {
+    case TrainOptions::Precision::kFp32:
+      return 1e-4;
+    case TrainOptions::Precision::kBf16Mixed:
+      return 2e-2;
+    case TrainOptions::Precision::kFp16Mixed:
+      return 5e-3;
+  }
+  return 1e-4;
+}
+
 const char* backend_name(CompileOptions::Backend backend) {
   switch (backend) {
     case CompileOptions::Backend::kEager:
@@ -98,7 +110,10 @@ CompileOptions CompileOptions::from_config(const Config& config) {
       if (seq_len / divisor >= 2) o.probe_seq_lens.push_back(seq_len / divisor);
     }
   }
-  o.tolerance = config.get_float("compile.tolerance");
+  const double tolerance = config.get_float("compile.tolerance");
+  o.tolerance = tolerance > 0
+                    ? tolerance
+                    : default_compile_tolerance(TrainOptions::from_config(config).precision);
   o.min_speedup = config.get_float("compile.min_speedup");
   o.warmup_steps = config.get_int("compile.warmup_steps");
   o.steps = config.get_int("compile.steps");

@@ -1,11 +1,128 @@
 // The [compile] section of the config schema and its rules (checked by `kiln config validate` and
 // before `kiln train` or `kiln compile` writes anything).
+#include <torch/cuda.h>
+
 #include <string>
 
 #include "core/schema_sections.h"
 #include "kiln/compile.h"
 
 namespace kiln {
+
+namespace {
+
+// The combinations of compile.backend with the rest of the step (train.precision,
+// train.activation_checkpointing, dist.strategy, run.device, optim.fused) that kiln refuses, as
+// rules: `kiln config validate` refuses exactly what `kiln train` and `kiln ladder` would. What
+// the config cannot decide (dist.strategy = "auto" resolving to fsdp by the model's memory) is
+// refused when the run's directories are locked, before anything is written
+// (src/rungs/session.cpp).
+
+bool inductor_backend(const Config& c) {
+  const std::string& b = c.get_string("compile.backend");
+  return b == "inductor" || b == "inductor+cudagraphs";
+}
+
+bool captured_backend(const Config& c) {
+  const std::string& b = c.get_string("compile.backend");
+  return b == "cudagraphs" || b == "inductor+cudagraphs";
+}
+
+std::string backend_is(const Config& c) {
+  return "compile.backend = \"" + c.get_string("compile.backend") + "\"";
+}
+
+std::vector<ConfigRule> compile_rules() {
+  return {
+      {"compile.probe_seq_lens must be integers separated by commas",
+       [](const Config& c) -> std::string {
+         try {
+           parse_probe_seq_lens(c.get_string("compile.probe_seq_lens"));
+         } catch (const std::exception& e) {
+           return e.what();
+         }
+         return "";
+       },
+       {"compile.probe_seq_lens=8,x"}},
+      {"an AOTInductor step (compile.backend = \"inductor\") compiles the whole step, so "
+       "train.activation_checkpointing = \"block\" needs compile.backend = \"eager\" (per-unit "
+       "compilation is not in kiln yet)",
+       [](const Config& c) -> std::string {
+         if (!inductor_backend(c) || c.get_string("train.activation_checkpointing") == "none")
+           return "";
+         return "train.activation_checkpointing = \"block\" with " + backend_is(c) +
+                ": the compiled step is one graph for the whole forward and backward, so it "
+                "cannot recompute a block's activations (that needs per-unit compilation, not in "
+                "kiln yet); set train.activation_checkpointing = \"none\" or compile.backend = "
+                "\"eager\"";
+       },
+       {"compile.backend=inductor", "train.activation_checkpointing=block"}},
+      {"a compiled or captured step (compile.backend other than \"eager\") needs dist.strategy "
+       "other than \"fsdp\" (FSDP gathers parameters around each unit's eager forward)",
+       [](const Config& c) -> std::string {
+         if (c.get_string("compile.backend") == "eager" || c.get_string("dist.strategy") != "fsdp")
+           return "";
+         return "dist.strategy = \"fsdp\" with " + backend_is(c) + ": " +
+                fsdp_with_compile_problem() +
+                "; set dist.strategy = \"ddp\" or "
+                "compile.backend = \"eager\"";
+       },
+       {"compile.backend=inductor", "dist.strategy=fsdp"}},
+      {"CUDA graphs (compile.backend = \"cudagraphs\", \"inductor+cudagraphs\") need a CUDA "
+       "device: run.device = \"cuda\", or \"auto\" where CUDA is available",
+       [](const Config& c) -> std::string {
+         if (!captured_backend(c)) return "";
+         const std::string& device = c.get_string("run.device");
+         if (device == "cuda" || (device == "auto" && torch::cuda::is_available())) return "";
+         return backend_is(c) + " captures GPU work and needs a CUDA device (run.device = " +
+                "\"cuda\"), but run.device = \"" + device + "\"" +
+                (device == "auto" ? " finds none" : "") +
+                "; on the CPU use compile.backend = \"inductor\" or \"eager\"";
+       },
+       {"compile.backend=cudagraphs", "run.device=cpu"}},
+      {"CUDA graphs need optim.fused = true (the captured optimizer reads its learning rate on "
+       "the device)",
+       [](const Config& c) -> std::string {
+         if (!captured_backend(c) || c.get_bool("optim.fused")) return "";
+         return backend_is(c) +
+                " captures the optimizer with a learning rate read on the device, which needs "
+                "the fused optimizer; set optim.fused = true";
+       },
+       {"compile.backend=cudagraphs", "run.device=cuda", "optim.fused=false"}},
+      {"CUDA graphs capture the fp32 step only: train.precision = \"fp32\" (mixed precision "
+       "under a capture is not verified yet)",
+       [](const Config& c) -> std::string {
+         if (!captured_backend(c) || c.get_string("train.precision") == "fp32") return "";
+         return "train.precision = \"" + c.get_string("train.precision") + "\" with " +
+                backend_is(c) +
+                ": the captured step is not verified under mixed precision yet (autocast's "
+                "weight casts and the fp16 loss scaler inside a CUDA graph); set train.precision "
+                "= \"fp32\", or compile.backend = \"inductor\" (mixed precision inside the "
+                "AOTInductor graph) or \"eager\"";
+       },
+       {"compile.backend=cudagraphs", "run.device=cuda", "train.precision=bf16-mixed"}},
+      {"CUDA graphs capture the step without activation checkpointing: "
+       "train.activation_checkpointing = \"none\" with compile.backend = \"cudagraphs\"",
+       [](const Config& c) -> std::string {
+         if (c.get_string("compile.backend") != "cudagraphs" ||
+             c.get_string("train.activation_checkpointing") == "none")
+           return "";
+         return "train.activation_checkpointing = \"block\" with " + backend_is(c) +
+                ": the recomputation saves and restores the RNG state, which a CUDA graph "
+                "capture cannot read (not verified yet); set train.activation_checkpointing = "
+                "\"none\" or compile.backend = \"eager\"";
+       },
+       {"compile.backend=cudagraphs", "run.device=cuda", "train.activation_checkpointing=block"}},
+  };
+}
+
+}  // namespace
+
+std::string fsdp_with_compile_problem() {
+  return "FSDP gathers each unit's parameters around its eager forward and frees them after, "
+         "which a whole-step compiled or captured graph bypasses (per-unit compilation is not in "
+         "kiln yet)";
+}
 
 ConfigSection compile_section() {
   return {
@@ -27,8 +144,10 @@ ConfigSection compile_section() {
           string_key("compile", "probe_seq_lens", "", {},
                      "the compile rung's shape probe: comma-separated sequence lengths ('' = "
                      "data.seq_len/2 and data.seq_len/4; 'none' = no probe)"),
-          float_key("compile", "tolerance", 1e-4, 0.0, 1.0,
-                    "gate: max relative difference of compiled and eager losses and parameters"),
+          float_key("compile", "tolerance", 0.0, 0.0, 1.0,
+                    "gate: max relative difference of compiled and eager losses and parameters "
+                    "(0 = the precision's default: fp32 1e-4, bf16-mixed 2e-2, fp16-mixed 5e-3; "
+                    "docs/compile.md)"),
           float_key("compile", "min_speedup", 1.05, 0.0, kUnbounded,
                     "the rung says 'keep the compiled step' at this steady-state speedup or more"),
           int_key("compile", "warmup_steps", 3, 0, 1e6,
@@ -42,18 +161,7 @@ ConfigSection compile_section() {
                      "the Python whose torch compiles ('' = $KILN_PYTHON, else the one kiln was "
                      "built with); its torch must match kiln's LibTorch"),
       },
-      {
-          {"compile.probe_seq_lens must be integers separated by commas",
-           [](const Config& c) -> std::string {
-             try {
-               parse_probe_seq_lens(c.get_string("compile.probe_seq_lens"));
-             } catch (const std::exception& e) {
-               return e.what();
-             }
-             return "";
-           },
-           {"compile.probe_seq_lens=8,x"}},
-      }};
+      compile_rules()};
 }
 
 }  // namespace kiln

@@ -193,6 +193,7 @@ RungResult run_compile(Session& session) {
   }
 
   json numbers = {{"backend", backend_name(options.backend)},
+                  {"precision", config.get_string("train.precision")},
                   {"dynamic", dynamic_name(options.dynamic)},
                   {"fullgraph", options.fullgraph},
                   {"recompile_limit", options.recompile_limit},
@@ -477,8 +478,9 @@ RungResult run_compile(Session& session) {
 
   auto& t = result.table;
   t.emplace_back("backend",
-                 fmt::format("{} (dynamic = {}, fullgraph = {})", backend_name(options.backend),
-                             dynamic_name(options.dynamic), options.fullgraph));
+                 fmt::format("{} (dynamic = {}, fullgraph = {}, precision {})",
+                             backend_name(options.backend), dynamic_name(options.dynamic),
+                             options.fullgraph, config.get_string("train.precision")));
   auto graph_text = [](const std::vector<CompileReport::Graph>& list) {
     std::string text;
     for (const auto& g : list) {
@@ -507,7 +509,14 @@ RungResult run_compile(Session& session) {
                                               eval_graphs.empty() ? std::string("none (eager)")
                                                                   : graph_text(eval_graphs)));
   }
-  t.emplace_back("graph breaks", "none (fullgraph)");
+  // Graph breaks stop the rung above (fullgraph = true) or make it run eager and return early
+  // (fullgraph = false): here the step compiled whole; the line says which setting that ran under.
+  t.emplace_back("graph breaks",
+                 !report.breaks.empty() ? describe_breaks(report.breaks)
+                 : options.fullgraph
+                     ? std::string("none (compile.fullgraph = true: a break would stop the rung)")
+                     : std::string("none found (compile.fullgraph = false: a break would have "
+                                   "run the step eager)"));
   t.emplace_back("recompiles", recompile_text(report.recompiles));
   if (step) t.emplace_back("eval recompiles", recompile_text(step->report().eval_recompiles));
   auto time_row = [&](const std::vector<double>& seconds) {
@@ -525,9 +534,12 @@ RungResult run_compile(Session& session) {
                                         speedup, options.steps, options.warmup_steps));
   t.emplace_back("numerics",
                  fmt::format("losses max rel diff {:.2e}, parameters {:.2e} (most in {}: {:.2e}), "
-                             "eval losses {:.2e}; tolerance {:.0e}",
+                             "eval losses {:.2e}; tolerance {:.0e}{}",
                              worst_loss_difference, parameter_diff, parameters.worst_name,
-                             parameters.worst_tensor, worst_eval_difference, options.tolerance));
+                             parameters.worst_tensor, worst_eval_difference, options.tolerance,
+                             config.get_float("compile.tolerance") > 0
+                                 ? std::string(" (compile.tolerance)")
+                                 : " (" + config.get_string("train.precision") + "'s default)"));
   if (!ddp_row.empty()) t.emplace_back("DDP overlap", ddp_row);
   t.emplace_back("peak memory",
                  fmt::format("eager {}, compiled {} ({})", format_bytes(eager_peak.allocated_bytes),

@@ -537,8 +537,15 @@ std::vector<std::pair<std::string, std::string>> scale_table(const Session& sess
                              1e3 * global["comm_busy_seconds_per_step"].get<double>(),
                              1e3 * global["comm_exposed_seconds_per_step"].get<double>(),
                              100 * global["comm_exposed_share_of_step"].get<double>()));
-  t.emplace_back("replicas",
-                 o.in_sync() ? "in sync (weights " + o.hashes[0] + ")" : std::string("DIFFER"));
+  // Under FSDP nothing is replicated: each rank holds its own shard, and the hashes compared
+  // are of the weights every rank all-gathered from the same shards, equal by construction. So
+  // the line claims no check there.
+  t.emplace_back("replicas", session.fsdp
+                                 ? "n/a (sharded: each rank holds its own shard; consolidated "
+                                   "weights " +
+                                       o.hashes[0] + ")"
+                             : o.in_sync() ? "in sync (weights " + o.hashes[0] + ")"
+                                           : std::string("DIFFER"));
   t.emplace_back("strategy", session.strategy + " (" + session.strategy_reason + ")");
   constexpr double kMiB = 1024.0 * 1024.0;
   if (!o.per_rank.empty() && o.per_rank[0].contains("memory")) {

@@ -8,6 +8,7 @@
 #include "core/files.h"
 #include "core/strings.h"
 #include "kiln/checkpoint.h"
+#include "kiln/compile.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
 
@@ -24,6 +25,22 @@ double proc_status_bytes(const std::string& field) {
   return -1;
 }
 
+// The one combination the [compile] rules cannot decide from the config: dist.strategy = "auto"
+// picks fsdp by the model's memory, and FSDP does not compose with a compiled or captured step.
+// Asked here, where a run starts and before anything is written; "" when it trains.
+std::string auto_strategy_problem(const Config& config, const Communicator& comm) {
+  if (!comm.parallel() || config.get_string("compile.backend") == "eager" ||
+      config.get_string("dist.strategy") != "auto")
+    return "";
+  torch::Device device = resolve_device(config);
+  if (device.is_cuda()) device = torch::Device(torch::kCUDA, comm.local_rank());
+  const StrategyChoice choice =
+      resolve_strategy(config, *make_model(config), device, comm.world_size());
+  if (choice.strategy != "fsdp") return "";
+  return fmt::format("{}: {}; set dist.strategy = \"ddp\" or compile.backend = \"eager\"",
+                     choice.reason, fsdp_with_compile_problem());
+}
+
 }  // namespace
 
 std::shared_ptr<RunLock> lock_run_directories(const Config& config, Communicator& comm,
@@ -31,6 +48,13 @@ std::shared_ptr<RunLock> lock_run_directories(const Config& config, Communicator
   std::shared_ptr<RunLock> lock;
   std::string error;
   if (comm.rank() == 0) {
+    try {
+      error = auto_strategy_problem(config, comm);
+    } catch (const std::exception& e) {
+      error = one_line_error(e);
+    }
+  }
+  if (comm.rank() == 0 && error.empty()) {
     try {
       std::vector<const char*> args;
       for (const auto& arg : argv) args.push_back(arg.c_str());
@@ -87,12 +111,8 @@ std::unique_ptr<Session> open_session(const Config& config, const SessionOptions
     session->strategy = choice.strategy;
     session->strategy_reason = choice.reason;
     session->strategy_decision = choice.decision;
-    if (session->strategy == "fsdp" && config.get_string("compile.backend") != "eager") {
-      throw UserError(fmt::format(
-          "{}: fsdp gathers parameters around each unit's eager forward, which a compiled step "
-          "bypasses; set compile.backend = \"eager\" or dist.strategy = \"ddp\"",
-          session->strategy_reason));
-    }
+    // fsdp with a compiled step: refused before this, by the [compile] rule (dist.strategy =
+    // "fsdp") or by lock_run_directories (dist.strategy = "auto" resolving to fsdp).
     if (session->strategy == "fsdp") {
       session->fsdp =
           FullyShardedDataParallel::attach(*session->trainer, session->comm, fsdp_options(config));

@@ -54,6 +54,9 @@ class MixedPrecision {
   /// Autocast for the forward and the loss on the trainer's device type (as
   /// torch.autocast(device_type, dtype)) while the result lives; null under fp32.
   std::unique_ptr<AutocastGuard> autocast_scope() const;
+  /// fp16-mixed: the current scale (float32 [1] on the device, updated in place); undefined
+  /// otherwise. A compiled step differentiates loss x this inside its graph.
+  const torch::Tensor& loss_scale() const { return scale_; }
   /// The loss to call backward on: loss x scale under fp16-mixed, `loss` otherwise.
   torch::Tensor scale_loss(const torch::Tensor& loss) const;
   /// fp16-mixed: divides every gradient by the scale in place (ATen's

@@ -254,7 +254,8 @@ torch::Tensor Trainer::device_step(int micro_steps, const std::function<Batch(in
     torch::Tensor loss;
     if (compiled_) {  // forward and backward in one compiled call, marked as the forward phase
       PhaseScope phase(*this, Phase::kForward);
-      loss = compiled_->forward_backward(batch, 1.0 / static_cast<double>(micro_steps));
+      loss = compiled_->forward_backward(batch, 1.0 / static_cast<double>(micro_steps),
+                                         precision_->loss_scale());
     }
     if (!loss.defined()) {
       {

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -51,7 +52,9 @@ TEST(CompiledStep, TheRungCompilesColdThenLoadsTheCachedPackage) {
                            " --set compile.backend=inductor --set compile.warmup_steps=1"
                            " --set compile.steps=4 --set compile.cache_dir=" +
                            (dir / "cache").string();
-  const CommandResult cold = run_kiln(args);
+  // The verdict follows compile.min_speedup whatever the machine measures: 0 keeps the compiled
+  // step, 1e9 stays eager.
+  const CommandResult cold = run_kiln(args + " --set compile.min_speedup=0");
   ASSERT_EQ(cold.exit_code, 0) << cold.out << cold.err;
   json first = read_json(dir / "c" / "compile.json");
   EXPECT_EQ(first["cache"], "cold");
@@ -64,12 +67,12 @@ TEST(CompiledStep, TheRungCompilesColdThenLoadsTheCachedPackage) {
   EXPECT_LE(first["numerics"]["max_relative_loss_difference"].get<double>(), 1e-4);
   EXPECT_LE(first["numerics"]["max_relative_parameter_difference"].get<double>(), 1e-4);
   EXPECT_EQ(first["numerics"]["compiled_losses"].size(), 5u);
-  EXPECT_GT(first["speedup"].get<double>(), 0.0);
-  const std::string verdict = first["verdict"];
-  EXPECT_TRUE(verdict.rfind("keep the compiled step", 0) == 0 ||
-              verdict.rfind("stay eager", 0) == 0)
-      << verdict;
+  EXPECT_EQ(first["numerics"]["tolerance"], 1e-4);  // fp32's default (compile.tolerance = 0)
+  EXPECT_EQ(first["precision"], "fp32");
+  EXPECT_EQ(first["verdict"].get<std::string>().rfind("keep the compiled step: ", 0), 0u)
+      << first["verdict"];
   EXPECT_NE(cold.out.find("compile — PASSED"), std::string::npos) << cold.out;
+  EXPECT_NE(cold.out.find("none (compile.fullgraph = true"), std::string::npos) << cold.out;
   // Evaluation ran through its own forward-only package (built cold too) and agrees with eager.
   ASSERT_EQ(first["eval_graphs"], 1);
   const json eval_graph = first["compile"]["eval"]["graphs"][0];
@@ -81,9 +84,16 @@ TEST(CompiledStep, TheRungCompilesColdThenLoadsTheCachedPackage) {
   EXPECT_LE(first["numerics"]["max_relative_eval_loss_difference"].get<double>(), 1e-4);
   EXPECT_EQ(first["eval"]["accuracy_compiled"], first["eval"]["accuracy_eager"]) << first["eval"];
 
-  const CommandResult warm = run_kiln(args + " --set run.name=w");
+  // compile.fullgraph is no part of the package: the same one, and the graph-breaks line says
+  // which setting the step ran under.
+  const CommandResult warm = run_kiln(args +
+                                      " --set run.name=w --set compile.min_speedup=1e9"
+                                      " --set compile.fullgraph=false");
   ASSERT_EQ(warm.exit_code, 0) << warm.out << warm.err;
+  EXPECT_NE(warm.out.find("none found (compile.fullgraph = false"), std::string::npos) << warm.out;
   json second = read_json(dir / "w" / "compile.json");
+  EXPECT_EQ(second["verdict"].get<std::string>().rfind("stay eager: the compiled step is", 0), 0u)
+      << second["verdict"];
   EXPECT_EQ(second["cache"], "cached");
   EXPECT_TRUE(second["compile"]["graphs"][0]["cache_hit"].get<bool>());
   EXPECT_EQ(second["compile"]["graphs"][0]["package"], first["compile"]["graphs"][0]["package"]);
@@ -136,6 +146,103 @@ TEST(CompiledStep, TrainingWithAccumulationMatchesEagerTraining) {
   }
 }
 
+// The largest relative difference of two runs' per-step losses (both must have `steps`).
+double worst_loss_difference(const std::map<int64_t, double>& a, const std::map<int64_t, double>& b,
+                             size_t steps) {
+  EXPECT_EQ(a.size(), steps);
+  EXPECT_EQ(b.size(), steps);
+  double worst = 0;
+  for (const auto& [step, loss] : a) {
+    const auto it = b.find(step);
+    if (it == b.end()) return INFINITY;
+    worst = std::max(worst, std::abs(it->second - loss) / std::abs(loss));
+  }
+  return worst;
+}
+
+// Mixed precision inside the compiled graph: the package is exported under torch.autocast (the
+// policy of kiln's eager step), so compiled and eager of the same precision agree far more
+// closely than either agrees with fp32. Measured on this mlp: compiled vs eager 2.2e-7 relative
+// (bf16-mixed, 6 steps, accumulation 2) and 1.1e-7 (fp16-mixed, 4 steps): the same low-precision
+// matmuls, fusion order only; bf16 vs fp32 1.3e-4, fp16 vs fp32 2.0e-5.
+constexpr double kMixedTolerance = 2e-6;
+constexpr double kPrecisionControl = 5 * kMixedTolerance;  // fp32 differs by more than this
+
+TEST(CompiledStep, BfloatMixedTrainsInsideTheGraphUnderDdpWithAccumulation) {
+  TempDir dir;
+  std::map<std::string, std::map<int64_t, double>> losses;
+  for (const auto& [name, set] : std::vector<std::pair<std::string, std::string>>{
+           {"eager", "--set train.precision=bf16-mixed"},
+           {"compiled", "--set train.precision=bf16-mixed --set compile.backend=inductor"},
+           {"fp32", ""}}) {
+    const CommandResult r =
+        run_shell(std::string(KILN_TORCHRUN) + " --standalone --nproc-per-node=2 --no-python " +
+                  KILN_CLI + " train " + mlp_args(dir.path(), name) +
+                  " --set train.steps=6 --set train.grad_accum_steps=2 " + set + shared_cache());
+    ASSERT_EQ(r.exit_code, 0) << name << r.out << r.err;
+    losses[name] = read_step_losses(dir / name / "metrics.jsonl");
+  }
+  EXPECT_LE(worst_loss_difference(losses["eager"], losses["compiled"], 6), kMixedTolerance);
+  // The control: a package without the autocast policy would match fp32, which differs.
+  EXPECT_GT(worst_loss_difference(losses["fp32"], losses["compiled"], 6), kPrecisionControl);
+}
+
+TEST(CompiledStep, HalfMixedDifferentiatesTheScaledLossInsideTheGraph) {
+  // fp16-mixed: the graph takes the loss scaler's scale (2^16 at first) and returns the
+  // gradients of loss x scale; kiln unscales them, checks for overflow and updates the scale.
+  TempDir dir;
+  std::map<std::string, std::map<int64_t, double>> losses;
+  for (const auto& [name, set] : std::vector<std::pair<std::string, std::string>>{
+           {"eager", "--set train.precision=fp16-mixed"},
+           {"compiled", "--set train.precision=fp16-mixed --set compile.backend=inductor"},
+           {"fp32", ""}}) {
+    const CommandResult r = run_kiln("train " + mlp_args(dir.path(), name) +
+                                     " --set train.steps=4 " + set + shared_cache());
+    ASSERT_EQ(r.exit_code, 0) << name << r.out << r.err;
+    losses[name] = read_step_losses(dir / name / "metrics.jsonl");
+  }
+  EXPECT_LE(worst_loss_difference(losses["eager"], losses["compiled"], 4), kMixedTolerance);
+  EXPECT_GT(worst_loss_difference(losses["fp32"], losses["compiled"], 4), kPrecisionControl);
+}
+
+TEST(CompiledStep, EagerHalfMixedWithCheckpointingTrainsUnderFsdpWithAccumulation) {
+  // A cell of the production-step matrix with no compiled step: eager x fp16-mixed x
+  // activation checkpointing x FSDP x accumulation 2, two ranks, three steps.
+  TempDir dir;
+  const CommandResult r =
+      run_shell(std::string(KILN_TORCHRUN) + " --standalone --nproc-per-node=2 --no-python " +
+                KILN_CLI + " train " + (source_dir() / "configs/gpt-tiny.toml").string() +
+                " --set run.dir=" + dir.path().string() +
+                " --set run.name=f --set run.progress=off --set run.threads=1 --set model.n_layer=2"
+                " --set model.n_embd=32 --set model.n_head=2 --set model.block_size=16"
+                " --set data.seq_len=16 --set train.batch_size=2 --set data.num_workers=0"
+                " --set train.eval_batches=1 --set train.steps=3 --set train.grad_accum_steps=2"
+                " --set train.precision=fp16-mixed --set train.activation_checkpointing=block"
+                " --set dist.strategy=fsdp");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const auto losses = read_step_losses(dir / "f" / "metrics.jsonl");
+  ASSERT_EQ(losses.size(), 3u);
+  for (const auto& [step, loss] : losses) EXPECT_TRUE(std::isfinite(loss)) << step;
+  EXPECT_NE(r.err.find("strategy fsdp"), std::string::npos) << r.err;
+}
+
+TEST(CompiledStep, AutoStrategyResolvingToFsdpIsRefusedBeforeAnythingIsWritten) {
+  // dist.strategy = "auto" decides by the model's memory, so no rule can: with a device of 1 KB
+  // it picks fsdp, and a compiled step is refused at the start, with one line, writing nothing.
+  TempDir dir;
+  const CommandResult r = run_shell(
+      std::string(KILN_TORCHRUN) + " --standalone --nproc-per-node=2 --no-python " + KILN_CLI +
+      " train " + mlp_args(dir.path(), "auto") +
+      " --set train.steps=2 --set compile.backend=inductor --set dist.device_memory_bytes=1000" +
+      shared_cache());
+  EXPECT_NE(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("dist.strategy = \"auto\": fsdp"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("FSDP gathers each unit's parameters around its eager forward"),
+            std::string::npos)
+      << r.err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "auto")) << r.err;
+}
+
 TEST(CompiledStep, UnderDataParallelTheGradientsAreReducedAfterThePackageReturns) {
   // Autograd's gradient hooks do not fire for a compiled micro-step: DDP reduces every bucket in
   // on_gradients_ready instead. Two ranks under torchrun, compiled against eager.
@@ -180,11 +287,10 @@ TEST(CompiledStep, TheRungUnderDdpReportsTheOverlapLost) {
     const double share = ddp[side]["comm_overlapped_share"].get<double>();
     EXPECT_TRUE(share >= 0.0 && share <= 1.0) << side << share;
   }
-  EXPECT_GE(ddp["eager"]["collectives_started_in_backward_per_step"].get<double>(), 1.0) << ddp;
+  // The mlp's gradients fit the first bucket: eager starts exactly that one all-reduce from
+  // autograd's hooks during backward, the compiled step none (its buckets start after it).
+  EXPECT_EQ(ddp["eager"]["collectives_started_in_backward_per_step"].get<double>(), 1.0) << ddp;
   EXPECT_EQ(ddp["compiled"]["collectives_started_in_backward_per_step"].get<double>(), 0.0) << ddp;
-  EXPECT_DOUBLE_EQ(ddp["overlap_lost_seconds_per_step"].get<double>(),
-                   ddp["compiled"]["comm_exposed_seconds_per_step"].get<double>() -
-                       ddp["eager"]["comm_exposed_seconds_per_step"].get<double>());
   EXPECT_NE(r.out.find("DDP overlap"), std::string::npos) << r.out;
   EXPECT_LE(j["eval"]["relative_difference"].get<double>(), 1e-4) << j["eval"];
 }
@@ -301,7 +407,7 @@ TEST(CompiledStep, BadSetupIsOneLineExitTwoAndWritesNothing) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--set compile.backend=inductor --set compile.python=" + (dir / "nope").string(),
        "cannot run Python"},
-      {"--set compile.backend=cudagraphs", "needs run.device = \"cuda\""},
+      {"--set compile.backend=cudagraphs", "needs a CUDA device (run.device = \"cuda\")"},
       {"--set compile.backend=inductor --set compile.cache_dir=" + (dir / "file" / "c").string(),
        "compile.cache_dir"},
   };

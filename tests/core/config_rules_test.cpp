@@ -49,6 +49,74 @@ TEST(ConfigRules, TheSectionsDeclareTheKnownRules) {
   EXPECT_EQ(per_section["data"], 6);
   EXPECT_EQ(per_section["optim"], 2);
   EXPECT_EQ(per_section["dist"], 1);
+  EXPECT_EQ(per_section["compile"], 7);  // probe_seq_lens + the step matrix's six
+}
+
+// The production step's matrix: compile.backend x train.precision x
+// train.activation_checkpointing x parallelism x train.grad_accum_steps, on a CPU and on a CUDA
+// device. Every cell either passes validate() or is refused by a rule; the expected refusals are
+// written out here, independently of the rules: an AOTInductor step (one graph for the whole
+// step) has no activation checkpointing, no compiled or captured step runs under FSDP, CUDA
+// graphs need a CUDA device and capture the fp32 step without checkpointing. (`kiln train`
+// refuses what validate refuses: ValidateAndTrainRefuseEveryExampleWritingNothing; a sample of
+// the accepted cells trains in tests/compile/compiled_step_test.cpp.)
+TEST(ConfigRules, TheProductionStepMatrixIsDecidedByRules) {
+  int accepted = 0, refused = 0;
+  for (const std::string device : {"cpu", "cuda"}) {
+    for (const std::string backend : {"eager", "inductor", "cudagraphs", "inductor+cudagraphs"}) {
+      for (const std::string precision : {"fp32", "bf16-mixed", "fp16-mixed"}) {
+        for (const std::string checkpointing : {"none", "block"}) {
+          for (const std::string strategy : {"single", "ddp", "fsdp"}) {
+            for (const int accumulation : {1, 2}) {
+              const bool inductor = backend == "inductor" || backend == "inductor+cudagraphs";
+              const bool captured = backend == "cudagraphs" || backend == "inductor+cudagraphs";
+              std::vector<std::string> why;  // the lines any of which may refuse the cell
+              if (inductor && checkpointing == "block")
+                why.push_back("cannot recompute a block's activations");
+              if (backend != "eager" && strategy == "fsdp")
+                why.push_back("FSDP gathers each unit's parameters around its eager forward");
+              if (captured && device == "cpu") why.push_back("needs a CUDA device");
+              if (captured && precision != "fp32")
+                why.push_back("not verified under mixed precision");
+              if (backend == "cudagraphs" && checkpointing == "block")
+                why.push_back("a CUDA graph capture cannot read");
+              const std::vector<std::string> cell = {
+                  "run.device=" + device, "compile.backend=" + backend,
+                  "train.precision=" + precision, "train.activation_checkpointing=" + checkpointing,
+                  // single: a world of one, whatever dist.strategy says ("auto" here)
+                  "dist.strategy=" + std::string(strategy == "single" ? "auto" : strategy),
+                  "train.grad_accum_steps=" + std::to_string(accumulation)};
+              std::string trace;
+              for (const auto& a : cell) trace += a + " ";
+              SCOPED_TRACE(trace);
+              Config config = defaults_with(cell);
+              std::string problem;
+              try {
+                config.validate();
+              } catch (const UserError& e) {
+                problem = e.what();
+              }
+              if (why.empty()) {
+                EXPECT_EQ(problem, "");
+                ++accepted;
+                continue;
+              }
+              ++refused;
+              EXPECT_TRUE(std::any_of(
+                  why.begin(), why.end(),
+                  [&](const std::string& w) { return problem.find(w) != std::string::npos; }))
+                  << "refused with: " << problem;
+              EXPECT_EQ(problem.find('\n'), std::string::npos) << problem;
+            }
+          }
+        }
+      }
+    }
+  }
+  // eager: 36 cells per device; inductor: fp32/bf16/fp16 x single/ddp x 1/2 = 12; cudagraphs and
+  // inductor+cudagraphs on CUDA: fp32, no checkpointing, single/ddp, 1/2 = 4 each.
+  EXPECT_EQ(accepted, 2 * (36 + 12) + 4 + 4);
+  EXPECT_EQ(accepted + refused, 2 * 144);
 }
 
 TEST(ConfigRules, EachExampleBreaksItsRuleAndNoOther) {

@@ -127,6 +127,7 @@ class CompileScript(unittest.TestCase):
                                           "max": 9}]), "dynamic[0].dim = 2"),
             (lambda s: s.update(dynamic=[{"tensor": "inputs", "dim": 0, "name": "b", "min": 9,
                                           "max": 16}]), "example size 8 is outside 9..16"),
+            (lambda s: s.update(precision="fp8"), "precision = 'fp8'"),
         ]
         with tempfile.TemporaryDirectory(prefix="kiln-compile-") as d:
             spec_path, result_path = os.path.join(d, "spec.json"), os.path.join(d, "result.json")
@@ -142,6 +143,52 @@ class CompileScript(unittest.TestCase):
                 self.assertIn(expected, result["error"])
             self.assertEqual(kc.main(["--spec", os.path.join(d, "absent.json"),
                                       "--result", result_path]), 2)
+
+
+class MixedPrecisionExport(unittest.TestCase):
+    """The autocast policy is part of the exported graph (export only, no AOTInductor build: the
+    C++ tests build and run bf16 and fp16 packages against kiln's eager step)."""
+
+    def exported_dtypes(self, precision, graph="train"):
+        with tempfile.TemporaryDirectory(prefix="kiln-compile-") as d:
+            spec = dict(mlp_spec(d), precision=precision, graph=graph)
+        torch.manual_seed(0)
+        model = models.build(spec["model"])
+        kind = kc.EvalOutputs if graph == "eval" else (
+            kc.ScaledTrainLoss if kc.scales_loss(spec) else kc.TrainLoss)
+        module = kind(model, "cpu", precision)
+        args = kc.example_inputs(spec, "cpu")
+        ep, _ = kc.export(module, args, spec, [])
+        # The autocast regions are submodules of the graph (wrap_with_autocast): look inside.
+        dtypes = {n.meta["val"].dtype for m in ep.graph_module.modules()
+                  if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
+                  if isinstance(n.meta.get("val"), torch.Tensor)}
+        users = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+        with torch.autocast("cpu", dtype=kc.AUTOCAST[precision],
+                            enabled=kc.AUTOCAST[precision] is not None):
+            want = models.loss(model(args[0]), args[1])
+        got = ep.module()(*args)
+        got = got[0] if isinstance(got, tuple) else got
+        return dtypes, len(users), got.item(), want.item() * (args[2].item() if len(args) == 3 else 1)
+
+    def test_bf16_graph_computes_in_bf16_and_matches_autocast(self):
+        dtypes, inputs, got, want = self.exported_dtypes("bf16-mixed")
+        self.assertIn(torch.bfloat16, dtypes)
+        self.assertEqual(inputs, 2)
+        self.assertAlmostEqual(got, want, delta=1e-6 * abs(want))
+        dtypes, _, _, _ = self.exported_dtypes("fp32")
+        self.assertNotIn(torch.bfloat16, dtypes)
+        self.assertNotIn(torch.float16, dtypes)
+
+    def test_fp16_train_graph_takes_the_loss_scale_and_returns_the_scaled_loss(self):
+        dtypes, inputs, got, want = self.exported_dtypes("fp16-mixed")
+        self.assertIn(torch.float16, dtypes)
+        self.assertEqual(inputs, 3)  # inputs, targets, loss_scale
+        self.assertAlmostEqual(got, want, delta=1e-6 * abs(want))  # loss x 2**16
+        self.assertGreater(got, 1000.0)
+        dtypes, inputs, _, _ = self.exported_dtypes("fp16-mixed", graph="eval")
+        self.assertIn(torch.float16, dtypes)
+        self.assertEqual(inputs, 2)  # eval takes no scale
 
 
 if __name__ == "__main__":

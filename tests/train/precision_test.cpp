@@ -16,7 +16,6 @@
 
 #include "ckpt/ckpt_helpers.h"
 #include "kiln/checkpoint.h"
-#include "kiln/compile.h"
 #include "kiln/error.h"
 #include "kiln/memory.h"
 #include "kiln/run.h"
@@ -313,35 +312,6 @@ TEST(ActivationCheckpointing, StepPeakMemoryIsAtMost70PercentOfWithout) {
             << "\n";
   EXPECT_GT(peaks[1], 0);
   EXPECT_LE(ratio, 0.7);
-}
-
-// ---- the compiled step refuses what it does not support yet -------------------------------------
-
-TEST(Precision, CompiledStepRefusesMixedPrecisionAndCheckpointingWithOneLine) {
-  TempDir dir;
-  EXPECT_NO_THROW(check_compile_start(mlp_config(dir.path(), {"train.precision=bf16-mixed"})));
-  try {
-    check_compile_start(
-        mlp_config(dir.path(), {"compile.backend=inductor", "train.precision=bf16-mixed"}));
-    FAIL() << "not refused";
-  } catch (const UserError& e) {
-    EXPECT_THAT(e.what(), HasSubstr("train.precision = \"bf16-mixed\" is not supported by the "
-                                    "compiled step (compile.backend = \"inductor\")"));
-  }
-  try {
-    check_compile_start(mlp_config(
-        dir.path(), {"compile.backend=inductor", "train.activation_checkpointing=block"}));
-    FAIL() << "not refused";
-  } catch (const UserError& e) {
-    EXPECT_THAT(e.what(), HasSubstr("train.activation_checkpointing = \"block\" is not supported"));
-  }
-  const CommandResult r = run_shell(
-      fmt::format("{} train {} --set run.dir={} --set compile.backend=inductor --set "
-                  "train.precision=fp16-mixed",
-                  KILN_CLI, (source_dir() / "configs/mlp.toml").string(), dir.path().string()));
-  EXPECT_EQ(r.exit_code, 2) << r.err;
-  EXPECT_THAT(r.err, HasSubstr("train.precision = \"fp16-mixed\" is not supported"));
-  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
 }
 
 }  // namespace
