@@ -116,45 +116,9 @@ TEST(Baseline, CliExitsNonZeroOnAFailedGate) {
   EXPECT_THAT(r.out, HasSubstr("baseline — FAILED"));
 }
 
-TEST(Ladder, WritesAReportWithEachRung) {
-  TempDir dir;
-  Config config = gpt_config(dir.path(), {"baseline.warmup_steps=1", "baseline.steps=8"});
-  auto results = run_ladder(config, {{"kiln"}});
-  ASSERT_FALSE(results.empty());
-  EXPECT_EQ(results[0].rung, "baseline");
-  // Every enabled rung ran (none failed, so the ladder did not stop), in ladder order.
-  std::vector<std::string> enabled, ran;
-  for (const auto& rung : ladder_rungs())
-    if (rung.enabled(config)) enabled.push_back(rung.name);
-  for (const auto& r : results) ran.push_back(r.rung);
-  EXPECT_EQ(ran, enabled);
-  EXPECT_GE(ran.size(), 2u);
-
-  const std::string report = slurp(dir / "t" / "report.md");
-  EXPECT_THAT(report, HasSubstr("| baseline | passed |"));
-  EXPECT_THAT(report, HasSubstr("tokens/s"));
-  for (const auto& r : results) {
-    SCOPED_TRACE("rung " + r.rung);
-    EXPECT_TRUE(r.passed) << r.verdict;
-    // The rung's own JSON file agrees with the result the report was written from.
-    const auto path = dir / "t" / (r.rung + ".json");
-    ASSERT_TRUE(std::filesystem::exists(path)) << path;
-    const auto numbers = nlohmann::json::parse(slurp(path));
-    ASSERT_TRUE(numbers.contains("passed")) << path;
-    EXPECT_EQ(numbers["passed"].get<bool>(), r.passed) << path;
-    if (numbers.contains("verdict") && numbers["verdict"].is_string()) {
-      EXPECT_EQ(numbers["verdict"].get<std::string>(), r.verdict) << path;
-    }
-    // Its row in the summary, with its verdict, and its section with every row of its table.
-    EXPECT_THAT(report, HasSubstr("| " + r.rung + " | " + (r.passed ? "passed" : "**failed**") +
-                                  " | " + r.verdict + " |\n"));
-    ASSERT_FALSE(r.table.empty());
-    EXPECT_THAT(report, HasSubstr("\n## " + r.rung + "\n"));
-    for (const auto& [key, value] : r.table)
-      EXPECT_THAT(report, HasSubstr("| " + key + " | " + value + " |\n"));
-    EXPECT_THAT(report, HasSubstr("Numbers: `" + r.rung + ".json`."));
-  }
-}
+// The whole ladder (every enabled rung in order, report.md against each <rung>.json): the CTest
+// fixture report.ladder (tests/report/browser_test.py), one demo-ladder run that the report tests
+// read too.
 
 }  // namespace
 }  // namespace kiln::testing

@@ -485,49 +485,6 @@ def case_slurm(args, work):
         check(f"[kiln rank {rank}/2]" in err and "via slurm" in err, f"rank {rank} joined through the Slurm variables")
 
 
-def case_scale_ladder(args, work):
-    """The ladder runs the scale rung by launching torchrun with dist.scale_processes = 2."""
-    cfg = os.path.join(args.source, "configs/mlp.toml")
-    rc, out, err, _ = run([args.kiln, "ladder", cfg] + sets(MLP + [
-        f"run.dir={work}", "run.name=ladder", "dist.scale_processes=2", f"dist.torchrun={args.torchrun}",
-        "dist.scale_warmup_steps=2", "dist.scale_steps=6", "dist.scale_baseline_steps=4",
-        "baseline.warmup_steps=2", "baseline.steps=20"]), timeout=300)
-    check(rc == 0, f"ladder passes (exit {rc})") or print(out, err)
-    ladder_dir, ranks_dir = os.path.join(work, "ladder"), os.path.join(work, "ladder", "scale")
-    with open(os.path.join(ladder_dir, "scale.json")) as f:
-        scale = json.load(f)
-    with open(os.path.join(ranks_dir, "scale.json")) as f:
-        ranks_scale = json.load(f)
-    check(scale["ranks_run_dir"] == ranks_dir and ranks_scale["weights_hash"] == scale["weights_hash"],
-          "<run dir>/scale.json is the copy of the ranks' <run dir>/scale/scale.json")
-    # The ranks are a run of their own: the ladder's manifest, config and log stay the ladder's.
-    with open(os.path.join(ladder_dir, "manifest.json")) as f:
-        ladder_manifest = json.load(f)
-    check(ladder_manifest["config"]["file"] == cfg and ladder_manifest["world_size"] == 1,
-          f"the ladder's manifest.json is the ladder's: config {ladder_manifest['config']['file']}")
-    with open(os.path.join(ranks_dir, "manifest.json")) as f:
-        ranks_manifest = json.load(f)
-    check(ranks_manifest["world_size"] == 2 and
-          ranks_manifest["config"]["file"].endswith("scale/scale-launch.toml"),
-          "the ranks' manifest.json (world size 2, scale-launch.toml) is in <run dir>/scale/")
-    check(not os.path.exists(os.path.join(ladder_dir, "metrics.jsonl")) and
-          len(metrics(ranks_dir)) == 6, "the ranks' 6 measured steps are in <run dir>/scale/metrics.jsonl")
-    with open(os.path.join(ladder_dir, "config.toml")) as f:
-        check('name = "scale"' not in f.read(), "the ladder's config.toml is the ladder's")
-    check(scale["world_size"] == 2 and len(scale["per_rank"]) == 2, "scale.json: 2 ranks, per-rank numbers")
-    check(scale["replicas_in_sync"] and scale["passed"], "replicas in sync, gate passed")
-    check(scale["scaling_efficiency"] is not None and scale["scaling_efficiency"] > 0,
-          f"scaling efficiency measured: {scale['scaling_efficiency']}")
-    check(all(r["comm"]["collectives"] > 0 and r["compute_seconds"] > 0 for r in scale["per_rank"]),
-          "communication and compute time per rank")
-    with open(os.path.join(work, "ladder", "report.md")) as f:
-        report = f.read()
-    check("| scale | passed |" in report, "report.md has the scale rung")
-
-
-CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("case", choices=sorted(CASES))
