@@ -70,6 +70,12 @@ class LadderFixture(unittest.TestCase):
              "--set", f"run.dir={LADDER / 'runs'}", "--set", "run.progress=off",
              "--set", 'compile.backend="eager"',  # the compile rung: compiled_step tests (time)
              "--set", f"dist.torchrun={os.environ['KILN_TORCHRUN']}",
+             # Shorter than the demo where the curve check does not look (time): the baseline
+             # still passes the warm-up (20 steps), where lr 3e-3 spiked.
+             "--set", "baseline.steps=25", "--set", "checkpoint.drill_steps=2",
+             "--set", "dist.scale_steps=4", "--set", "dist.scale_warmup_steps=1",
+             "--set", "dist.scale_baseline_steps=3", "--set", "profile.skip_first=1",
+             "--set", "profile.warmup=1", "--set", "profile.active=2",
              # Prices for two rows: the plan recommends by cost.
              "--set", "plan.price_7d_per_gpu_hour={ h100-sxm = 2.99, mi300x = 2.5 }"])
         # Every enabled rung ran, in ladder order, and passed; report.md has its row (its file's
@@ -113,7 +119,7 @@ class LadderFixture(unittest.TestCase):
         # The demo's curve, the first thing a new user sees, is clean: no spike above the lowest
         # loss so far (lr 3e-3 during warm-up once jumped from 3.5 to 7.2 at step 15).
         losses = [r["loss"] for r in records(RUN / "metrics-baseline.jsonl") if "loss" in r]
-        self.assertGreater(len(losses), 30)
+        self.assertGreater(len(losses), 25)
         for k in range(1, len(losses)):
             self.assertLess(losses[k], min(losses[:k]) + 0.5, f"loss spikes at record {k}: {losses}")
         self.assertLess(losses[-1], losses[0] - 1.0, losses)
