@@ -155,8 +155,7 @@ Datasets make_text(const Config& config, int64_t vocab_limit) {
 Datasets make_datasets(const Config& config) {
   const std::string& name = config.get_string("data.name");
   if (name == "synthetic") return make_synthetic(config);
-  const int64_t vocab =
-      config.get_string("model.name") == "gpt" ? resolve_gpt_config(config).vocab_size : 0;
+  const int64_t vocab = model_vocab_size(config);  // 0 for a model without a vocabulary
   if (name == "text") return make_text(config, vocab);
   return make_tokens(config, vocab);
 }
