@@ -279,6 +279,11 @@ TEST(Llama, UnitsAreTheDecoderLayers) {
   ASSERT_EQ(units.size(), 2u);
   EXPECT_EQ(units[1].name, "model.layers.1");
   EXPECT_EQ(units[1].parameters.size(), 9u);
+  std::vector<std::string> log;  // every layer runs through the wrappers
+  model->add_unit_wrapper(std::make_shared<RecordingWrapper>("w", log));
+  model->forward(torch::zeros({1, 4}, torch::kLong));
+  EXPECT_EQ(log, (std::vector<std::string>{"w in 0", "w out 0", "w in 1", "w out 1"}));
+  model->clear_unit_wrappers();
   std::set<std::string> in_units;
   for (const auto& unit : units) in_units.insert(unit.parameters.begin(), unit.parameters.end());
   std::set<std::string> root;
