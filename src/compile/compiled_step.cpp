@@ -300,7 +300,8 @@ size_t CompiledStep::load_graph(Kind& kind, GraphShape& shape) {
                     python.torch_version, cache_.dir().string(), why_not));
     const auto begin = SteadyClock::now();
     const fs::path scratch = cache_.scratch_dir(fingerprint);
-    const bool tokens = model_json_.value("name", "") == "gpt";
+    const ModelSpec* model_spec = find_model(model_json_.value("name", ""));
+    const bool tokens = model_spec && model_spec->input == ModelInput::kTokens;
     json spec = {
         {"model", model_json_},
         {"graph", graph_kind},

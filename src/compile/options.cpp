@@ -8,6 +8,7 @@
 #include "kiln/compile.h"
 #include "kiln/config.h"
 #include "kiln/error.h"
+#include "kiln/models.h"
 
 namespace kiln {
 
@@ -104,8 +105,7 @@ CompileOptions CompileOptions::from_config(const Config& config) {
   if (probe) {
     o.probe_seq_lens = *probe;
   } else {
-    const int64_t seq_len =
-        config.get_string("model.name") == "gpt" ? config.get_int("data.seq_len") : 0;
+    const int64_t seq_len = model_takes_tokens(config) ? config.get_int("data.seq_len") : 0;
     for (int64_t divisor : {2, 4}) {
       if (seq_len / divisor >= 2) o.probe_seq_lens.push_back(seq_len / divisor);
     }

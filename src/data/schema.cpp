@@ -4,6 +4,7 @@
 #include <string>
 
 #include "core/schema_sections.h"
+#include "kiln/models.h"
 
 namespace kiln {
 
@@ -48,11 +49,11 @@ ConfigSection data_section() {
                     "\"synthetic\" or model.name = \"gpt\"";
            },
            {"data.name=text"}},
-          {"model.name = \"gpt\" trains on token data (text or tokens)",
+          {"a token model (gpt, llama) trains on token data (text or tokens)",
            [](const Config& c) -> std::string {
-             if (c.get_string("model.name") != "gpt" || c.get_string("data.name") != "synthetic")
-               return "";
-             return "model.name = \"gpt\" needs token data; set data.name = \"text\" or \"tokens\"";
+             if (!model_takes_tokens(c) || c.get_string("data.name") != "synthetic") return "";
+             return "model.name = \"" + c.get_string("model.name") +
+                    "\" needs token data; set data.name = \"text\" or \"tokens\"";
            },
            {"model.name=gpt"}},
           {"text and tokens need validation data: data.val_fraction > 0 (or tokens' "

@@ -65,7 +65,7 @@ double train_flops_per_token(const ModelShape& s, int64_t seq_len, bool activati
 JobShape job_shape(const Config& config) {
   JobShape job;
   job.micro_batch = config.get_int("train.batch_size");
-  job.seq_len = config.get_string("model.name") == "gpt" ? config.get_int("data.seq_len") : 1;
+  job.seq_len = model_takes_tokens(config) ? config.get_int("data.seq_len") : 1;
   job.grad_accum_steps = config.get_int("train.grad_accum_steps");
   job.world_size = config.get_int("plan.gpus");
   job.optimizer = config.get_string("optim.name");
