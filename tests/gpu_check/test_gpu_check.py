@@ -83,11 +83,13 @@ class DryRun(unittest.TestCase):
         self.assertTrue(preflight["commands"][0].split()[1:2] == ["ladder"], preflight)
         self.assertIn("--check", preflight["commands"][0])
         self.assertIn("ladder check passed", preflight["numbers"]["preflight"])
-        for key in ("train.precision=bf16-mixed", "data.seq_len=1024", "dist.backend=nccl"):
+        for key in ("train.precision=bf16-mixed", "compile.backend=inductor", "data.seq_len=1024",
+                    "dist.backend=nccl"):
             self.assertIn(key, preflight["numbers"]["overrides"])
         peer = " ".join(checks["python_peer"]["commands"])
         self.assertIn("python_step.py", peer)
         self.assertIn("--precision bf16-mixed", peer)  # the ladder's own options
+        self.assertIn("--compile", peer)
         # The stages fit the device budget (a machine start, then each stage within its limit).
         plan = doc["plan"]
         self.assertEqual(plan["problems"], [])
@@ -99,9 +101,9 @@ class DryRun(unittest.TestCase):
         # A config rule's refusal (validate-time) and a preflight check's (the compile rung's
         # Python): either stops the ladder here, on CPU, before a GPU minute is spent.
         cases = {"train.batch_size": ["train.batch_size=0"],
-                 "compile.python": ["train.activation_checkpointing=none", "train.precision=fp32",
-                                    "compile.backend=inductor",
-                                    "compile.python=/nonexistent/python3"]}
+                 "compile.python": ["compile.python=/nonexistent/python3"],
+                 # compiled + checkpointed needs per-unit compilation: refused by a rule (today)
+                 "train.activation_checkpointing": ["train.activation_checkpointing=block"]}
         for key, extra in cases.items():
             args = [a for e in extra for a in ("--ladder-set", e)]
             run, checks, _ = self.run_script("--stage", "ladder", *args)
