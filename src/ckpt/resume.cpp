@@ -35,10 +35,17 @@ StateShapes live_state_shapes(const TrainState& state, Communicator& comm) {
   add("optim/", state.optimizer);
   if (comm.world_size() == 1) return live;
   json mine = json::object();
-  for (const auto& [name, t] : live) mine[name] = {t.shape, static_cast<int>(t.dtype)};
+  for (const auto& [name, t] : live) {
+    json entry = json::array();
+    entry.push_back(json(t.shape));  // [] for a 0-dim tensor
+    entry.push_back(static_cast<int>(t.dtype));
+    mine[name] = std::move(entry);
+  }
   for (const auto& text : comm.all_gather_bytes(mine.dump())) {
-    for (const auto& [name, t] : json::parse(text).items()) {
-      live.emplace(name, TensorShape{t[0].get<std::vector<int64_t>>(),
+    const json theirs = json::parse(text);  // named: a range-for over a temporary's items() dangles
+    for (const auto& [name, t] : theirs.items()) {
+      live.emplace(name, TensorShape{t.at(0).is_array() ? t.at(0).get<std::vector<int64_t>>()
+                                                        : std::vector<int64_t>{},
                                      static_cast<torch::ScalarType>(t[1].get<int>())});
     }
   }
