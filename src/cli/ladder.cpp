@@ -23,6 +23,7 @@ void add_ladder_command(CLI::App& app, Action& action) {
   command->callback([&action, args, check] {
     action = [args, check] {
       const Config config = args->load();
+      check_run_inputs(config);  // run.device and data.path, as kiln train and config validate
       if (*check) {
         const std::vector<std::string> rungs = check_ladder(config);
         std::cout << fmt::format("ladder check passed: {} would run {}\n", config.source_name(),

@@ -244,8 +244,14 @@ namespace {
 // A data or model identity with the config's free-text revision beside its hashes.
 json with_revision(json identity, const Config& config, const char* key) {
   if (!identity.is_object() || find_key(key) == nullptr) return identity;
+  // The config's revision pins what the user names; without one, the identity's own (a prepared
+  // token directory's data.json revision) stands.
   const std::string& revision = config.get_string(key);
-  identity["revision"] = revision.empty() ? json(nullptr) : json(revision);
+  if (!revision.empty()) {
+    identity["revision"] = revision;
+  } else if (!identity.contains("revision")) {
+    identity["revision"] = nullptr;
+  }
   return identity;
 }
 }  // namespace

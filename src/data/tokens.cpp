@@ -313,6 +313,8 @@ Datasets make_prepared(const Config& config, const fs::path& dir, int64_t vocab_
   }
   out.identity = {{"kind", "tokens"},
                   {"format", "llmc"},
+                  // The data revision of the manifest (unless data.revision names one).
+                  {"revision", prepared.value("revision", json(nullptr))},
                   {"prepared",
                    {{"dir", fs::absolute(dir).lexically_normal().string()},
                     {"data_json_xxh3", hex64(XXH3_64bits(text.data(), text.size()))},

@@ -3,6 +3,7 @@
 
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -30,6 +31,22 @@ ModelMath gpt_math(const GptConfig& shape);
 
 /// The one line for a model.name nobody registered, listing the registered ones.
 std::string unknown_model_problem(const std::string& name);
+
+/// One unit per block, named "<prefix>.<i>", with the block's parameters under that name (the
+/// Model::units() of a stack of transformer blocks).
+template <typename Block>
+std::vector<ModelUnit> block_units(const std::string& prefix,
+                                   const std::vector<std::shared_ptr<Block>>& blocks) {
+  std::vector<ModelUnit> out;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    ModelUnit unit{prefix + "." + std::to_string(i), {}};
+    for (const auto& item : blocks[i]->named_parameters()) {
+      unit.parameters.push_back(unit.name + "." + item.key());
+    }
+    out.push_back(std::move(unit));
+  }
+  return out;
+}
 /// Every registered spec, for the [model] section of the schema; models registered after this
 /// may add no keys or rules (register_model refuses them).
 std::vector<const ModelSpec*> specs_for_schema();

@@ -176,17 +176,7 @@ class Gpt final : public Model {
   double train_flops_per_sample(int64_t seq_len) const override {
     return gpt_math(config_).train_flops_per_token(seq_len) * static_cast<double>(seq_len);
   }
-  std::vector<ModelUnit> units() const override {
-    std::vector<ModelUnit> out;
-    for (size_t i = 0; i < blocks_.size(); ++i) {
-      ModelUnit unit{fmt::format("transformer.h.{}", i), {}};
-      for (const auto& item : blocks_[i]->named_parameters()) {
-        unit.parameters.push_back(fmt::format("{}.{}", unit.name, item.key()));
-      }
-      out.push_back(std::move(unit));
-    }
-    return out;
-  }
+  std::vector<ModelUnit> units() const override { return block_units("transformer.h", blocks_); }
 
  private:
   void initialise(at::Generator& generator) {

@@ -515,7 +515,9 @@ MemoryEstimate mlp_estimate(const ModelShape& s, const JobShape& job) {
   m.gradients_held = job.grad_accum_steps > 1;
   m.gradients = m.gradients_held ? 4.0 * n : 0.0;
   const double moment = std::max(m.activations + m.logits, m.activations + m.backward_extra);
-  m.peak_bytes = m.parameters + m.optimizer +
+  // DDP holds the gradient buckets across steps (the gradients become views of them).
+  m.communication = job.strategy == "ddp" && job.world_size > 1 ? 4.0 * n : 0.0;
+  m.peak_bytes = m.parameters + m.optimizer + m.communication +
                  (m.gradients_held ? m.gradients + moment : std::max(moment, 4.0 * n));
   m.peak_at = "the loss's backward";
   m.gradients_after_step = 4.0 * n;

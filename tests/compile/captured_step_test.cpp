@@ -57,13 +57,17 @@ TEST(Optimizer, ADeviceLearningRateStepsExactlyAsTheHostOne) {
   EXPECT_THROW(slow.use_lr_tensor(torch::zeros({})), UserError);
 }
 
+// The rerun recorder stands in for CUDA graphs on the CPU, where a config rule refuses
+// compile.backend = "cudagraphs": the backend is set after the config is validated (the rule's own
+// test is in config_rules_test; attach_captured_step still refuses a CPU device below).
 Config captured_gpt(const std::filesystem::path& dir, std::vector<std::string> extra = {}) {
-  std::vector<std::string> overrides = {"compile.backend=cudagraphs", "compile.warmup_steps=2",
-                                        "train.grad_accum_steps=2",   "optim.warmup_steps=4",
-                                        "data.num_workers=0",         "model.n_layer=1",
-                                        "train.batch_size=4"};
+  std::vector<std::string> overrides = {"compile.warmup_steps=2", "train.grad_accum_steps=2",
+                                        "optim.warmup_steps=4",   "data.num_workers=0",
+                                        "model.n_layer=1",        "train.batch_size=4"};
   overrides.insert(overrides.end(), extra.begin(), extra.end());
-  return gpt_config(dir, overrides);
+  Config config = gpt_config(dir, overrides);
+  config.set_from_string("compile.backend=cudagraphs");
+  return config;
 }
 
 struct SideBySide {
@@ -168,10 +172,10 @@ TEST(CapturedStep, EachNewShapeIsARecaptureUpToTheLimit) {
 TEST(CapturedStep, AHostSynchronisationIsAGraphBreakNamedByOperator) {
   TempDir dir;
   for (bool fullgraph : {true, false}) {
-    const Config config =
-        mlp_config(dir.path(), {"model.data_dependent_branch=true", "compile.backend=cudagraphs",
-                                "compile.warmup_steps=1", "data.num_workers=0",
-                                fmt::format("compile.fullgraph={}", fullgraph)});
+    Config config =
+        mlp_config(dir.path(), {"model.data_dependent_branch=true", "compile.warmup_steps=1",
+                                "data.num_workers=0", fmt::format("compile.fullgraph={}", fullgraph)});
+    config.set_from_string("compile.backend=cudagraphs");  // after the rules, as captured_gpt
     Trainer trainer(config, make_model(config), make_datasets(config));
     auto step = std::make_shared<CapturedGraphStep>(config, trainer, rerun_recorders());
     trainer.set_captured_step(step);
@@ -215,7 +219,7 @@ TEST(CapturedStep, RefusedWhereItCannotRun) {
                                    " --set run.dir=" + dir.path().string() +
                                    " --set run.name=cg --set compile.backend=cudagraphs");
   EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
-  EXPECT_NE(r.err.find("needs run.device = \"cuda\""), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("needs a CUDA device (run.device = \"cuda\")"), std::string::npos) << r.err;
   EXPECT_FALSE(std::filesystem::exists(dir.path() / "cg" / "metrics.jsonl"));
 }
 

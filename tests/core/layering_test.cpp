@@ -69,7 +69,8 @@ std::string public_header_component(const std::string& name) {
       {"session.h", "rungs"},
       {"rungs.h", "rungs"},
       {"hf.h", "models"},
-      {"report.h", "report"}};
+      {"report.h", "report"},
+      {"results.h", "report"}};
   auto it = table.find(name);
   return it == table.end() ? "" : it->second;
 }

@@ -296,6 +296,7 @@ TEST(DataPrepare, TrainsGptTinyOnThePreparedCorpusAndRecordsItsRevision) {
   EXPECT_THAT(r.out, HasSubstr("trained 3 steps"));
   const json manifest = json::parse(slurp(dir / "t" / "manifest.json"));
   EXPECT_EQ(manifest["data"]["prepared"]["revision"], c.data_json["revision"]);
+  EXPECT_EQ(manifest["data"]["revision"], c.data_json["revision"]);  // the data revision
   EXPECT_EQ(manifest["data"]["prepared"]["vocab_size"], 512);
 }
 

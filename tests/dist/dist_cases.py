@@ -485,6 +485,9 @@ def case_slurm(args, work):
         check(f"[kiln rank {rank}/2]" in err and "via slurm" in err, f"rank {rank} joined through the Slurm variables")
 
 
+CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("case", choices=sorted(CASES))

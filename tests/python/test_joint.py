@@ -121,7 +121,7 @@ class EvalGraph(unittest.TestCase):
     def test_classifier_eval_graph_also_counts_correct_predictions(self):
         spec = dict(spec_for(support.MLP, [6, 12], [6]), graph="eval")
         torch.manual_seed(0)
-        module = kc.EvalOutputs(models.build(spec["model"])).eval()
+        module = kc.EvalOutputs(models.build(spec["model"]), "cpu", "fp32").eval()
         ep, make_joint = kc.export(module, kc.example_inputs(spec, "cpu"), spec, [])
         self.assertIsNone(make_joint)
         self.assertEqual(kc.outputs_of(ep), ([], ["loss", "correct"]))
