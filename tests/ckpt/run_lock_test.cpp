@@ -127,14 +127,36 @@ struct Child {
 // ---- two writers -------------------------------------------------------------------------------
 
 // Runs two copies of `argv` at once into one run directory; checks that exactly one ran, that the
-// other exited 2 (`refused_status` under torchrun, which reports its worker's failure) before the
-// first finished, naming the holder and writing nothing, and that the survivor's metrics hold
-// every step once.
+// other exited 2 (`refused_status` under torchrun, which reports its worker's failure) while the
+// first still held the directory, naming the holder and writing nothing, and that the survivor's
+// metrics hold every step once. The holder is stopped (SIGSTOP) as soon as its lock record
+// appears and continued once the other has exited: under load a second torchrun can take longer
+// to start than the first takes to finish, and the test would then see two runs one after the
+// other instead of two at once.
 void two_at_once(const std::vector<std::string>& argv, const std::filesystem::path& logs,
                  const std::filesystem::path& run_dir, int64_t steps, int refused_status) {
   Child a(argv, logs / "a.log");
   Child b(argv, logs / "b.log");
-  int first_exit = -1;  // which child exited first
+  pid_t holder_pid = -1;
+  ASSERT_TRUE(wait_until(
+      [&] {
+        try {
+          const auto record = nlohmann::json::parse(slurp(run_dir / kRunLockFile));
+          holder_pid = static_cast<pid_t>(record.at("pid").get<int64_t>());
+        } catch (const std::exception&) {
+          return a.exited() && b.exited();  // not written yet (or both gone: fails below)
+        }
+        return true;
+      },
+      120))
+      << "no lock record in " << run_dir;
+  ASSERT_GT(holder_pid, 0) << slurp(logs / "a.log") << slurp(logs / "b.log");
+  ASSERT_EQ(::kill(holder_pid, SIGSTOP), 0) << "the holder ended before it could be held";
+  struct Resume {
+    pid_t pid;
+    ~Resume() { ::kill(pid, SIGCONT); }
+  } resume{holder_pid};
+  int first_exit = -1;  // which child exited first: the refused one, the holder being stopped
   ASSERT_TRUE(wait_until(
       [&] {
         if (first_exit < 0 && a.exited()) first_exit = 0;
@@ -145,9 +167,10 @@ void two_at_once(const std::vector<std::string>& argv, const std::filesystem::pa
   const bool a_ran = first_exit == 1;
   Child& winner = a_ran ? a : b;
   Child& loser = a_ran ? b : a;
+  EXPECT_FALSE(winner.exited()) << "the refused run exits while the other still runs";
+  ::kill(holder_pid, SIGCONT);
   const std::string loser_log = slurp(logs / (a_ran ? "b.log" : "a.log"));
   const std::string winner_log_name = a_ran ? "a.log" : "b.log";
-  EXPECT_FALSE(winner.exited()) << "the refused run exits while the other still runs";
   EXPECT_EQ(loser.wait(), refused_status) << loser_log;
   ASSERT_EQ(winner.wait(), 0) << slurp(logs / winner_log_name);
   // One line naming the holder (its pid is the winner's, or under torchrun its rank 0's) and the
@@ -170,16 +193,16 @@ void two_at_once(const std::vector<std::string>& argv, const std::filesystem::pa
 TEST(RunLock, TwoTrainsIntoOneRunNameOneRunsTheOtherExits2) {
   TempDir dir;
   std::vector<std::string> argv = {KILN_CLI};
-  // Long enough (~1 s) that the refused run has exited well before the other finishes.
-  for (const auto& a : lock_args(dir.path(), "same", 800)) argv.push_back(a);
-  two_at_once(argv, dir.path(), dir / "same", 800, kExitUserError);
+  // A fraction of a second of steps: the holder is stopped while the other starts and is refused.
+  for (const auto& a : lock_args(dir.path(), "same", 200)) argv.push_back(a);
+  two_at_once(argv, dir.path(), dir / "same", 200, kExitUserError);
 }
 
 TEST(RunLock, TwoTorchrunJobsIntoOneRunNameOneRunsTheOtherFails) {
   TempDir dir;
   // torchrun reports a worker's failure as its own exit status 1.
-  two_at_once(under_torchrun(2, lock_args(dir.path(), "same", 300, {"train.batch_size=16"})),
-              dir.path(), dir / "same", 300, 1);
+  two_at_once(under_torchrun(2, lock_args(dir.path(), "same", 100, {"train.batch_size=16"})),
+              dir.path(), dir / "same", 100, 1);
 }
 
 // ---- launcher death and preemption under torchrun ----------------------------------------------
