@@ -28,6 +28,7 @@ namespace kiln {
 
 class Config;
 class Model;
+class UnitWrapper;
 
 struct CompileOptions {
   enum class Backend { kEager, kInductor, kCudaGraphs, kInductorCudaGraphs };
@@ -35,8 +36,13 @@ struct CompileOptions {
   /// changed dynamic at the first recompile; dynamic exports symbolic batch and sequence
   /// dimensions from the start; static specialises every shape.
   enum class Dynamic { kAuto, kDynamic, kStatic };
+  /// What one AOTInductor graph covers: the whole step (forward+backward of the model and loss),
+  /// or each Model::units() entry on its own (a forward and a backward package per unit shape,
+  /// run inside the unit wrappers, so FSDP and activation checkpointing wrap compiled units).
+  enum class Granularity { kStep, kUnit };
   Backend backend = Backend::kEager;
   Dynamic dynamic = Dynamic::kAuto;
+  Granularity granularity = Granularity::kStep;  // resolved: see compiles_per_unit()
   bool fullgraph = true;
   int recompile_limit = 8;
   std::vector<int64_t> probe_seq_lens;  // the rung's shape probe (resolved; may be empty)
@@ -59,6 +65,12 @@ struct CompileOptions {
   }
 };
 
+/// compile.granularity resolved: "unit", or "auto" with compile.backend = "inductor" and
+/// train.activation_checkpointing = "block" or dist.strategy = "fsdp" (decided from the config
+/// alone, so `kiln config validate` and `kiln train` agree; dist.strategy = "auto" counts as not
+/// fsdp). The [compile] rules and CompileOptions::from_config both use it.
+bool compiles_per_unit(const Config& config);
+
 /// compile.probe_seq_lens: "" -> nullopt (data.seq_len/2 and /4), "none" -> no probe, else the
 /// comma-separated lengths. Throws UserError naming the key.
 std::optional<std::vector<int64_t>> parse_probe_seq_lens(const std::string& text);
@@ -72,6 +84,7 @@ double default_compile_tolerance(TrainOptions::Precision precision);
 /// "eager", "inductor", "cudagraphs", "inductor+cudagraphs"; "auto", "dynamic", "static".
 const char* backend_name(CompileOptions::Backend backend);
 const char* dynamic_name(CompileOptions::Dynamic dynamic);
+const char* granularity_name(CompileOptions::Granularity granularity);  // "step", "unit"
 
 // ---- shapes, graphs and recompiles (bookkeeping only; nothing here compiles) -------------------
 
@@ -226,9 +239,10 @@ struct CompilerPython {
 /// writable. Throws UserError.
 void check_compile_start(const Config& config);
 
-/// Why FSDP and a compiled or captured step do not compose (one clause, no key names): the
+/// Why FSDP and a whole-step compiled or captured step do not compose (one clause): the
 /// [compile] rule's line for dist.strategy = "fsdp", and the refusal of dist.strategy = "auto"
-/// resolving to fsdp (decided by the model's memory, so not by a rule).
+/// resolving to fsdp (decided by the model's memory, so not by a rule). Per-unit compilation
+/// (compile.granularity = "unit") composes with FSDP.
 std::string fsdp_with_compile_problem();
 
 // ---- the compiled step -------------------------------------------------------------------------
@@ -255,10 +269,32 @@ struct CompileReport {
   std::vector<Recompile> recompiles;
   int64_t eager_micro_steps = 0;   // micro-steps that ran eager over the recompile limit
   std::vector<Graph> eval_graphs;  // evaluation's (forward and loss)
+  std::string granularity = "step";
+  /// Per-unit compilation: one entry per unit and input shape the unit ran with, each naming its
+  /// forward and backward packages (units of equal shapes share one pair: `shared`).
+  struct UnitGraph {
+    std::string unit;          // "transformer.h.0"
+    std::string input;         // "float32 [4, 16, 128]"
+    bool cache_hit = false;    // the pair was found in compile.cache_dir
+    bool shared = false;       // the pair an earlier unit of equal shapes loaded in this run
+    std::string cache_note;    // why the cache missed
+    double build_seconds = 0;  // 0 on a hit or when shared
+    double load_seconds = 0;
+    std::string forward_package, backward_package;
+    bool eager = false;  // graph breaks with compile.fullgraph = false: this unit runs eager
+  };
+  std::vector<UnitGraph> unit_graphs;
+  int64_t unit_recompiles = 0;   // unit input shapes compiled after each unit's first
+  int64_t eager_unit_calls = 0;  // unit calls that ran eager (over compile.recompile_limit)
+  /// Unit forwards run through a compiled package (activation checkpointing's recomputation in
+  /// backward counts again).
+  int64_t compiled_unit_forwards = 0;
   std::vector<Recompile> eval_recompiles;
   int64_t eval_eager_batches = 0;  // eval batches that ran eager over the recompile limit
   /// "graphs", "recompiles", "eager_micro_steps" (the step's), "eval": {"graphs", "recompiles",
-  /// "eager_batches"}, and the rest; each graph names its kind ("graph": "train" | "eval").
+  /// "eager_batches"}, "granularity", "units" (per-unit mode: unit_graphs, each with its
+  /// "forward" and "backward" package), and the rest; each graph names its kind ("graph":
+  /// "train" | "eval").
   nlohmann::json to_json() const;
 };
 
@@ -274,6 +310,17 @@ struct CompileReport {
 /// optimizer's in-place updates are what the next step and the next evaluation read. Each kind
 /// has its own ShapeTracker (compile.dynamic, compile.recompile_limit). Not thread-safe: the
 /// training thread only.
+///
+/// Per-unit mode (compile.granularity resolving to "unit"): the constructor adds a UnitWrapper to
+/// the model, innermost (so construct it after activation checkpointing and FSDP attached their
+/// wrappers), that runs each unit through its compiled forward package inside an autograd
+/// function whose backward runs the unit's backward package; the root (embeddings, final norm,
+/// head, loss) stays eager, and forward_backward/evaluate return undefined tensors so the Trainer
+/// runs its eager step around the compiled units. A unit runs eager when the autocast state
+/// differs from train.precision's, over compile.recompile_limit, or after graph breaks with
+/// compile.fullgraph = false. The model's wrapper refers to this object (its cache and report):
+/// keep it alive while the model runs (the Trainer holds it after set_compiled_step). See
+/// docs/compile.md, "Per-unit compilation".
 class CompiledStep : public CompiledForwardBackward {
  public:
   /// Throws UserError (bad setup, see check_compile_start), TrainingError (graph breaks with
@@ -290,10 +337,12 @@ class CompiledStep : public CompiledForwardBackward {
   /// Throws as the constructor does, when the eval package is built.
   EvalOutputs evaluate(const Batch& batch) override;
   /// Builds (or finds in the cache) the training graph for `shapes` now, as the first step would.
+  /// Per-unit mode: nothing (each unit builds or loads its pair on its first call).
   void prepare(const InputShapes& shapes);
   /// The same for the eval graph, as the first evaluation would.
   void prepare_eval(const InputShapes& shapes);
   const CompileReport& report() const { return report_; }
+  bool per_unit() const { return units_ != nullptr; }
 
   struct Loaded;  // implementation detail (src/compile/compiled_step.cpp)
 
@@ -317,6 +366,7 @@ class CompiledStep : public CompiledForwardBackward {
   PackageCache cache_;
   Kind train_, eval_;
   CompileReport report_;
+  std::shared_ptr<UnitWrapper> units_;  // per-unit mode: the wrapper added to the model
 };
 
 /// Attaches what compile.backend asks for to `trainer`: the AOTInductor step ("inductor",

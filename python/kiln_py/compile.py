@@ -13,6 +13,9 @@ break with its reason and place -> torch.export.export with the spec's dynamic d
 for "train" the joint forward+backward graph (loss, then every parameter's gradient) ->
 torch._inductor.aoti_compile_and_package with the weights left out of the shared library.
 
+A spec whose "graph" is "unit" builds one model unit's forward and backward packages instead
+(compile.granularity = "unit"; kiln_py.compile_units has the steps).
+
 Precision (spec "precision"): "bf16-mixed" and "fp16-mixed" export the forward and the loss under
 torch.autocast(device, bfloat16 / float16), the policy kiln's eager step runs under (ATen's
 autocast op lists, which kiln's C++ autocast guard uses too): the autocast regions become part of
@@ -34,7 +37,7 @@ import warnings
 
 import torch
 
-from kiln_py import models
+from kiln_py import compile_units, models
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_SPEC, EXIT_GRAPH_BREAKS = 0, 1, 2, 3
 
@@ -68,13 +71,14 @@ def read_spec(path):
         raise SpecError(f"{path} is not JSON ({e}); kiln writes it, rebuild or report the bug")
     if not isinstance(spec, dict):
         raise SpecError(f"{path}: the spec must be a JSON object")
-    for key in ("model", "graph", "inputs", "targets", "device", "package"):
+    unit = isinstance(spec.get("graph"), str) and spec["graph"] == "unit"
+    for key in ("model", "graph", "device", "package") + (() if unit else ("inputs", "targets")):
         if key not in spec:
             raise SpecError(f"{path}: missing key '{key}'")
     if not isinstance(spec["model"], dict) or "name" not in spec["model"]:
         raise SpecError(f"{path}: 'model' must be an object with a 'name'")
-    if spec["graph"] not in ("train", "eval"):
-        raise SpecError(f"{path}: graph = {spec['graph']!r}; use \"train\" or \"eval\"")
+    if spec["graph"] not in ("train", "eval", "unit"):
+        raise SpecError(f"{path}: graph = {spec['graph']!r}; use \"train\", \"eval\" or \"unit\"")
     if spec["device"] not in ("cpu", "cuda"):
         raise SpecError(f"{path}: device = {spec['device']!r}; use \"cpu\" or \"cuda\"")
     if spec.get("precision", "fp32") not in AUTOCAST:
@@ -83,6 +87,12 @@ def read_spec(path):
     if not os.path.isabs(spec["package"]):
         raise SpecError(f"{path}: package = {spec['package']!r} must be an absolute path")
     name = spec["model"]["name"]
+    if unit:  # one unit's forward and backward (kiln_py.compile_units)
+        try:
+            compile_units.check_unit_spec(spec, path)
+        except compile_units.UnitSpecError as e:
+            raise SpecError(str(e))
+        return spec
     if name in SIGNATURES:
         in_dtype, in_rank, tg_dtype, tg_rank = SIGNATURES[name]
         for tensor, dtype, rank in (("inputs", in_dtype, in_rank), ("targets", tg_dtype, tg_rank)):
@@ -406,6 +416,14 @@ def run(spec, result):
         raise SpecError(str(e))
     device = torch.device(spec["device"])
     precision = spec.get("precision", "fp32")
+    if spec["graph"] == "unit":
+        result["precision"] = precision
+        try:
+            return compile_units.run_unit(spec, result, model, device,
+                                          lambda: autocast(spec["device"], precision),
+                                          INDUCTOR_CONFIGS, explain)
+        except compile_units.UnitSpecError as e:
+            raise SpecError(str(e))
     if spec["graph"] == "eval":
         kind = EvalOutputs
     else:

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <map>
 
+#include "compile/compiled_units.h"
 #include "core/clock.h"
 #include "core/files.h"
 #include "core/process.h"
@@ -147,7 +148,27 @@ json CompileReport::to_json() const {
   json break_list = json::array();
   for (const GraphBreak& b : breaks)
     break_list.push_back({{"reason", b.reason}, {"where", b.where}});
+  json unit_list = json::array();
+  for (const UnitGraph& g : unit_graphs) {
+    unit_list.push_back(
+        {{"unit", g.unit},
+         {"input", g.input},
+         {"cache_hit", g.cache_hit},
+         {"shared", g.shared},
+         {"cache_note", g.cache_note},
+         {"build_seconds", g.build_seconds},
+         {"load_seconds", g.load_seconds},
+         {"eager", g.eager},
+         {"graphs",
+          json::array({json{{"graph", "unit_forward"}, {"package", g.forward_package}},
+                       json{{"graph", "unit_backward"}, {"package", g.backward_package}}})}});
+  }
   return {{"backend", backend},
+          {"granularity", granularity},
+          {"units", unit_list},
+          {"unit_recompiles", unit_recompiles},
+          {"eager_unit_calls", eager_unit_calls},
+          {"compiled_unit_forwards", compiled_unit_forwards},
           {"dynamic", dynamic},
           {"precision", precision},
           {"fallback_to_eager", fallback_to_eager},
@@ -189,6 +210,18 @@ CompiledStep::CompiledStep(const Config& config, Model& model, torch::Device dev
         backend_name(options_.backend), item.key()));
   }
   CompilerPython::probe(options_.python);  // fails early, naming compile.python
+  report_.granularity = granularity_name(options_.granularity);
+  if (options_.granularity == CompileOptions::Granularity::kUnit) {
+    if (model.units().empty()) {
+      throw UserError(
+          fmt::format("compile.granularity = \"unit\": model {} has no units to compile; set "
+                      "compile.granularity = \"step\"",
+                      model.architecture()));
+    }
+    // Innermost: activation checkpointing and FSDP (added before) wrap the compiled units.
+    units_ = make_compiled_units(options_, precision_, model, device, cache_, model_json_, report_);
+    model.add_unit_wrapper(units_);
+  }
   report_.backend = backend_name(options_.backend);
   report_.dynamic = dynamic_name(options_.dynamic);
   report_.precision = precision_name(precision_);
@@ -197,11 +230,11 @@ CompiledStep::CompiledStep(const Config& config, Model& model, torch::Device dev
 CompiledStep::~CompiledStep() = default;
 
 void CompiledStep::prepare(const InputShapes& shapes) {
-  resolve(train_, shapes);
+  if (!units_) resolve(train_, shapes);  // per unit: each unit builds on its first call
 }
 
 void CompiledStep::prepare_eval(const InputShapes& shapes) {
-  resolve(eval_, shapes);
+  if (!units_) resolve(eval_, shapes);
 }
 
 // The graph of `kind` that runs `shapes` (building or loading it on first sight), or SIZE_MAX
@@ -231,6 +264,7 @@ size_t CompiledStep::resolve(Kind& kind, const InputShapes& shapes) {
 }
 
 CompiledForwardBackward::EvalOutputs CompiledStep::evaluate(const Batch& batch) {
+  if (units_) return {};  // per unit: the eager root around the compiled units
   const size_t index = resolve(eval_, InputShapes::of(batch));
   if (index == SIZE_MAX) {
     if (!report_.fallback_to_eager) ++report_.eval_eager_batches;  // over the recompile limit
@@ -248,6 +282,7 @@ CompiledForwardBackward::EvalOutputs CompiledStep::evaluate(const Batch& batch) 
 
 torch::Tensor CompiledStep::forward_backward(const Batch& batch, double scale,
                                              const torch::Tensor& loss_scale) {
+  if (units_) return {};  // per unit: the Trainer's eager step runs the compiled units
   const bool scaled = precision_ == TrainOptions::Precision::kFp16Mixed;
   if (loss_scale.defined() != scaled) {
     throw UserError(fmt::format(
@@ -470,7 +505,7 @@ std::shared_ptr<CompiledStep> attach_compiled_step(Trainer& trainer, const Confi
   if (options.inductor()) {
     step = std::make_shared<CompiledStep>(config, trainer.model(), trainer.options().device);
     trainer.set_compiled_step(step);
-    if (trainer.options().world_size > 1) {
+    if (trainer.options().world_size > 1 && !step->per_unit()) {
       log::info(
           "compile: under DDP the package returns the gradients, so their all-reduce starts only "
           "after it (no overlap with backward); `kiln compile` under torchrun measures the "

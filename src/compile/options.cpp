@@ -88,6 +88,18 @@ const char* dynamic_name(CompileOptions::Dynamic dynamic) {
   return "?";
 }
 
+const char* granularity_name(CompileOptions::Granularity granularity) {
+  return granularity == CompileOptions::Granularity::kUnit ? "unit" : "step";
+}
+
+bool compiles_per_unit(const Config& config) {
+  const std::string& granularity = config.get_string("compile.granularity");
+  if (granularity != "auto") return granularity == "unit";
+  return config.get_string("compile.backend") == "inductor" &&
+         (config.get_string("train.activation_checkpointing") != "none" ||
+          config.get_string("dist.strategy") == "fsdp");
+}
+
 CompileOptions CompileOptions::from_config(const Config& config) {
   using B = Backend;
   using D = Dynamic;
@@ -99,6 +111,8 @@ CompileOptions CompileOptions::from_config(const Config& config) {
                                              {"inductor+cudagraphs", B::kInductorCudaGraphs}});
   o.dynamic = config.get_enum<D>(
       "compile.dynamic", {{"auto", D::kAuto}, {"dynamic", D::kDynamic}, {"static", D::kStatic}});
+  o.granularity = compiles_per_unit(config) ? CompileOptions::Granularity::kUnit
+                                            : CompileOptions::Granularity::kStep;
   o.fullgraph = config.get_bool("compile.fullgraph");
   o.recompile_limit = static_cast<int>(config.get_int("compile.recompile_limit"));
   const auto probe = parse_probe_seq_lens(config.get_string("compile.probe_seq_lens"));

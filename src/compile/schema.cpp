@@ -44,30 +44,58 @@ std::vector<ConfigRule> compile_rules() {
          return "";
        },
        {"compile.probe_seq_lens=8,x"}},
-      {"an AOTInductor step (compile.backend = \"inductor\") compiles the whole step, so "
-       "train.activation_checkpointing = \"block\" needs compile.backend = \"eager\" (per-unit "
-       "compilation is not in kiln yet)",
+      {"a whole-step AOTInductor graph (compile.granularity = \"step\") cannot recompute a "
+       "block's activations: train.activation_checkpointing = \"block\" needs "
+       "compile.granularity = \"unit\" (or \"auto\")",
        [](const Config& c) -> std::string {
-         if (!inductor_backend(c) || c.get_string("train.activation_checkpointing") == "none")
+         if (!inductor_backend(c) || compiles_per_unit(c) ||
+             c.get_string("train.activation_checkpointing") == "none")
            return "";
          return "train.activation_checkpointing = \"block\" with " + backend_is(c) +
-                ": the compiled step is one graph for the whole forward and backward, so it "
-                "cannot recompute a block's activations (that needs per-unit compilation, not in "
-                "kiln yet); set train.activation_checkpointing = \"none\" or compile.backend = "
-                "\"eager\"";
+                " and compile.granularity = \"" + c.get_string("compile.granularity") +
+                "\": the whole step is one graph, which cannot recompute a block's activations; "
+                "set compile.granularity = \"unit\" (per-unit compilation, with compile.backend "
+                "= \"inductor\"), train.activation_checkpointing = \"none\" or "
+                "compile.backend = \"eager\"";
        },
-       {"compile.backend=inductor", "train.activation_checkpointing=block"}},
-      {"a compiled or captured step (compile.backend other than \"eager\") needs dist.strategy "
-       "other than \"fsdp\" (FSDP gathers parameters around each unit's eager forward)",
+       {"compile.backend=inductor", "compile.granularity=step",
+        "train.activation_checkpointing=block"}},
+      {"FSDP (dist.strategy = \"fsdp\") with a compiled or captured step needs per-unit "
+       "compilation: compile.backend = \"inductor\" with compile.granularity = \"unit\" "
+       "or \"auto\"",
        [](const Config& c) -> std::string {
          if (c.get_string("compile.backend") == "eager" || c.get_string("dist.strategy") != "fsdp")
            return "";
-         return "dist.strategy = \"fsdp\" with " + backend_is(c) + ": " +
-                fsdp_with_compile_problem() +
-                "; set dist.strategy = \"ddp\" or "
-                "compile.backend = \"eager\"";
+         if (c.get_string("compile.backend") == "inductor" && compiles_per_unit(c)) return "";
+         return "dist.strategy = \"fsdp\" with " + backend_is(c) + " and compile.granularity = \"" +
+                c.get_string("compile.granularity") + "\": " + fsdp_with_compile_problem() +
+                "; set compile.backend = \"inductor\" with compile.granularity = \"unit\", "
+                "dist.strategy = \"ddp\" or compile.backend = \"eager\"";
        },
-       {"compile.backend=inductor", "dist.strategy=fsdp"}},
+       {"compile.backend=inductor", "compile.granularity=step", "dist.strategy=fsdp"}},
+      {"per-unit compilation (compile.granularity = \"unit\") is AOTInductor's: "
+       "compile.backend = \"inductor\" (CUDA graphs capture the whole step)",
+       [](const Config& c) -> std::string {
+         if (c.get_string("compile.granularity") != "unit" || !captured_backend(c)) return "";
+         return "compile.granularity = \"unit\" with " + backend_is(c) +
+                ": a CUDA graph captures the whole step, not one unit at a time; set "
+                "compile.backend = \"inductor\" or compile.granularity = \"step\"";
+       },
+       {"compile.backend=cudagraphs", "run.device=cuda", "compile.granularity=unit"}},
+      {"per-unit compilation specialises every shape: compile.dynamic = \"auto\" or "
+       "\"static\" with compile.granularity = \"unit\"",
+       [](const Config& c) -> std::string {
+         if (!inductor_backend(c) || !compiles_per_unit(c) ||
+             c.get_string("compile.dynamic") != "dynamic")
+           return "";
+         return "compile.dynamic = \"dynamic\" with per-unit compilation (compile.granularity "
+                "= \"" +
+                c.get_string("compile.granularity") +
+                "\"): unit packages are built for each input shape, without symbolic dimensions; "
+                "set compile.dynamic = \"auto\" or \"static\", or compile.granularity = "
+                "\"step\" (without activation checkpointing and FSDP)";
+       },
+       {"compile.backend=inductor", "compile.granularity=unit", "compile.dynamic=dynamic"}},
       {"CUDA graphs (compile.backend = \"cudagraphs\", \"inductor+cudagraphs\") need a CUDA "
        "device: run.device = \"cuda\", or \"auto\" where CUDA is available",
        [](const Config& c) -> std::string {
@@ -119,9 +147,10 @@ std::vector<ConfigRule> compile_rules() {
 }  // namespace
 
 std::string fsdp_with_compile_problem() {
-  return "FSDP gathers each unit's parameters around its eager forward and frees them after, "
-         "which a whole-step compiled or captured graph bypasses (per-unit compilation is not in "
-         "kiln yet)";
+  return "FSDP gathers each unit's parameters around its forward and frees them after, which a "
+         "whole-step compiled or captured graph bypasses (per-unit compilation, "
+         "compile.granularity "
+         "= \"unit\", keeps them)";
 }
 
 ConfigSection compile_section() {
@@ -132,6 +161,11 @@ ConfigSection compile_section() {
                      {"eager", "inductor", "cudagraphs", "inductor+cudagraphs"},
                      "the training step: eager autograd, forward+backward compiled by AOTInductor, "
                      "the whole step captured in a CUDA graph (CUDA only), or both"),
+          string_key("compile", "granularity", "auto", {"auto", "step", "unit"},
+                     "what one AOTInductor graph covers: the whole step, or each model unit "
+                     "(transformer block) as a forward and a backward package inside the unit "
+                     "wrappers (the root stays eager); auto = unit with activation checkpointing "
+                     "or dist.strategy = fsdp, else step"),
           string_key("compile", "dynamic", "auto", {"auto", "dynamic", "static"},
                      "shapes as torch.compile's dynamic=None|True|False: specialise first and "
                      "make a changed dimension dynamic at the first recompile; symbolic batch "

@@ -32,6 +32,8 @@ std::string auto_strategy_problem(const Config& config, const Communicator& comm
   if (!comm.parallel() || config.get_string("compile.backend") == "eager" ||
       config.get_string("dist.strategy") != "auto")
     return "";
+  // Per-unit compilation composes with FSDP.
+  if (config.get_string("compile.backend") == "inductor" && compiles_per_unit(config)) return "";
   torch::Device device = resolve_device(config);
   if (device.is_cuda()) device = torch::Device(torch::kCUDA, comm.local_rank());
   const StrategyChoice choice =

@@ -49,17 +49,19 @@ TEST(ConfigRules, TheSectionsDeclareTheKnownRules) {
   EXPECT_EQ(per_section["data"], 6);
   EXPECT_EQ(per_section["optim"], 2);
   EXPECT_EQ(per_section["dist"], 1);
-  EXPECT_EQ(per_section["compile"], 7);  // probe_seq_lens + the step matrix's six
+  EXPECT_EQ(per_section["compile"], 9);  // probe_seq_lens + the step matrix's eight
 }
 
 // The production step's matrix: compile.backend x train.precision x
 // train.activation_checkpointing x parallelism x train.grad_accum_steps, on a CPU and on a CUDA
 // device. Every cell either passes validate() or is refused by a rule; the expected refusals are
-// written out here, independently of the rules: an AOTInductor step (one graph for the whole
-// step) has no activation checkpointing, no compiled or captured step runs under FSDP, CUDA
-// graphs need a CUDA device and capture the fp32 step without checkpointing. (`kiln train`
-// refuses what validate refuses: ValidateAndTrainRefuseEveryExampleWritingNothing; a sample of
-// the accepted cells trains in tests/compile/compiled_step_test.cpp.)
+// written out here, independently of the rules: "inductor" compiles per unit when checkpointing
+// or FSDP is on (compile.granularity = "auto"), so it takes every cell; "inductor+cudagraphs"
+// compiles the whole step (one graph has no activation checkpointing), no captured step runs
+// under FSDP, CUDA graphs need a CUDA device and capture the fp32 step without checkpointing.
+// (`kiln train` refuses what validate refuses: ValidateAndTrainRefuseEveryExampleWritingNothing;
+// a sample of the accepted cells trains in tests/compile/compiled_step_test.cpp and
+// compiled_units_test.cpp.)
 TEST(ConfigRules, TheProductionStepMatrixIsDecidedByRules) {
   int accepted = 0, refused = 0;
   for (const std::string device : {"cpu", "cuda"}) {
@@ -71,10 +73,10 @@ TEST(ConfigRules, TheProductionStepMatrixIsDecidedByRules) {
               const bool inductor = backend == "inductor" || backend == "inductor+cudagraphs";
               const bool captured = backend == "cudagraphs" || backend == "inductor+cudagraphs";
               std::vector<std::string> why;  // the lines any of which may refuse the cell
-              if (inductor && checkpointing == "block")
+              if (inductor && captured && checkpointing == "block")
                 why.push_back("cannot recompute a block's activations");
-              if (backend != "eager" && strategy == "fsdp")
-                why.push_back("FSDP gathers each unit's parameters around its eager forward");
+              if (captured && strategy == "fsdp")
+                why.push_back("FSDP gathers each unit's parameters around its forward");
               if (captured && device == "cpu") why.push_back("needs a CUDA device");
               if (captured && precision != "fp32")
                 why.push_back("not verified under mixed precision");
@@ -113,9 +115,9 @@ TEST(ConfigRules, TheProductionStepMatrixIsDecidedByRules) {
       }
     }
   }
-  // eager: 36 cells per device; inductor: fp32/bf16/fp16 x single/ddp x 1/2 = 12; cudagraphs and
-  // inductor+cudagraphs on CUDA: fp32, no checkpointing, single/ddp, 1/2 = 4 each.
-  EXPECT_EQ(accepted, 2 * (36 + 12) + 4 + 4);
+  // eager and inductor: 36 cells per device each; cudagraphs and inductor+cudagraphs on CUDA:
+  // fp32, no checkpointing, single/ddp, 1/2 = 4 each.
+  EXPECT_EQ(accepted, 2 * (36 + 36) + 4 + 4);
   EXPECT_EQ(accepted + refused, 2 * 144);
 }
 

@@ -102,8 +102,10 @@ class DryRun(unittest.TestCase):
         # Python): either stops the ladder here, on CPU, before a GPU minute is spent.
         cases = {"train.batch_size": ["train.batch_size=0"],
                  "compile.python": ["compile.python=/nonexistent/python3"],
-                 # compiled + checkpointed needs per-unit compilation: refused by a rule (today)
-                 "train.activation_checkpointing": ["train.activation_checkpointing=block"]}
+                 # compiled + checkpointed needs per-unit compilation: a whole-step graph
+                 # (compile.granularity = "step") is refused by a rule
+                 "train.activation_checkpointing": ["train.activation_checkpointing=block",
+                                                    "compile.granularity=step"]}
         for key, extra in cases.items():
             args = [a for e in extra for a in ("--ladder-set", e)]
             run, checks, _ = self.run_script("--stage", "ladder", *args)

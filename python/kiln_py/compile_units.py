@@ -1,0 +1,243 @@
+"""Per-unit compilation (compile.granularity = "unit"): one model unit (a transformer block) as a
+pair of AOTInductor packages, its forward and its backward.
+
+kiln_py.compile runs this for a spec whose "graph" is "unit" (docs/compile.md, "Per-unit
+compilation"). The unit is the twin's submodule named by spec["unit"], called as
+f(input, *parameters) with the parameters in spec["parameters"] order (kiln's ModelUnit order).
+AOTAutograd (functorch's aot_function) traces the joint forward+backward graph under the
+precision's autocast and partitions it with min_cut_rematerialization_partition, as
+torch.compile does for training: the forward graph returns the output and the tensors the
+backward needs (the saved tensors); the backward graph takes those and the output's gradient and
+returns the gradient of the input and of every parameter. Each graph is exported
+(torch.export, non-strict) and packaged by AOTInductor.
+
+Saved tensors that are inputs of the forward (a parameter, the unit's input) are not returned by
+the forward package: the result names them ("input" or "parameter:<k>") and kiln passes its own
+tensor, so FSDP's regathered parameters are what the backward reads. Before it reports success
+the pair is run once on random inputs and its gradients compared with eager autograd's.
+"""
+import os
+import time
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UnitSpecError(ValueError):
+    """The unit spec is malformed (exit 2)."""
+
+
+def check_unit_spec(spec, path):
+    for key in ("unit", "input", "parameters", "backward_package"):
+        if key not in spec:
+            raise UnitSpecError(f"{path}: a unit spec needs the key '{key}'")
+    tensors = [("input", spec["input"])] + [(f"parameters[{i}]", p)
+                                             for i, p in enumerate(spec["parameters"])]
+    for where, t in tensors:
+        shape = t.get("shape") if isinstance(t, dict) else None
+        if (not isinstance(shape, list) or not all(isinstance(s, int) and s > 0 for s in shape)
+                or t.get("dtype") not in DTYPES):
+            raise UnitSpecError(f"{path}: {where} needs a shape of positive sizes and a dtype "
+                                f"({', '.join(DTYPES)})")
+    for i, p in enumerate(spec["parameters"]):
+        if not isinstance(p.get("name"), str):
+            raise UnitSpecError(f"{path}: parameters[{i}] needs its name inside the unit")
+
+
+def _random(t, device, generator):
+    return torch.randn(t["shape"], generator=generator).to(device=device,
+                                                             dtype=DTYPES[t["dtype"]])
+
+
+def trace_unit(unit, names, args, autocast):
+    """(forward GraphModule, its example args, backward GraphModule, its example args, eager
+    output): AOTAutograd's partition of unit(input, *parameters)."""
+    from functorch.compile import aot_function
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    graphs = {}
+
+    def keep(kind):
+        def compiler(gm, example):
+            graphs[kind] = (gm, list(example))
+            return gm
+        return compiler
+
+    def fn(x, *params):
+        return torch.func.functional_call(unit, dict(zip(names, params)), (x,))
+
+    leaves = [a.detach().requires_grad_(True) for a in args]
+    with autocast:
+        compiled = aot_function(fn, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                                partition_fn=min_cut_rematerialization_partition)
+        out = compiled(*leaves)
+    out.backward(torch.ones_like(out))
+    return graphs["forward"], graphs["backward"], out
+
+
+def split_forward(gm, primals):
+    """Rewrites the forward graph's outputs to [output, computed saved tensors...] and says where
+    each saved tensor comes from: {"input": k} (the k-th argument of f: 0 the unit's input,
+    1 + j parameter j) or {"output": m} (the m-th output of the rewritten forward)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != primals:
+        raise RuntimeError(f"the forward graph takes {len(placeholders)} inputs, not {primals}")
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    values = list(output.args[0])
+    out, saved = values[0], values[1:]
+    kept, sources = [out], []
+    for v in saved:
+        if not isinstance(v, torch.fx.Node):
+            raise RuntimeError(f"the forward graph saves a non-tensor ({v!r}); only static shapes "
+                               f"are compiled per unit")
+        if v in placeholders:
+            sources.append({"input": placeholders.index(v)})
+        elif v in kept:
+            sources.append({"output": kept.index(v)})
+        else:
+            kept.append(v)
+            sources.append({"output": len(kept) - 1})
+    output.args = (tuple(kept),)
+    gm.graph.lint()
+    gm.recompile()
+    return sources, len(kept)
+
+
+class _DropNone(torch.nn.Module):
+    """The backward graph returning only its defined gradients (AOTInductor takes tensors)."""
+
+    def __init__(self, gm, defined):
+        super().__init__()
+        self.gm, self.defined = gm, defined
+
+    def forward(self, *args):
+        grads = self.gm(*args)
+        return tuple(grads[k] for k in self.defined)
+
+
+def package(module, args, path, configs):
+    from torch._inductor import aoti_compile_and_package
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    ep = torch.export.export(module, tuple(args), strict=False)
+    return aoti_compile_and_package(ep, package_path=path, inductor_configs=configs)
+
+
+def run_unit(spec, result, model, device, autocast, configs, explain):
+    """Builds the unit's package pair; fills result; returns the exit status (0 or 3 on graph
+    breaks). Raises on any failure of tracing, export or compile."""
+    try:
+        unit = model.get_submodule(spec["unit"])
+    except AttributeError:
+        raise UnitSpecError(f"the model has no unit '{spec['unit']}'")
+    unit = unit.to(device).train()
+    names = [p["name"] for p in spec["parameters"]]
+    own = dict(unit.named_parameters())
+    for p in spec["parameters"]:
+        if p["name"] not in own or list(own[p["name"]].shape) != p["shape"]:
+            raise UnitSpecError(f"unit '{spec['unit']}' has no parameter {p['name']} of shape "
+                                f"{p['shape']}")
+    if len(names) != len(own):
+        raise UnitSpecError(f"unit '{spec['unit']}' has {len(own)} parameters, the spec names "
+                            f"{len(names)}")
+    generator = torch.Generator().manual_seed(0)
+    args = [_random(spec["input"], device, generator)]
+    args += [_random(p, device, generator) * 0.1 for p in spec["parameters"]]
+    for p, a in zip(spec["parameters"], args[1:]):
+        if p["name"].endswith("weight") and ("ln" in p["name"] or "norm" in p["name"]):
+            a.add_(1.0)  # norm weights near one, as trained ones are
+    seconds, notes = result["seconds"], result["notes"]
+
+    begin = time.perf_counter()
+
+    class Call(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.unit = unit
+
+        def forward(self, x):
+            with autocast():
+                return self.unit(x)
+
+    result["graph_count"], result["graph_breaks"] = explain(Call(), (args[0],))
+    result["graph_break_count"] = len(result["graph_breaks"])
+    seconds["explain"] = time.perf_counter() - begin
+    if result["graph_breaks"]:
+        result["status"] = "graph_breaks"
+        listed = "; ".join(f"{b['where']}: {b['reason'].split(':')[0]}"
+                           for b in result["graph_breaks"])
+        result["error"] = (f"{len(result['graph_breaks'])} graph break(s) in unit "
+                           f"{spec['unit']}, nothing compiled: {listed}")
+        return 3
+
+    begin = time.perf_counter()
+    (fw, fw_args), (bw, bw_args), eager_out = trace_unit(unit, names, args, autocast())
+    sources, forward_outputs = split_forward(fw, len(args))
+    bw_outputs = list(next(n for n in bw.graph.nodes if n.op == "output").args[0])
+    defined = [k for k, g in enumerate(bw_outputs) if g is not None]
+    seconds["trace"] = time.perf_counter() - begin
+
+    begin = time.perf_counter()
+    with torch.no_grad():
+        forward_path = package(fw, fw_args, spec["package"], configs)
+    seconds["compile_forward"] = time.perf_counter() - begin
+    begin = time.perf_counter()
+    backward_path = package(_DropNone(bw, defined), bw_args, spec["backward_package"], configs)
+    seconds["compile_backward"] = time.perf_counter() - begin
+
+    begin = time.perf_counter()
+    check_pair(forward_path, backward_path, sources, defined, unit, names, args, autocast,
+               device, notes)
+    seconds["check"] = time.perf_counter() - begin
+
+    result["package"] = forward_path
+    result["backward_package"] = backward_path
+    result["forward_outputs"] = forward_outputs
+    result["saved"] = sources
+    result["tangents"] = len(bw_args) - len(sources)
+    result["gradients"] = defined  # output k of the backward: the gradient of argument defined[k]
+    result["output"] = {"shape": list(eager_out.shape), "dtype": str(eager_out.dtype)[6:]}
+    result["inputs"] = ["input"] + [f"parameter:{n}" for n in names]
+    result["status"] = "ok"
+    return 0
+
+
+def check_pair(forward_path, backward_path, sources, defined, unit, names, args, autocast, device,
+               notes):
+    """Runs the built pair as kiln will (saved tensors routed by `sources`) and compares output
+    and gradients with eager autograd under the same autocast. Raises on a mismatch."""
+    from torch._inductor import aoti_load_package
+    index = 0 if device.type == "cuda" else -1
+    forward = aoti_load_package(forward_path, device_index=index)
+    backward = aoti_load_package(backward_path, device_index=index)
+    with torch.no_grad():
+        outs = forward.loader.run(list(args))
+    saved = [args[s["input"]] if "input" in s else outs[s["output"]] for s in sources]
+    tangent = torch.ones_like(outs[0])
+    with torch.no_grad():
+        grads = backward.loader.run(saved + [tangent])
+    leaves = [a.detach().requires_grad_(True) for a in args]
+    with autocast():
+        out = torch.func.functional_call(unit, dict(zip(names, leaves[1:])), (leaves[0],))
+    out.backward(torch.ones_like(out))
+    # A plumbing error (saved tensors out of order, a gradient on the wrong argument) is off by
+    # the whole value; rounding differs by far less: fp32 1e-4; autocast with fp32 parameters
+    # 3e-2; bf16/fp16 parameters (FSDP's param_dtype) 1e-1 (reductions such as a bias gradient
+    # over B*T positions round in the low precision: 4.7e-2 measured on gpt's ln_1.bias).
+    if any(a.dtype != torch.float32 for a in args):
+        tolerance = 1e-1
+    elif out.dtype != torch.float32 or autocast().__class__.__name__ == "autocast":
+        tolerance = 3e-2
+    else:
+        tolerance = 1e-4
+    pairs = [("output", outs[0], out)]
+    pairs += [(f"gradient {k}", g, leaves[k].grad) for k, g in zip(defined, grads)]
+    worst = 0.0
+    for what, got, want in pairs:
+        scale = want.float().abs().max().item() or 1.0
+        error = (got.float() - want.float()).abs().max().item() / scale
+        worst = max(worst, error)
+        if error > tolerance:
+            raise RuntimeError(f"the compiled unit's {what} differs from eager autograd by "
+                               f"{error:.3g} of its largest value (tolerance {tolerance})")
+    notes.append(f"unit pair checked against eager autograd: worst relative error {worst:.2e}")
