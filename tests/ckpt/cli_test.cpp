@@ -84,15 +84,18 @@ TEST(CkptCli, ListInspectVerifyConsolidate) {
   EXPECT_THAT(missing.err, HasSubstr("does not exist"));
 }
 
+std::string tiny_drill_args(const std::filesystem::path& run_dir, int drill_steps) {
+  return "ckpt drill " + (source_dir() / "configs/gpt-tiny.toml").string() +
+         " --set model.n_layer=2 --set model.n_embd=64 --set model.n_head=4 --set data.seq_len=32"
+         " --set train.batch_size=8 --set run.threads=1 --set run.name=d --set "
+         "checkpoint.drill_steps=" +
+         std::to_string(drill_steps) + " --set run.dir=" + run_dir.string();
+}
+
 // The checkpoint rung on a tiny GPT: save, SIGKILL, restore in a fresh process, compare.
 TEST(CkptCli, DrillRestoresBitwiseOnATinyGpt) {
   TempDir dir;
-  auto r = run_kiln(
-      "ckpt drill " + (source_dir() / "configs/gpt-tiny.toml").string() +
-      " --set model.n_layer=2 --set model.n_embd=64 --set model.n_head=4 --set data.seq_len=32"
-      " --set train.batch_size=8 --set checkpoint.drill_steps=4 --set run.threads=1"
-      " --set run.name=d --set run.dir=" +
-      dir.path().string());
+  auto r = run_kiln(tiny_drill_args(dir.path(), 4));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_THAT(r.out, HasSubstr("bitwise equal"));
   auto numbers = nlohmann::json::parse(slurp(dir / "d" / "checkpoint.json"));
@@ -100,6 +103,30 @@ TEST(CkptCli, DrillRestoresBitwiseOnATinyGpt) {
   EXPECT_TRUE(numbers["parameters_bitwise_equal"].get<bool>());
   EXPECT_EQ(numbers["losses_compared"], 4);
   EXPECT_TRUE(numbers["verify_ok"].get<bool>());
+}
+
+// The negative control: the drill starts its runs through KILN_EXECUTABLE, here a wrapper that
+// gives only the restoring process (the one passed --resume) another learning rate. The restored
+// step-3 loss is still computed on the restored weights (equal); step 4 and the final parameters
+// and optimizer state differ, and the drill fails (exit 3) saying which.
+TEST(CkptCli, ADrillWhoseRestoreIsPerturbedFailsNamingWhatDiffered) {
+  TempDir dir;
+  write_text(dir / "kiln-perturbed-restore",
+             std::string("#!/bin/sh\ncase \" $* \" in\n") + "  *\" --resume \"*) exec " + KILN_CLI +
+                 " \"$@\" --set optim.lr=0.5 ;;\n  *) exec " + KILN_CLI + " \"$@\" ;;\nesac\n");
+  std::filesystem::permissions(dir / "kiln-perturbed-restore", std::filesystem::perms::owner_all);
+  auto r = run_shell("KILN_EXECUTABLE=" + (dir / "kiln-perturbed-restore").string() + " " +
+                     KILN_CLI + " " + tiny_drill_args(dir.path(), 2));
+  EXPECT_EQ(r.exit_code, 3) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("checkpoint drill failed: resume differs from the uninterrupted "
+                               "run: 1/2 losses equal"));
+  EXPECT_THAT(r.err, HasSubstr("parameters differ, optimizer state differ"));
+  auto numbers = nlohmann::json::parse(slurp(dir / "d" / "checkpoint.json"));
+  EXPECT_FALSE(numbers["passed"].get<bool>());
+  EXPECT_TRUE(numbers["verify_ok"].get<bool>());  // the checkpoint itself is sound
+  EXPECT_EQ(numbers["losses_compared"], 2);
+  EXPECT_FALSE(numbers["parameters_bitwise_equal"].get<bool>());
+  EXPECT_FALSE(numbers["optimizer_state_bitwise_equal"].get<bool>());
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <iostream>
 #include <limits>
+#include <set>
 
 #include "ckpt/ckpt_helpers.h"
 #include "kiln/checkpoint.h"
@@ -64,6 +65,37 @@ TEST(Precision, OptionsParseAndUnknownValuesAreRefused) {
 // ---- bf16-mixed
 // ----------------------------------------------------------------------------------
 
+// A model-level probe: the model the Trainer trains, around the built one, recording the dtype of
+// the activations the training forward hands back (the logits, lm_head's matmul: bf16 under
+// autocast) and of the loss (cross-entropy: fp32 under autocast).
+class ForwardDtypeProbe final : public Model {
+ public:
+  explicit ForwardDtypeProbe(std::shared_ptr<Model> inner)
+      : inner_(register_module("inner", std::move(inner))) {}
+  torch::Tensor forward(const torch::Tensor& inputs) override {
+    torch::Tensor logits = inner_->forward(inputs);
+    if (is_training()) logits_dtypes.insert(logits.scalar_type());
+    return logits;
+  }
+  torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets) const override {
+    torch::Tensor loss = inner_->loss(logits, targets);
+    loss_dtypes.insert(loss.scalar_type());
+    return loss;
+  }
+  std::string architecture() const override { return inner_->architecture(); }
+  nlohmann::json describe() const override { return inner_->describe(); }
+  double train_flops_per_sample(int64_t seq_len) const override {
+    return inner_->train_flops_per_sample(seq_len);
+  }
+  std::set<c10::ScalarType> logits_dtypes;
+  mutable std::set<c10::ScalarType> loss_dtypes;
+
+ private:
+  std::shared_ptr<Model> inner_;
+};
+
+// The bf16 run is proven by the probe (its training forwards produced bf16 logits; fp32's
+// float); the loss stays within 2% of fp32's after 50 steps.
 TEST(Precision, Bf16MixedTrainsGptTinyWithin2PercentOfFp32AndKeepsFp32State) {
   TempDir dir;
   std::vector<double> final_loss;
@@ -71,11 +103,18 @@ TEST(Precision, Bf16MixedTrainsGptTinyWithin2PercentOfFp32AndKeepsFp32State) {
     Config config =
         gpt_config(dir.path(), {"model.preset=tiny", "train.steps=50", "data.seq_len=16",
                                 fmt::format("train.precision={}", precision)});
-    auto trainer = make_trainer(config);
+    apply_runtime_settings(config);
+    auto probe = std::make_shared<ForwardDtypeProbe>(make_model(config));
+    auto trainer = std::make_unique<Trainer>(config, probe, make_datasets(config));
     StepStats last;
     for (int k = 0; k < 50; ++k) last = trainer->train_step();
     ASSERT_TRUE(std::isfinite(last.loss));
     final_loss.push_back(last.loss);
+    const bool bf16 = std::string(precision) == "bf16-mixed";
+    EXPECT_EQ(probe->logits_dtypes,
+              std::set<c10::ScalarType>{bf16 ? torch::kBFloat16 : torch::kFloat})
+        << precision;
+    EXPECT_EQ(probe->loss_dtypes, std::set<c10::ScalarType>{torch::kFloat}) << precision;
     for (const auto& [name, p] : trainer->optimizer().parameters()) {
       EXPECT_EQ(p.scalar_type(), torch::kFloat) << name;
       EXPECT_EQ(p.grad().scalar_type(), torch::kFloat) << name;
