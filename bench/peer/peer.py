@@ -12,6 +12,11 @@ both sides, same thread count) and reports kiln/Python.
     peer.py --kiln build/kiln --config configs/gpt-tiny.toml --steps 60 --timing \
             --result bench/results/baseline-gpt-tiny.json
 
+Under train.precision = "fp16-mixed" both sides scale the loss (kiln's scaler, torch.amp.GradScaler
+on this side) and the steps each skips on a gradient overflow and the scale after every step
+must be equal too; --initial-loss-scale starts both scalers there (one so large that the first
+steps overflow), --min-skipped requires that many skipped steps, so the skip path really ran.
+
 Exit status: 0 when every step agrees within the tolerance, 1 otherwise.
 """
 import argparse
@@ -63,8 +68,10 @@ def learning_rate(cfg, step):
 
 # ---- replay ---------------------------------------------------------------------------------------
 
-def export(kiln, config, steps, out, overrides):
+def export(kiln, config, steps, out, overrides, initial_loss_scale=None):
     cmd = [kiln, "peer", "export", config, "--steps", str(steps), "--out", out]
+    if initial_loss_scale:
+        cmd += ["--initial-loss-scale", repr(initial_loss_scale)]
     for o in overrides:
         cmd += ["--set", o]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -72,7 +79,9 @@ def export(kiln, config, steps, out, overrides):
         return json.load(f)
 
 
-def replay(out, steps):
+def replay(out, steps, initial_loss_scale=None):
+    """Returns (config, losses, grad norms, step seconds, skipped, loss scales): skipped[k] says
+    whether step k left the optimizer unstepped; loss scales are None without a scaler."""
     with open(os.path.join(out, "config.toml"), "rb") as f:
         cfg = tomllib.load(f)
     if cfg["run"]["threads"] > 0:
@@ -90,11 +99,16 @@ def replay(out, steps):
     # train.precision: autocast around forward and loss; fp16 adds torch.amp.GradScaler.
     precision = cfg["train"].get("precision", "fp32")
     dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
-    scaler = torch.amp.GradScaler("cpu") if precision == "fp16-mixed" else None
-    losses, norms, seconds = [], [], []
+    scaler = None
+    if precision == "fp16-mixed":
+        scaler = torch.amp.GradScaler("cpu", init_scale=initial_loss_scale or 2.0**16)
+    losses, norms, seconds, skipped, scales = [], [], [], [], []
     for k in range(steps):
         micro = [(batches[f"step{k}.micro{m}.inputs"], batches[f"step{k}.micro{m}.targets"])
                  for m in range(accum)]
+        # A skipped step leaves every parameter as it was (the fused AdamW that GradScaler.step
+        # hands found_inf to still runs step(), as a no-op).
+        before = [p.detach().clone() for p in params] if scaler else None
         begin = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         total = torch.zeros(())
@@ -120,7 +134,9 @@ def replay(out, steps):
         losses.append(total.item())
         norms.append(norm.item())
         seconds.append(time.perf_counter() - begin)
-    return cfg, losses, norms, seconds
+        skipped.append(scaler is not None and all(torch.equal(a, p) for a, p in zip(before, params)))
+        scales.append(scaler.get_scale() if scaler else None)
+    return cfg, losses, norms, seconds, skipped, scales
 
 
 def main():
@@ -130,42 +146,86 @@ def main():
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--tolerance", type=float, default=1e-5, help="max relative loss difference")
+    parser.add_argument("--agree-steps", type=int,
+                        help="judge agreement over the first N steps only (default: every step); the "
+                             "difference over every step is recorded beside it as drift")
     parser.add_argument("--timing", action="store_true", help="also time both sides")
-    parser.add_argument("--repeats", type=int, default=3, help="timing: alternate kiln/Python this often")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timing: alternate kiln/Python this often (at least 5)")
     parser.add_argument("--warmup", type=int, default=3, help="timing: steps left out of the median")
     parser.add_argument("--result", help="write the comparison as JSON here")
+    parser.add_argument("--initial-loss-scale", type=float,
+                        help="fp16-mixed: both loss scalers start at this scale (default 65536)")
+    parser.add_argument("--min-skipped", type=int, default=0,
+                        help="require at least this many steps skipped (on both sides)")
     args = parser.parse_args()
+    if args.timing and args.repeats < 5:
+        parser.error("--timing claims a ratio: use --repeats 5 or more")
 
     with tempfile.TemporaryDirectory(prefix="kiln-peer-") as out:
-        kiln = export(args.kiln, args.config, args.steps, out, args.overrides)
-        cfg, losses, norms, py_seconds = replay(out, args.steps)
+        kiln = export(args.kiln, args.config, args.steps, out, args.overrides,
+                      args.initial_loss_scale)
+        cfg, losses, norms, py_seconds, py_skipped, py_scales = replay(
+            out, args.steps, args.initial_loss_scale)
         rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(kiln["loss"], losses)]
         # A NaN on either side is a disagreement (max() would skip a NaN that is not first).
-        worst = math.inf if any(math.isnan(r) for r in rel) else max(rel)
-        ok = worst <= args.tolerance and len(losses) == len(kiln["loss"]) == args.steps
+        def largest(values):
+            return math.inf if any(math.isnan(r) for r in values) else max(values)
+        worst = largest(rel)
+        window = min(args.agree_steps or args.steps, args.steps)
+        worst_in_window = largest(rel[:window])
+        first_differing = next((k + 1 for k, r in enumerate(rel) if r != 0), None)
+        ok = worst_in_window <= args.tolerance and len(losses) == len(kiln["loss"]) == args.steps
+        # Skipped steps and the loss scale (powers of two: exactly equal or not at all).
+        same_skips = kiln["skipped"] == py_skipped
+        same_scales = kiln["loss_scale"] == py_scales
+        enough_skips = sum(py_skipped) >= args.min_skipped
+        ok = ok and same_skips and same_scales and enough_skips
         for k in range(args.steps):
-            print(f"step {k + 1:3d}  kiln {kiln['loss'][k]:.8f}  python {losses[k]:.8f}  rel {rel[k]:.2e}")
-        print(f"max relative loss difference {worst:.3e} (tolerance {args.tolerance:g}): "
-              f"{'AGREE' if ok else 'DISAGREE'}")
+            line = f"step {k + 1:3d}  kiln {kiln['loss'][k]:.8f}  python {losses[k]:.8f}  rel {rel[k]:.2e}"
+            if py_scales[k] is not None or kiln["skipped"][k] or py_skipped[k]:
+                line += (f"  skipped kiln {kiln['skipped'][k]!s:5} python {py_skipped[k]!s:5}"
+                         f"  scale kiln {kiln['loss_scale'][k]} python {py_scales[k]}")
+            print(line)
+        if not same_skips:
+            print("the skipped steps differ")
+        if not same_scales:
+            print("the loss scales differ")
+        if not enough_skips:
+            print(f"{sum(py_skipped)} step(s) skipped, fewer than --min-skipped {args.min_skipped}")
+        if window < args.steps:
+            print(f"over all {args.steps} steps (drift, not judged): max relative loss difference "
+                  f"{worst:.3e}; the losses first differ at step {first_differing}")
+        print(f"max relative loss difference {worst_in_window:.3e} over {window} steps (tolerance "
+              f"{args.tolerance:g}), {sum(py_skipped)} step(s) skipped: {'AGREE' if ok else 'DISAGREE'}")
         result = {
             "config": args.config, "overrides": args.overrides, "model": cfg["model"]["name"],
-            "steps": args.steps, "tolerance": args.tolerance, "max_relative_loss_difference": worst,
+            "steps": args.steps, "tolerance": args.tolerance, "agree_steps": window,
+            "max_relative_loss_difference_agree_steps": worst_in_window,
+            "max_relative_loss_difference": worst, "first_differing_step": first_differing,
             "agree": ok, "kiln_losses": kiln["loss"], "python_losses": losses,
+            "kiln_skipped": kiln["skipped"], "python_skipped": py_skipped,
+            "kiln_loss_scales": kiln["loss_scale"], "python_loss_scales": py_scales,
         }
         if args.timing:
             kiln_medians, py_medians = [], []
             for r in range(args.repeats):
                 if r > 0:
-                    kiln = export(args.kiln, args.config, args.steps, out, args.overrides)
-                    _, _, _, py_seconds = replay(out, args.steps)
+                    kiln = export(args.kiln, args.config, args.steps, out, args.overrides,
+                                  args.initial_loss_scale)
+                    py_seconds = replay(out, args.steps, args.initial_loss_scale)[3]
                 kiln_medians.append(statistics.median(kiln["step_seconds"][args.warmup:]))
                 py_medians.append(statistics.median(py_seconds[args.warmup:]))
             k_med, p_med = statistics.median(kiln_medians), statistics.median(py_medians)
             result.update({
                 "kiln_median_step_seconds": k_med, "python_median_step_seconds": p_med,
                 "ratio_kiln_over_python": k_med / p_med, "repeats": args.repeats,
+                "kiln_median_step_seconds_per_repeat": kiln_medians,
+                "python_median_step_seconds_per_repeat": py_medians,
+                "ratio_kiln_over_python_per_repeat": [k / p for k, p in zip(kiln_medians, py_medians)],
                 "timed_steps_per_repeat": args.steps - args.warmup,
-                "batch_size": cfg["train"]["batch_size"], "threads": torch.get_num_threads(),
+                "batch_size": cfg["train"]["batch_size"], "seq_len": cfg["data"].get("seq_len"),
+                "precision": cfg["train"].get("precision", "fp32"), "threads": torch.get_num_threads(),
                 "optimizer": cfg["optim"]["name"], "fused": cfg["optim"]["fused"],
                 "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
                 "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

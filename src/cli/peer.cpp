@@ -19,15 +19,19 @@ void add_peer_command(CLI::App& app, Action& action) {
   exp->add_option("--steps", *steps, "optimizer steps to run and export")
       ->check(CLI::PositiveNumber);
   exp->add_option("--out", *out, "output directory")->required();
-  exp->callback([&action, args, steps, out] {
-    action = [args, steps, out] {
-      export_for_peer(args->load(), *steps, *out);
+  auto initial_loss_scale = std::make_shared<double>(0);
+  exp->add_option("--initial-loss-scale", *initial_loss_scale,
+                  "fp16-mixed: start the loss scaler at this scale (default 65536)")
+      ->check(CLI::PositiveNumber);
+  exp->callback([&action, args, steps, out, initial_loss_scale] {
+    action = [args, steps, out, initial_loss_scale] {
+      export_for_peer(args->load(), *steps, *out, *initial_loss_scale);
       return 0;
     };
   });
 }
 
-const Registration registration{95, add_peer_command};
+const Registration peer_registration{95, add_peer_command};  // named apart: unity batches
 
 }  // namespace
 

@@ -50,7 +50,7 @@ void write_first_step_gradients(Model& model, const std::vector<Batch>& micro_ba
 }  // namespace
 
 nlohmann::json export_for_peer(const Config& config, int64_t steps,
-                               const std::filesystem::path& out_dir) {
+                               const std::filesystem::path& out_dir, double initial_loss_scale) {
   std::error_code ec;
   std::filesystem::create_directories(out_dir, ec);
   if (ec) throw UserError("cannot create " + out_dir.string() + ": " + ec.message());
@@ -64,6 +64,16 @@ nlohmann::json export_for_peer(const Config& config, int64_t steps,
   write_file_atomic(out_dir / "config.toml", config.to_toml(false));
 
   Trainer trainer(config, model, std::move(data), TrainerOptions{resolve_device(config), 0, 1});
+  if (initial_loss_scale > 0) {
+    TrainState state = trainer.state();
+    if (!state.grad_scaler.is_object()) {
+      throw UserError(fmt::format(
+          "--initial-loss-scale {} needs a loss scaler: set train.precision = \"fp16-mixed\"",
+          initial_loss_scale));
+    }
+    state.grad_scaler["scale"] = initial_loss_scale;
+    trainer.load_state(state);
+  }
   const int64_t accum = config.get_int("train.grad_accum_steps");
   std::vector<std::vector<Batch>> batches(static_cast<size_t>(steps));
   NamedTensors batch_tensors;
@@ -82,13 +92,19 @@ nlohmann::json export_for_peer(const Config& config, int64_t steps,
                            {"loss", nlohmann::json::array()},
                            {"grad_norm", nlohmann::json::array()},
                            {"lr", nlohmann::json::array()},
-                           {"step_seconds", nlohmann::json::array()}};
+                           {"step_seconds", nlohmann::json::array()},
+                           {"skipped", nlohmann::json::array()},
+                           {"loss_scale", nlohmann::json::array()}};
   for (int64_t k = 0; k < steps; ++k) {
     StepStats s = trainer.train_step_on(batches[static_cast<size_t>(k)]);
     result["loss"].push_back(s.loss);
     result["grad_norm"].push_back(s.grad_norm);
     result["lr"].push_back(s.lr);
     result["step_seconds"].push_back(s.step_seconds);
+    // Outside the timed step: reading the scale back syncs with the device.
+    const nlohmann::json scaler = trainer.state().grad_scaler;
+    result["skipped"].push_back(s.skipped);
+    result["loss_scale"].push_back(scaler.is_object() ? scaler["scale"] : nlohmann::json(nullptr));
   }
   write_file_atomic(out_dir / "kiln.json",
                     result.dump(2, ' ', false, nlohmann::json::error_handler_t::replace));
