@@ -109,6 +109,8 @@ def main():
     parser.add_argument("--steps-between-saves", type=int, default=2)
     parser.add_argument("--skip-stall", action="store_true")
     args = parser.parse_args()
+    if args.repeats < 5:
+        parser.error("a ratio needs --repeats 5 or more")
     bench = Path(args.build) / "bench" / "ckpt" / "kiln_ckpt_bench"
     work = Path(args.dir)
     shutil.rmtree(work, ignore_errors=True)

@@ -92,6 +92,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--result")
     args = parser.parse_args()
+    if args.repeats < 5:
+        parser.error("a ratio needs --repeats 5 or more")
 
     scratch = tempfile.mkdtemp(prefix="kiln-bench-data-")
     try:

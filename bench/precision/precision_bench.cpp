@@ -64,6 +64,10 @@ int main(int argc, char** argv) {
   const int steps = argc > 2 ? std::stoi(argv[2]) : 10;
   const int warmup = argc > 3 ? std::stoi(argv[3]) : 2;
   const int threads = argc > 4 ? std::stoi(argv[4]) : 2;
+  if (steps < 5) {  // the ratio is of medians over the timed steps
+    std::fprintf(stderr, "a ratio needs 5 or more timed steps (got %d)\n", steps);
+    return 2;
+  }
   std::vector<std::string> shape;
   std::vector<std::pair<std::string, std::string>> settings;
   if (what == "precision") {
@@ -106,7 +110,9 @@ int main(int argc, char** argv) {
   for (const Side& side : sides) {
     out["sides"][side.name] = {{"median_step_seconds", median(side.seconds)},
                                {"median_step_peak_bytes", median(side.peak_bytes)},
-                               {"last_loss", side.losses.back()}};
+                               {"last_loss", side.losses.back()},
+                               {"step_seconds", side.seconds},
+                               {"step_peak_bytes", side.peak_bytes}};
   }
   const auto& a = out["sides"][sides[0].name];
   const auto& b = out["sides"][sides[1].name];
@@ -115,6 +121,10 @@ int main(int argc, char** argv) {
   out["ratio_step_peak_bytes"] =
       b["median_step_peak_bytes"].get<double>() / a["median_step_peak_bytes"].get<double>();
   out["ratio_is"] = fmt::format("{} / {}", sides[1].name, sides[0].name);
+  std::vector<double> ratios;  // step k of one setting over step k of the other (they alternate)
+  for (size_t k = 0; k < sides[0].seconds.size(); ++k)
+    ratios.push_back(sides[1].seconds[k] / sides[0].seconds[k]);
+  out["ratio_step_seconds_per_step"] = ratios;
   std::puts(out.dump(2).c_str());
   return 0;
 }

@@ -48,12 +48,14 @@ def main():
     parser.add_argument("--torchrun", default=os.path.join(os.path.dirname(sys.executable), "torchrun"))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40, help="measured steps per repeat")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="at least 5: the ratio is a median over them")
     parser.add_argument("--result", help="write the comparison as JSON here")
     parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp",
                         help="fsdp: kiln's dist.strategy=fsdp against Python FSDP2 (fully_shard), and "
                              "kiln's DDP once for the memory and step time side by side")
     args = parser.parse_args()
+    if args.repeats < 5:
+        parser.error("a ratio needs --repeats 5 or more")
 
     total = args.warmup + args.steps
     with open(args.config, "rb") as f:
