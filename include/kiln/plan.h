@@ -241,6 +241,29 @@ double young_interval_seconds(double save_seconds, double job_mtbf_seconds);
 double recovery_aware_interval_seconds(double save_seconds, double job_mtbf_seconds,
                                        double recovery_seconds);
 
+/// Host memory and storage of one hardware row (docs/plan.md, "Host memory and storage").
+struct HostNeeds {
+  /// checkpoint.async: the state each saving rank of a node copies into host memory (DDP: rank
+  /// 0's whole state; FSDP: the node's shards of one replica). 0 with synchronous saves.
+  double staging_bytes_per_node = 0;
+  /// The data loader's buffered batches: ranks on the node x data.prefetch batches of
+  /// micro_batch x seq_len tokens, input and target as int64 (the mlp: float32 inputs).
+  double loader_bytes_per_node = 0;
+  double host_bytes_per_node = 0;  // the sum
+  double host_memory_bytes = 0;    // the row's host_memory_gb (0 = the row does not say)
+  bool host_fits = true;           // host_bytes_per_node <= host memory x (1 - plan.headroom)
+  /// A 7-day reservation's disk: the checkpoints kept (checkpoint.keep_last_k, or the saves in
+  /// 7 days when fewer) x checkpoint bytes + the data on disk (data.path's size).
+  double storage_bytes = 0;
+  double storage_limit_bytes = 0;  // plan.storage_tb (0 = not set: not checked)
+  bool storage_fits = true;
+  std::vector<std::string> warnings;  // one line per problem, each naming the key to change
+};
+HostNeeds host_needs(const Config& config, const Device& device, int64_t gpus,
+                     const StrategyDecision& decision, double checkpoint_bytes,
+                     double checkpoint_interval_seconds);
+nlohmann::json to_json(const HostNeeds& needs);
+
 /// The whole process's time on one hardware row (docs/plan.md, "Budget").
 struct Budget {
   double step_seconds = 0;           // compute + exposed communication
@@ -300,6 +323,14 @@ struct PilotCalibration {
   /// A restart as the pilot measured it: process start, restore, first step (0 = none).
   double recovery_seconds = 0;
   double wall_seconds = 0;  // the pilot's own duration
+  /// The pilot's measured optimizer step at its world size and the world size (0 = none).
+  double step_seconds = 0;
+  int64_t world_size = 1;
+  /// The device's achievable matmul rate as the pilot timed it (pilot.json "matmul_peak"; 0 =
+  /// not measured: a pilot written before the measurement existed).
+  double matmul_peak_flops_per_second = 0;
+  /// The pilot's measured peak memory of one step (0 = none).
+  double peak_memory_bytes = 0;
 };
 
 /// Hash of the config with the [plan] and [pilot] keys at their defaults: what a pilot and a plan
@@ -318,5 +349,98 @@ nlohmann::json make_plan(const Config& config, const PilotCalibration* pilot, bo
 
 /// The plan as Markdown: the assumptions, one table row per hardware row, the recommendation.
 std::string plan_markdown(const nlohmann::json& plan);
+
+// ---- measured matmul peak (src/plan/matmul_peak.cpp) -------------------------------------------
+
+/// The GEMM the job's step is made of, timed to find what the device achieves: gpt
+/// [micro_batch x seq_len, n_embd] x [n_embd, 4 n_embd] (the MLP's up-projection, the step's
+/// largest matmul; llama the same at its hidden size), the mlp [micro_batch, input_dim] x
+/// [input_dim, hidden_dim]. m, n, k >= 1.
+struct MatmulShape {
+  int64_t m = 1, n = 1, k = 1;
+};
+MatmulShape job_matmul_shape(const ModelShape& shape, const JobShape& job);
+
+/// What a timed GEMM achieved on one device.
+struct MatmulPeak {
+  double flops_per_second = 0;  // 2 m n k / median_seconds
+  MatmulShape shape;
+  std::string dtype;          // "float32" | "bfloat16" | "float16": the job's compute precision
+  double median_seconds = 0;  // one matmul, synchronized
+  int64_t repeats = 0;        // timed repetitions (after two warm-ups)
+};
+/// Times `shape`'s GEMM in the job's compute precision on `device` ("cpu", "cuda:0") for about
+/// `budget_seconds` (at least 5 repetitions), at the calling thread's LibTorch thread count. The
+/// baseline and the pilot record it as "matmul_peak" and report MFU against it beside the
+/// catalog's peak. Throws std::invalid_argument for an unknown device string.
+MatmulPeak measure_matmul_peak(const MatmulShape& shape, std::string_view precision,
+                               std::string_view device, double budget_seconds = 0.3);
+nlohmann::json to_json(const MatmulPeak& peak);
+
+// ---- forecast of one run, and forecast against actual (src/plan/forecast.cpp) -------------------
+
+/// What the plan model expects of one run of a config on the device it runs on, per device at
+/// the run's world size (docs/plan.md, "Forecast against actual").
+struct Forecast {
+  std::string device;  // the runtime device name ("cpu", "NVIDIA H100 80GB HBM3")
+  int64_t world_size = 1;
+  std::string calibration;  // "pilot <dir>" or "uncalibrated"
+  /// The FLOP/s the step time divides by: peak x MFU. 0 = unknown (no catalog row, no pilot on
+  /// this device): no time forecast.
+  double peak_flops_per_second = 0;
+  std::string peak_source;  // "matmul measured by the pilot", "hardware catalog (h100-sxm)", ...
+  double mfu = 0;
+  std::string mfu_source;        // "pilot (measured on this device)" or "plan.mfu (assumed)"
+  double flops_per_step = 0;     // per device, one optimizer step
+  double tokens_per_step = 0;    // per device (samples for the mlp)
+  double steps = 0;              // train.steps
+  double step_seconds = 0;       // flops_per_step / (peak x mfu); 0 = unknown
+  double tokens_per_second = 0;  // per device
+  double train_seconds = 0;      // steps x step_seconds
+  double peak_memory_bytes = 0;  // the memory model's step peak, calibrated by the pilot
+  double memory_calibration = 1;
+  double checkpoint_bytes = 0, save_seconds = 0, write_bytes_per_second = 0;
+};
+
+/// The forecast of `config` run on `device_name` with `world_size` processes under `strategy`
+/// ("none" | "ddp" | "fsdp"): the plan's formulas, the pilot's measurements when the pilot ran on
+/// the same device (its measured matmul peak and the MFU it achieved against it), else the
+/// catalog row's peak and plan.mfu.
+Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
+                      std::string_view device_name, int64_t world_size,
+                      std::string_view strategy = "none");
+/// One line: "forecast (calibrated by pilot runs/p): step 12.3 ms, 41.6k tokens/s, peak memory
+/// 430 MiB, 300 steps in 3.7 s".
+std::string forecast_text(const Forecast& forecast);
+
+/// `kiln train`'s start: logs the forecast of the run in `run_dir` (its manifest.json's device
+/// and world size), calibrated by the pilot in plan.pilot when set, and when to expect the
+/// finish. Advice only: a missing or foreign pilot is a warning (the forecast is then
+/// uncalibrated), never an error. Rank 0 only (others return).
+void log_plan_forecast(const Config& config, const std::filesystem::path& run_dir, int rank);
+
+/// What a run recorded, as `kiln plan --actual` reads it from the typed rung results. 0 = not
+/// recorded.
+struct ActualRun {
+  std::string run_dir;
+  std::string device;
+  int64_t world_size = 1;
+  double step_seconds = 0;       // median step
+  std::string step_source;       // "metrics.jsonl, median of 190 steps", "baseline.json", ...
+  double tokens_per_second = 0;  // per device
+  double steps = 0;              // steps the run recorded
+  double train_seconds = 0;      // their step times summed
+  double peak_memory_bytes = 0;
+  std::string memory_source;
+  double save_seconds = 0;  // one checkpoint save
+};
+
+/// Forecast against actual, row by row: {"rows": [{quantity, forecast, actual, ratio
+/// (forecast / actual, null when either is unknown), input (the forecast input that sets it)}],
+/// "most_wrong": {input, ratio, text}}. The most wrong input is the one whose ratio is farthest
+/// from 1 (|log ratio|).
+nlohmann::json compare_forecast(const Forecast& forecast, const ActualRun& actual);
+/// The comparison as Markdown: a table and the most wrong input.
+std::string comparison_markdown(const nlohmann::json& comparison);
 
 }  // namespace kiln

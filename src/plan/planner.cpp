@@ -9,6 +9,7 @@
 #include <limits>
 #include <tuple>
 
+#include "core/strategy_text.h"
 #include "core/strings.h"
 #include "kiln/config.h"
 #include "kiln/error.h"
@@ -146,6 +147,12 @@ PilotCalibration read_pilot(const std::filesystem::path& run_dir, const Config& 
     p.write_bytes_per_second = number(j["checkpoint"], "write_bytes_per_second");
   if (j.contains("memory")) p.activation_ratio = number(j["memory"], "activation_ratio");
   if (j.contains("restore")) p.recovery_seconds = number(j["restore"], "recovery_seconds");
+  p.step_seconds = number(j, "step_seconds");
+  p.world_size = std::max<int64_t>(1, static_cast<int64_t>(number(j, "world_size")));
+  if (j.contains("matmul_peak") && j["matmul_peak"].is_object())
+    p.matmul_peak_flops_per_second = number(j["matmul_peak"], "flops_per_second");
+  if (j.contains("memory") && j["memory"].contains("measured"))
+    p.peak_memory_bytes = number(j["memory"]["measured"], "peak_bytes");
   return p;
 }
 
@@ -211,7 +218,7 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
 
   // Rows the pilot measured (its own device) use its MFU, eval time, write speed and duration;
   // every other row uses the assumed figures, listed below with the rows they apply to.
-  std::vector<std::string> measured_rows, assumed_rows;
+  std::vector<std::string> measured_rows, assumed_rows, warnings, no_host_rows;
   json out_rows = json::array();
   json best = nullptr;
   double best_cost = 0, best_days = 0;
@@ -219,8 +226,8 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
     StrategyInput input = strategy_input(shape, job, device->memory_bytes, headroom);
     input.activation_bytes *= activation_ratio;
     const StrategyDecision decision = choose_strategy(input);
-    const double peak = device->peak_flops_for(job.precision);
-    if (peak <= 0) {
+    const double catalog_peak = device->peak_flops_for(job.precision);
+    if (catalog_peak <= 0) {
       throw UserError(
           fmt::format("hardware row {} has no peak_tflops.{} (train.precision = \"{}\"); add "
                       "it to the catalog row",
@@ -229,8 +236,34 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
     // The pilot ran on this row's device: its measurements (MFU when the device's peak was
     // known there, eval, write speed, restart, its own duration) stand for this row.
     const bool measured_here = pilot && device_for_name(catalog, pilot->device) == device;
-    const bool mfu_measured = measured_here && pilot->mfu > 0;
-    const double mfu = mfu_measured ? pilot->mfu : config.get_float("plan.mfu");
+    // The pilot's timed matmul stands for this row's peak; its step's achieved rate over that
+    // peak is the MFU (docs/plan.md, "Measured matmul peak"). A catalog figure far from the
+    // measured one is the wrong-denominator bug (MFU above 100%): warned.
+    const bool peak_measured = measured_here && pilot->matmul_peak_flops_per_second > 0;
+    const double peak = peak_measured ? pilot->matmul_peak_flops_per_second : catalog_peak;
+    if (peak_measured) {
+      const double over = catalog_peak / peak;
+      if (over > 1.25 || over < 0.5) {
+        warnings.push_back(fmt::format(
+            "{}: the catalog's peak {:.3g} FLOP/s is {:.2f}x the matmul the pilot measured on "
+            "{} ({:.3g} FLOP/s): the plan uses the measured one; check the row's "
+            "peak_tflops.{} or the device",
+            device->name, catalog_peak, over, pilot->device, peak,
+            compute_precision(job.precision)));
+      }
+    }
+    const bool mfu_measured =
+        measured_here && (peak_measured ? pilot->step_seconds > 0 : pilot->mfu > 0);
+    // Per device: the pilot's step (its world) ran the same per-device tokens (same job hash).
+    const double pilot_achieved =
+        peak_measured && pilot->step_seconds > 0
+            ? flops_per_token *
+                  static_cast<double>(job.micro_batch * job.grad_accum_steps * job.seq_len) /
+                  pilot->step_seconds
+            : 0;
+    const double mfu = !mfu_measured   ? config.get_float("plan.mfu")
+                       : peak_measured ? pilot_achieved / peak
+                                       : pilot->mfu;
     (measured_here ? measured_rows : assumed_rows).push_back(device->name);
     const double write_speed = measured_here && pilot->write_bytes_per_second > 0
                                    ? pilot->write_bytes_per_second
@@ -280,6 +313,10 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
     b.margin_fraction = config.get_float("plan.margin");
     const Budget result = budget(b);
     const bool fits_memory = decision.strategy != "does-not-fit";
+    const HostNeeds host = host_needs(config, *device, gpus, decision, checkpoint_bytes,
+                                      result.checkpoint_interval_seconds);
+    if (fits_memory) warnings.insert(warnings.end(), host.warnings.begin(), host.warnings.end());
+    if (device->host_memory_bytes <= 0) no_host_rows.push_back(device->name);
     json row = {
         {"hardware", device->name},
         {"display_name", device->display_name},
@@ -287,6 +324,9 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
         {"strategy", to_json(decision)},
         {"fits_memory", fits_memory},
         {"peak_flops_per_gpu", peak},
+        {"peak_flops_source", peak_measured ? "matmul measured by the pilot" : "hardware catalog"},
+        {"catalog_peak_flops_per_gpu", catalog_peak},
+        {"host", to_json(host)},
         {"mfu", mfu},
         {"mfu_source", mfu_measured ? "pilot (measured on this device)" : "plan.mfu (assumed)"},
         {"step_seconds", result.step_seconds},
@@ -366,6 +406,11 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
       fmt::format("GPU MTBF {} h (plan.gpu_mtbf_hours), restart {} min (plan.restart_minutes)",
                   mtbf, config.get_float("plan.restart_minutes")));
   assumptions.push_back("communication not overlapped with compute (an upper bound)");
+  if (!no_host_rows.empty()) {
+    assumptions.push_back(
+        fmt::format("host memory not checked on {} (no host_memory_gb in the row)",
+                    fmt::join(no_host_rows, ", ")));
+  }
 
   // Without prices: the shortest reservation that fits, then the fewest days.
   std::string recommendation;
@@ -430,6 +475,7 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
                                              ? json(pilot->write_bytes_per_second)
                                              : json(nullptr)}}},
       {"assumptions", assumptions},
+      {"warnings", warnings},
       {"rows", out_rows},
       {"recommendation", best.is_null() ? json(nullptr) : best},
       {"recommendation_text", recommendation},
@@ -454,8 +500,8 @@ std::string plan_markdown(const json& plan) {
   out += "|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& row : plan["rows"]) {
     const auto& s = row["strategy"];
-    std::string strategy = s["strategy"].get<std::string>();
-    if (strategy == "fsdp") strategy += fmt::format(" x{}", s["fsdp_degree"].get<int64_t>());
+    const std::string strategy =
+        strategy_text(s["strategy"].get<std::string>(), s["fsdp_degree"].get<int64_t>());
     auto reservation = [&](const char* key) {
       const auto& r = row[key];
       std::string text = r["fits"].get<bool>() ? "fits" : "no";
@@ -475,6 +521,10 @@ std::string plan_markdown(const json& plan) {
         reservation("reservation_7d"), reservation("reservation_30d"));
   }
   out += "\nRecommendation: " + plan["recommendation_text"].get<std::string>() + ".\n";
+  if (plan.contains("warnings") && !plan["warnings"].empty()) {
+    out += "\nWarnings:\n";
+    for (const auto& w : plan["warnings"]) out += "- " + w.get<std::string>() + "\n";
+  }
   if (!plan["assumptions"].empty()) {
     out += "\nAssumptions:\n";
     for (const auto& a : plan["assumptions"]) out += "- " + a.get<std::string>() + "\n";

@@ -31,6 +31,13 @@ ConfigSection plan_section() {
           float_key("plan", "checkpoint_write_gb_per_second", 2.0, 1e-6, kUnbounded,
                     "the job's checkpoint write and read speed where no pilot measured it"),
           int_key("plan", "restore_drills", 1, 0, 1e6, "restore drills budgeted in the run"),
+          string_key("plan", "pilot", "", {},
+                     "a pilot's run directory that calibrates kiln plan (--pilot overrides) "
+                     "and the forecast kiln train logs at its start (empty = none)"),
+          float_key("plan", "storage_tb", 0.0, 0.0, kUnbounded,
+                    "storage for checkpoints and data, TB (10^12 bytes); the plan warns when a "
+                    "7-day reservation's kept checkpoints and the data exceed it (0 = not "
+                    "checked)"),
           float_key("plan", "pilot_hours", 1.0, 0.0, kUnbounded,
                     "time budgeted for the pilot on the rented GPUs (without --pilot)"),
           float_key("plan", "margin", 0.1, 0.0, 10.0,

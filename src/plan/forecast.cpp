@@ -1,0 +1,268 @@
+// One run's forecast from the plan model, logged when `kiln train` starts, and the forecast
+// against what a run recorded (`kiln plan --actual`; docs/plan.md, "Forecast against actual").
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <fstream>
+#include <map>
+
+#include "core/strings.h"
+#include "kiln/config.h"
+#include "kiln/error.h"
+#include "kiln/log.h"
+#include "kiln/plan.h"
+
+namespace kiln {
+namespace {
+
+using nlohmann::json;
+
+// "cuda:1" -> 1, "cuda" -> 0, anything else (cpu) -> -1.
+int forecast_cuda_index(const std::string& device) {
+  if (!device.starts_with("cuda")) return -1;
+  const auto colon = device.find(':');
+  return colon == std::string::npos ? 0 : std::atoi(device.c_str() + colon + 1);
+}
+
+std::string forecast_strategy(const Config& config, int64_t world_size) {
+  if (world_size <= 1) return "none";
+  const std::string s = config.get_string("dist.strategy");
+  return s == "fsdp" ? "fsdp" : "ddp";
+}
+
+std::string forecast_utc_time(double seconds_from_now) {
+  const auto when = std::chrono::system_clock::now() +
+                    std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                        std::chrono::duration<double>(seconds_from_now));
+  const std::time_t t = std::chrono::system_clock::to_time_t(when);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char text[32];
+  std::strftime(text, sizeof text, "%Y-%m-%d %H:%M:%S UTC", &tm);
+  return text;
+}
+
+json forecast_ratio(double forecast, double actual) {
+  return forecast > 0 && actual > 0 ? json(forecast / actual) : json(nullptr);
+}
+
+std::string forecast_value_text(double value, const std::string& unit) {
+  if (!(value > 0)) return "-";
+  if (unit == "seconds") return format_duration(value);
+  if (unit == "bytes") return format_bytes(value);
+  return fmt::format("{:.4g}", value);
+}
+
+}  // namespace
+
+Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
+                      std::string_view device_name, int64_t world_size, std::string_view strategy) {
+  const ModelShape shape = model_shape(config);
+  JobShape job = job_shape(config);
+  job.world_size = std::max<int64_t>(1, world_size);
+  job.strategy = std::string(strategy);
+  Forecast f;
+  f.device = std::string(device_name);
+  f.world_size = job.world_size;
+  f.calibration = pilot ? "pilot " + pilot->run_dir.string() : "uncalibrated";
+  f.tokens_per_step = static_cast<double>(job.micro_batch * job.grad_accum_steps * job.seq_len);
+  f.flops_per_step =
+      train_flops_per_token(shape, job.seq_len, job.activation_checkpointing) * f.tokens_per_step;
+  f.steps = static_cast<double>(config.get_int("train.steps"));
+
+  // The pilot stands for this run when it ran on the same device (the same runtime name).
+  const bool same_device = pilot != nullptr && pilot->device == f.device;
+  const auto catalog = load_catalog(config.get_string("plan.catalog"));
+  const Device* row = device_for_name(catalog, f.device);
+  double catalog_peak = 0;
+  std::string catalog_source;
+  if (config.get_float("baseline.peak_flops_per_second") > 0) {
+    catalog_peak = config.get_float("baseline.peak_flops_per_second");
+    catalog_source = "baseline.peak_flops_per_second";
+  } else if (row != nullptr && row->peak_flops_for(job.precision) > 0) {
+    catalog_peak = row->peak_flops_for(job.precision);
+    catalog_source =
+        fmt::format("hardware catalog ({}, {})", row->name, compute_precision(job.precision));
+  }
+  if (same_device && pilot->step_seconds > 0) {
+    // The pilot ran this job's step on this device: its achieved rate (the FLOPs this forecast
+    // counts, per device) over the peak it measured.
+    const double achieved = f.flops_per_step / pilot->step_seconds;
+    if (pilot->matmul_peak_flops_per_second > 0) {
+      f.peak_flops_per_second = pilot->matmul_peak_flops_per_second;
+      f.peak_source = "matmul at the job's shape, measured by the pilot";
+    } else if (catalog_peak > 0) {
+      f.peak_flops_per_second = catalog_peak;
+      f.peak_source = catalog_source;
+    } else {
+      f.peak_flops_per_second = achieved;
+      f.peak_source = "the pilot's achieved rate (no peak measured or catalogued)";
+    }
+    f.mfu = achieved / f.peak_flops_per_second;
+    f.mfu_source = "pilot (measured on this device)";
+  } else {
+    f.peak_flops_per_second = catalog_peak;
+    f.peak_source = catalog_peak > 0 ? catalog_source : "none: no catalog row for this device";
+    f.mfu = config.get_float("plan.mfu");
+    f.mfu_source = "plan.mfu (assumed)";
+  }
+  if (f.peak_flops_per_second > 0 && f.mfu > 0) {
+    f.step_seconds = f.flops_per_step / (f.peak_flops_per_second * f.mfu);
+    f.tokens_per_second = f.tokens_per_step / f.step_seconds;
+    f.train_seconds = f.steps * f.step_seconds;
+  }
+
+  const MemoryEstimate memory = estimate_memory(shape, job);
+  const double held = memory.parameters + memory.optimizer +
+                      (job.strategy == "none" ? 0.0 : memory.gradients_after_step);
+  f.memory_calibration = same_device && pilot->activation_ratio > 0 ? pilot->activation_ratio : 1.0;
+  f.peak_memory_bytes = held + (memory.step_peak() - held) * f.memory_calibration;
+
+  f.checkpoint_bytes = memory.parameters + memory.optimizer;
+  f.write_bytes_per_second = same_device && pilot->write_bytes_per_second > 0
+                                 ? pilot->write_bytes_per_second
+                                 : config.get_float("plan.checkpoint_write_gb_per_second") * 1e9;
+  f.save_seconds = f.checkpoint_bytes / f.write_bytes_per_second;
+  return f;
+}
+
+std::string forecast_text(const Forecast& f) {
+  const std::string by =
+      f.calibration == "uncalibrated" ? "uncalibrated" : "calibrated by the " + f.calibration;
+  if (!(f.step_seconds > 0)) {
+    return fmt::format(
+        "forecast ({}, {}): peak memory {}; no step time: no catalog row for this device and no "
+        "pilot on it (set plan.pilot to a pilot run on this device)",
+        by, f.device, format_bytes(f.peak_memory_bytes));
+  }
+  return fmt::format(
+      "forecast ({}, {}): step {}, {:.4g} tokens/s per device (MFU {:.1f}% of {:.3g} FLOP/s, {}), "
+      "peak memory {}, {:.0f} steps in {}",
+      by, f.device, format_duration(f.step_seconds), f.tokens_per_second, 100 * f.mfu,
+      f.peak_flops_per_second, f.peak_source, format_bytes(f.peak_memory_bytes), f.steps,
+      format_duration(f.train_seconds));
+}
+
+void log_plan_forecast(const Config& config, const std::filesystem::path& run_dir, int rank) {
+  if (rank != 0) return;
+  json manifest = nullptr;
+  {
+    std::ifstream in(run_dir / "manifest.json");
+    if (in) manifest = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  }
+  const std::string device =
+      manifest.is_object() ? manifest.value("device", std::string("cpu")) : std::string("cpu");
+  const int64_t world =
+      manifest.is_object() && manifest.contains("world_size") && manifest["world_size"].is_number()
+          ? manifest["world_size"].get<int64_t>()
+          : 1;
+  std::optional<PilotCalibration> pilot;
+  const std::string pilot_dir = config.get_string("plan.pilot");
+  if (!pilot_dir.empty()) {
+    try {
+      pilot = read_pilot(pilot_dir, config);
+    } catch (const UserError& e) {
+      log::warn(fmt::format("plan.pilot: {}; the forecast is uncalibrated", e.what()));
+    }
+  }
+  try {
+    const Forecast f = forecast_run(config, pilot ? &*pilot : nullptr,
+                                    manifest_device_name(manifest, forecast_cuda_index(device)),
+                                    world, forecast_strategy(config, world));
+    std::string line = forecast_text(f);
+    if (f.train_seconds > 0) line += "; finish expected " + forecast_utc_time(f.train_seconds);
+    log::info(line + " (compare: kiln plan CONFIG --actual " + run_dir.string() + ")");
+  } catch (const UserError& e) {  // advice only: a catalog problem does not stop training
+    log::warn(fmt::format("no forecast: {}", e.what()));
+  }
+}
+
+json compare_forecast(const Forecast& f, const ActualRun& a) {
+  const std::string rate_input =
+      fmt::format("achieved FLOP/s: peak {:.3g} ({}) x MFU {:.3g} ({})", f.peak_flops_per_second,
+                  f.peak_source, f.mfu, f.mfu_source);
+  const std::string memory_input =
+      fmt::format("the memory model (activation calibration {:.3g})", f.memory_calibration);
+  const std::string write_input =
+      fmt::format("checkpoint write speed {}/s", format_bytes(f.write_bytes_per_second));
+  struct Row {
+    const char* quantity;
+    const char* unit;
+    double forecast, actual;
+    std::string input;
+  };
+  const std::vector<Row> rows = {
+      {"step time", "seconds", f.step_seconds, a.step_seconds, rate_input},
+      {"tokens/s per device", "per_second", f.tokens_per_second, a.tokens_per_second, rate_input},
+      {"time of the recorded steps", "seconds", a.steps * f.step_seconds, a.train_seconds,
+       rate_input},
+      {"peak memory", "bytes", f.peak_memory_bytes, a.peak_memory_bytes, memory_input},
+      {"checkpoint save", "seconds", f.save_seconds, a.save_seconds, write_input},
+  };
+  json out_rows = json::array();
+  std::string worst_input;
+  double worst_distance = -1, worst_ratio = 0;
+  std::string worst_quantity;
+  for (const Row& r : rows) {
+    const json ratio = forecast_ratio(r.forecast, r.actual);
+    out_rows.push_back({{"quantity", r.quantity},
+                        {"unit", r.unit},
+                        {"forecast", r.forecast > 0 ? json(r.forecast) : json(nullptr)},
+                        {"actual", r.actual > 0 ? json(r.actual) : json(nullptr)},
+                        {"ratio", ratio},
+                        {"input", r.input}});
+    if (ratio.is_null()) continue;
+    const double distance = std::abs(std::log(ratio.get<double>()));
+    if (distance > worst_distance) {
+      worst_distance = distance;
+      worst_ratio = ratio.get<double>();
+      worst_input = r.input;
+      worst_quantity = r.quantity;
+    }
+  }
+  json most_wrong = nullptr;
+  if (worst_distance >= 0) {
+    most_wrong = {
+        {"input", worst_input},
+        {"quantity", worst_quantity},
+        {"ratio", worst_ratio},
+        {"text", fmt::format("{}: forecast/actual {:.3f} on {} ({} than forecast)", worst_input,
+                             worst_ratio, worst_quantity, worst_ratio > 1 ? "less" : "more")}};
+  }
+  return {{"run_dir", a.run_dir},
+          {"device", a.device},
+          {"world_size", a.world_size},
+          {"calibration", f.calibration},
+          {"step_source", a.step_source},
+          {"memory_source", a.memory_source},
+          {"rows", out_rows},
+          {"most_wrong", most_wrong}};
+}
+
+std::string comparison_markdown(const json& c) {
+  std::string out = fmt::format(
+      "Forecast ({}) against the run in {} ({} x {}; step times from {}; memory from {}):\n\n",
+      c["calibration"].get<std::string>(), c["run_dir"].get<std::string>(),
+      c["world_size"].get<int64_t>(), c["device"].get<std::string>(),
+      c["step_source"].get<std::string>(), c["memory_source"].get<std::string>());
+  out += "| quantity | forecast | actual | forecast/actual | set by |\n|---|---|---|---|---|\n";
+  for (const auto& r : c["rows"]) {
+    const std::string unit = r["unit"].get<std::string>();
+    auto value = [&](const char* key) {
+      return r[key].is_null() ? std::string("-") : forecast_value_text(r[key].get<double>(), unit);
+    };
+    out += fmt::format(
+        "| {} | {} | {} | {} | {} |\n", r["quantity"].get<std::string>(), value("forecast"),
+        value("actual"),
+        r["ratio"].is_null() ? std::string("-") : fmt::format("{:.3f}", r["ratio"].get<double>()),
+        r["input"].get<std::string>());
+  }
+  out += c["most_wrong"].is_null()
+             ? "\nNothing to compare: the run recorded none of the forecast quantities.\n"
+             : "\nMost wrong input: " + c["most_wrong"]["text"].get<std::string>() + ".\n";
+  return out;
+}
+
+}  // namespace kiln
