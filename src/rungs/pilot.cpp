@@ -256,6 +256,14 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   const double mfu = peak_flops > 0 ? flops_per_step / measured.step_seconds /
                                           (static_cast<double>(world) * peak_flops)
                                     : 0;
+  // The device's achievable matmul at the job's shape and precision, timed (kiln/plan.h): the
+  // plan's peak for this device, and an MFU that means something where no catalog row does.
+  const MatmulPeak matmul =
+      measure_matmul_peak(job_matmul_shape(shape, job), job.precision, session->device.str());
+  const double mfu_of_matmul = matmul.flops_per_second > 0
+                                   ? flops_per_step / measured.step_seconds /
+                                         (static_cast<double>(world) * matmul.flops_per_second)
+                                   : 0;
 
   // 3. Evaluate once.
   auto eval_begin = Clock::now();
@@ -420,6 +428,8 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
       {"flops_per_step", flops_per_step},
       {"peak_flops_per_second", peak_flops > 0 ? json(peak_flops) : json(nullptr)},
       {"mfu", mfu > 0 ? json(mfu) : json(nullptr)},
+      {"matmul_peak", to_json(matmul)},
+      {"mfu_of_matmul_peak", mfu_of_matmul},
       {"eval_seconds", eval_seconds},
       {"val_loss", eval.loss},
       {"checkpoint",
@@ -474,7 +484,9 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
                                       job.precision));
   t.emplace_back(
       "step", fmt::format("{}{}{}", format_duration(measured.step_seconds),
-                          mfu > 0 ? fmt::format(", MFU {:.1f}%", 100 * mfu) : "",
+                          fmt::format("{}, {:.1f}% of the measured matmul ({:.3g} FLOP/s)",
+                                      mfu > 0 ? fmt::format(", MFU {:.1f}%", 100 * mfu) : "",
+                                      100 * mfu_of_matmul, matmul.flops_per_second),
                           config.get_string("compile.backend") != "eager"
                               ? fmt::format(", compiled ({})", config.get_string("compile.backend"))
                               : ""));
