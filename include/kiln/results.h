@@ -1,13 +1,19 @@
 // Typed rung results: one struct per rung file (<run dir>/<rung>.json), with nlohmann
 // to_json/from_json, so every reader (report.html today; the ladder, `kiln plan --actual` and the
 // tests as they move over) reads a rung's numbers through one declaration instead of string keys
-// (docs/report.md, "Rung files"). Each struct holds what the report shows, under the keys the
-// rungs write; a rung file may hold more (per-step losses, traces), which these structs ignore.
+// (docs/report.md, "Rung files"). from_json and to_json walk one field list per struct
+// (src/report/results*.cpp), so a key is named once for both directions. The baseline and
+// checkpoint rungs fill their struct and write their file through to_json alone; the other rungs
+// still build their file and read it back through their struct before writing it (a key the
+// reader needs and the rung did not write stops the rung), and their files may hold more than
+// the struct (per-step losses, traces), which these structs ignore.
 //
 // Versions. A file's "schema_version" (absent = 1: every file kiln wrote before versions existed)
-// says which layout it follows; to_json writes kResultSchemaVersion. from_json refuses a newer
-// version and any required key that is missing or of the wrong type with ResultFormatError,
-// never with a silent default: a renamed key in a rung fails its reader loudly.
+// says which layout it follows; to_json writes kResultSchemaVersion. Version 2 added the keys
+// marked "v2" below (files of version 1 may lack them: they read as their defaults). from_json
+// refuses a newer version and any required key that is missing or of the wrong type with
+// ResultFormatError, never with a silent default: a renamed key in a rung fails its reader loudly.
+// A non-finite number is written as null (JSON has no NaN) and a null number reads back as NaN.
 //
 // A rung that stopped before measuring (a failed gate before the measured steps, a drill that
 // could not run, torchrun that failed) writes only "passed": false and its reason; its struct
@@ -21,6 +27,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kiln/error.h"
@@ -28,7 +35,7 @@
 namespace kiln {
 
 /// The rung-file layout these structs read and write.
-inline constexpr int kResultSchemaVersion = 1;
+inline constexpr int kResultSchemaVersion = 2;
 
 /// A rung file the typed readers cannot read: not JSON, a newer schema, or a required key missing
 /// or of the wrong type. what() is one line: the file (when read from one), the key path, the
@@ -57,16 +64,23 @@ struct BaselineResult {
   RungStatus status;
   std::string device;
   int64_t warmup_steps = 0, measured_steps = 0, batch_size = 0, seq_len = 0;
+  int64_t grad_accum_steps = 1;  // v2
   double samples_per_second = 0;
   std::optional<double> tokens_per_second;  // null without a sequence length (mlp)
   StepTimes step_seconds;
   double data_wait_share = 0;
   std::string peak_memory_method;
   double peak_allocated_bytes = 0;
+  double peak_reserved_bytes = -1, resident_after_bytes = -1;             // v2; -1: not measured
   double parameters_bytes = 0, gradients_bytes = 0, optimizer_bytes = 0;  // "state_bytes"
   double flops_per_sample = 0, achieved_flops_per_second = 0;
+  std::optional<double> flops_per_token;             // v2; null without a sequence length
   std::optional<double> mfu, peak_flops_per_second;  // null: the device has no catalog peak
+  std::optional<std::string> peak_flops_source;      // v2; the key or catalog row of the peak
   double loss_start = 0, loss_end = 0, val_loss_initial = 0, val_loss_final = 0;
+  std::optional<double> val_accuracy_final;  // present for a classifier
+  int64_t skipped_steps = 0;                 // v2; non-finite steps the trainer skipped
+  std::vector<double> losses;  // v2; every synced step's loss, warm-up included (also when stopped)
 };
 
 // ---- compile.json (src/rungs/compile.cpp) ------------------------------------------------------
@@ -157,11 +171,16 @@ struct CheckpointResult {
   static constexpr const char* kRung = "checkpoint";
   RungStatus status;
   int64_t drill_steps = 0, total_steps = 0;
+  std::string directory;  // v2; <run dir>/checkpoint-drill: the three runs' logs and checkpoints
   // Each stage's figure, present once the drill reached it.
   std::optional<double> reference_seconds, save_seconds, resume_seconds, checkpoint_bytes;
   std::optional<bool> killed;
+  std::optional<int64_t> killed_exit_status;
+  std::optional<bool> verify_ok;
+  std::optional<int64_t> resume_epoch, resume_batch_in_epoch;  // the checkpoint's loader position
   std::optional<int64_t> losses_compared;
   std::optional<bool> losses_bitwise_equal, parameters_bitwise_equal, optimizer_state_bitwise_equal;
+  std::optional<double> max_abs_loss_difference;
   std::optional<double> seconds;  // the whole drill
 };
 
@@ -183,6 +202,7 @@ struct PilotResult {
   double checkpoint_bytes = 0, save_seconds = 0, write_bytes_per_second = 0;
   std::string memory_method;
   MemoryParts estimated, measured;  // estimated.activations_and_logits = activations + logits
+  double estimated_activations_bytes = 0, estimated_logits_bytes = 0;  // the estimate's two parts
   double measured_over_estimate = 0;
   bool within_allowed_error = false;
   // The restore in a fresh process.
@@ -285,6 +305,19 @@ KILN_RESULT_JSON(PlanResult)
 KILN_RESULT_JSON(RunIdentity)
 KILN_RESULT_JSON(MetricsRecord)
 #undef KILN_RESULT_JSON
+
+/// The rows a rung prints under its name and report.md shows (kiln/rungs.h RungResult::table),
+/// rendered from its result.
+using ResultRows = std::vector<std::pair<std::string, std::string>>;
+ResultRows result_rows(const BaselineResult& result);
+ResultRows result_rows(const CheckpointResult& result);
+ResultRows result_rows(const PlanResult& result);
+
+/// `json` checked against T's reader: from_json(json) must succeed (else ResultFormatError naming
+/// the key). A rung that still builds its file by hand calls it before writing, so a key it
+/// renamed stops the rung instead of showing "-" in the report. Returns the parsed result.
+template <class T>
+T checked_result(const nlohmann::json& json);
 
 /// Reads and parses `file` as T (one of the structs above). Throws ResultFormatError: the file is
 /// unreadable or not JSON, or from_json refused it (the message names the file, the key, the

@@ -99,24 +99,13 @@ void curves(const RunData& a, const RunData& b, Section& section) {
              {}};
   bool tokens = false;
   for (const RunData* run : {&a, &b}) {
-    if (const MetricsFile* m = run->main_metrics()) {
-      for (const auto& r : m->records) tokens = tokens || r.tokens_per_second.has_value();
-    }
+    if (const MetricsFile* m = run->main_metrics()) tokens = tokens || records_tokens(*m);
   }
   rate.y_label = tokens ? "tokens/s" : "samples/s";
   for (const auto& [tag, run] : {std::pair{"A", &a}, std::pair{"B", &b}}) {
     const MetricsFile* m = run->main_metrics();
     if (m == nullptr) continue;
-    Series train{fmt::format("{}: train loss", tag), {}, {}},
-        val{fmt::format("{}: validation loss", tag), {}, {}},
-        per{fmt::format("{}: {}", tag, rate.y_label), {}, {}};
-    for (const auto& r : m->records) {
-      const double step = static_cast<double>(r.step);
-      if (r.loss) train.x.push_back(step), train.y.push_back(*r.loss);
-      if (r.val_loss) val.x.push_back(step), val.y.push_back(*r.val_loss);
-      const auto& v = tokens ? r.tokens_per_second : r.samples_per_second;
-      if (v) per.x.push_back(step), per.y.push_back(*v);
-    }
+    auto [train, val, per] = metrics_curves(*m, tokens, fmt::format("{}: ", tag));
     for (Series* s : {&train, &val}) {
       if (!s->x.empty()) loss.series.push_back(*s);
     }

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/files.h"
+#include "core/strategy_text.h"
 #include "core/strings.h"
 #include "kiln/results.h"
 #include "report/result_reader.h"
@@ -13,154 +14,252 @@ namespace kiln {
 using namespace result_json;
 using nlohmann::json;
 
+namespace {
+
 // ---- checkpoint --------------------------------------------------------------------------------
 
-void from_json(const json& j, CheckpointResult& c) {
-  const Reader r(j, "");
-  c = {};
-  c.status = read_status(r, j, "drill_steps");
-  if (!c.status.measured) return;
-  c.drill_steps = r.req<int64_t>("drill_steps");
-  c.total_steps = r.req<int64_t>("total_steps");
-  c.reference_seconds = r.opt<double>("reference_seconds");
-  c.save_seconds = r.opt<double>("save_seconds");
-  c.resume_seconds = r.opt<double>("resume_seconds");
-  c.checkpoint_bytes = r.opt<double>("checkpoint_bytes");
-  c.killed = r.opt<bool>("killed");
-  c.losses_compared = r.opt<int64_t>("losses_compared");
-  c.losses_bitwise_equal = r.opt<bool>("losses_bitwise_equal");
-  c.parameters_bitwise_equal = r.opt<bool>("parameters_bitwise_equal");
-  c.optimizer_state_bitwise_equal = r.opt<bool>("optimizer_state_bitwise_equal");
-  c.seconds = r.opt<double>("seconds");
-}
-
-void to_json(json& j, const CheckpointResult& c) {
-  j = json::object();
-  write_status(j, c.status);
-  if (!c.status.measured) return;
-  j["drill_steps"] = c.drill_steps;
-  j["total_steps"] = c.total_steps;
-  auto put = [&](const char* key, const auto& value) {
-    if (value) j[key] = *value;
-  };
-  put("reference_seconds", c.reference_seconds);
-  put("save_seconds", c.save_seconds);
-  put("resume_seconds", c.resume_seconds);
-  put("checkpoint_bytes", c.checkpoint_bytes);
-  put("killed", c.killed);
-  put("losses_compared", c.losses_compared);
-  put("losses_bitwise_equal", c.losses_bitwise_equal);
-  put("parameters_bitwise_equal", c.parameters_bitwise_equal);
-  put("optimizer_state_bitwise_equal", c.optimizer_state_bitwise_equal);
-  put("seconds", c.seconds);
+template <class Io>
+void checkpoint_fields(const Io& io, CheckpointResult& c) {
+  if (!status_fields(io, c.status, "drill_steps")) return;
+  io("drill_steps", c.drill_steps);
+  io("total_steps", c.total_steps);
+  io.since(2, "directory", c.directory);
+  // Each stage's figures once the drill reached it.
+  io.opt("reference_seconds", c.reference_seconds);
+  io.opt("killed", c.killed);
+  io.opt("killed_exit_status", c.killed_exit_status);
+  io.opt("save_seconds", c.save_seconds);
+  io.opt("verify_ok", c.verify_ok);
+  io.opt("checkpoint_bytes", c.checkpoint_bytes);
+  io.opt("resume_epoch", c.resume_epoch);
+  io.opt("resume_batch_in_epoch", c.resume_batch_in_epoch);
+  io.opt("resume_seconds", c.resume_seconds);
+  io.opt("losses_compared", c.losses_compared);
+  io.opt("losses_bitwise_equal", c.losses_bitwise_equal);
+  io.opt("max_abs_loss_difference", c.max_abs_loss_difference);
+  io.opt("parameters_bitwise_equal", c.parameters_bitwise_equal);
+  io.opt("optimizer_state_bitwise_equal", c.optimizer_state_bitwise_equal);
+  io.opt("seconds", c.seconds);
 }
 
 // ---- pilot -------------------------------------------------------------------------------------
 
-void from_json(const json& j, PilotResult& p) {
-  const Reader r(j, "");
-  p = {};
-  p.status = read_status(r, j, "memory");
-  if (!p.status.measured) return;
-  p.job_hash = r.req<std::string>("job_hash");
-  p.config_hash = r.req<std::string>("config_hash");
-  p.device = r.req<std::string>("device");
-  p.device_name = r.req<std::string>("device_name");
-  p.world_size = r.req<int64_t>("world_size");
-  p.steps = r.req<int64_t>("steps");
-  const Reader shape = r.obj("shape");
-  p.micro_batch = shape.req<int64_t>("micro_batch");
-  p.seq_len = shape.req<int64_t>("seq_len");
-  p.grad_accum_steps = shape.req<int64_t>("grad_accum_steps");
-  p.precision = shape.req<std::string>("precision");
-  p.step_seconds = r.req<double>("step_seconds");
-  p.loss = r.req<double>("loss");
-  p.eval_seconds = r.req<double>("eval_seconds");
-  p.val_loss = r.req<double>("val_loss");
-  p.wall_seconds = r.req<double>("wall_seconds");
-  p.mfu = r.nullable<double>("mfu");
-  const Reader ckpt = r.obj("checkpoint");
-  p.checkpoint_bytes = ckpt.req<double>("bytes");
-  p.save_seconds = ckpt.req<double>("save_seconds");
-  p.write_bytes_per_second = ckpt.req<double>("write_bytes_per_second");
-  const Reader memory = r.obj("memory");
-  p.memory_method = memory.req<std::string>("method");
-  const Reader est = memory.obj("estimate");
-  p.estimated = {est.req<double>("parameters_bytes"), est.req<double>("gradients_bytes"),
-                 est.req<double>("optimizer_bytes"),
-                 est.req<double>("activations_bytes") + est.req<double>("logits_bytes"),
-                 memory.req<double>("estimate_step_peak_bytes")};
-  const Reader meas = memory.obj("measured");
-  p.measured = {meas.req<double>("parameters_bytes"), meas.req<double>("gradients_bytes"),
-                meas.req<double>("optimizer_bytes"),
-                meas.req<double>("activations_and_logits_bytes"), meas.req<double>("peak_bytes")};
-  p.measured_over_estimate = memory.req<double>("measured_over_estimate");
-  p.within_allowed_error = memory.req<bool>("within_allowed_error");
-  const Reader restore = r.obj("restore");
-  p.restore_passed = restore.req<bool>("passed");
-  p.restore_seconds = restore.req<double>("seconds");
-  p.restore_step = restore.req<int64_t>("step");
-  p.restore_exit_status = restore.req<int64_t>("exit_status");
-  p.loss_bitwise_equal = restore.req<bool>("loss_bitwise_equal");
-  p.differing_tensors = restore.strings("differing_tensors");
-}
-
-void to_json(json& j, const PilotResult& p) {
-  j = json::object();
-  write_status(j, p.status);
-  if (!p.status.measured) return;
-  // The estimate's activations and logits are one figure here: written as activations.
-  j.update({{"job_hash", p.job_hash},
-            {"config_hash", p.config_hash},
-            {"device", p.device},
-            {"device_name", p.device_name},
-            {"world_size", p.world_size},
-            {"steps", p.steps},
-            {"shape",
-             {{"micro_batch", p.micro_batch},
-              {"seq_len", p.seq_len},
-              {"grad_accum_steps", p.grad_accum_steps},
-              {"precision", p.precision}}},
-            {"step_seconds", p.step_seconds},
-            {"loss", p.loss},
-            {"eval_seconds", p.eval_seconds},
-            {"val_loss", p.val_loss},
-            {"wall_seconds", p.wall_seconds},
-            {"mfu", opt_json(p.mfu)},
-            {"checkpoint",
-             {{"bytes", p.checkpoint_bytes},
-              {"save_seconds", p.save_seconds},
-              {"write_bytes_per_second", p.write_bytes_per_second}}},
-            {"memory",
-             {{"method", p.memory_method},
-              {"estimate",
-               {{"parameters_bytes", p.estimated.parameters},
-                {"gradients_bytes", p.estimated.gradients},
-                {"optimizer_bytes", p.estimated.optimizer},
-                {"activations_bytes", p.estimated.activations_and_logits},
-                {"logits_bytes", 0.0}}},
-              {"estimate_step_peak_bytes", p.estimated.step_peak},
-              {"measured",
-               {{"parameters_bytes", p.measured.parameters},
-                {"gradients_bytes", p.measured.gradients},
-                {"optimizer_bytes", p.measured.optimizer},
-                {"activations_and_logits_bytes", p.measured.activations_and_logits},
-                {"peak_bytes", p.measured.step_peak}}},
-              {"measured_over_estimate", p.measured_over_estimate},
-              {"within_allowed_error", p.within_allowed_error}}},
-            {"restore",
-             {{"passed", p.restore_passed},
-              {"seconds", p.restore_seconds},
-              {"step", p.restore_step},
-              {"exit_status", p.restore_exit_status},
-              {"loss_bitwise_equal", p.loss_bitwise_equal},
-              {"differing_tensors", p.differing_tensors}}}});
+template <class Io>
+void pilot_fields(const Io& io, PilotResult& p) {
+  if (!status_fields(io, p.status, "memory")) return;
+  io("job_hash", p.job_hash);
+  io("config_hash", p.config_hash);
+  io("device", p.device);
+  io("device_name", p.device_name);
+  io("world_size", p.world_size);
+  io("steps", p.steps);
+  io.object("shape", [&](const Io& shape) {
+    shape("micro_batch", p.micro_batch);
+    shape("seq_len", p.seq_len);
+    shape("grad_accum_steps", p.grad_accum_steps);
+    shape("precision", p.precision);
+  });
+  io("step_seconds", p.step_seconds);
+  io("loss", p.loss);
+  io("eval_seconds", p.eval_seconds);
+  io("val_loss", p.val_loss);
+  io("wall_seconds", p.wall_seconds);
+  io("mfu", p.mfu);
+  io.object("checkpoint", [&](const Io& ckpt) {
+    ckpt("bytes", p.checkpoint_bytes);
+    ckpt("save_seconds", p.save_seconds);
+    ckpt("write_bytes_per_second", p.write_bytes_per_second);
+  });
+  io.object("memory", [&](const Io& memory) {
+    memory("method", p.memory_method);
+    memory.object("estimate", [&](const Io& est) {
+      est("parameters_bytes", p.estimated.parameters);
+      est("gradients_bytes", p.estimated.gradients);
+      est("optimizer_bytes", p.estimated.optimizer);
+      est("activations_bytes", p.estimated_activations_bytes);
+      est("logits_bytes", p.estimated_logits_bytes);
+    });
+    if constexpr (Io::kReading) {
+      p.estimated.activations_and_logits = p.estimated_activations_bytes + p.estimated_logits_bytes;
+    }
+    memory("estimate_step_peak_bytes", p.estimated.step_peak);
+    memory.object("measured", [&](const Io& meas) {
+      meas("parameters_bytes", p.measured.parameters);
+      meas("gradients_bytes", p.measured.gradients);
+      meas("optimizer_bytes", p.measured.optimizer);
+      meas("activations_and_logits_bytes", p.measured.activations_and_logits);
+      meas("peak_bytes", p.measured.step_peak);
+    });
+    memory("measured_over_estimate", p.measured_over_estimate);
+    memory("within_allowed_error", p.within_allowed_error);
+  });
+  io.object("restore", [&](const Io& restore) {
+    restore("passed", p.restore_passed);
+    restore("seconds", p.restore_seconds);
+    restore("step", p.restore_step);
+    restore("exit_status", p.restore_exit_status);
+    restore("loss_bitwise_equal", p.loss_bitwise_equal);
+    restore("differing_tensors", p.differing_tensors);
+  });
 }
 
 // ---- plan --------------------------------------------------------------------------------------
 
+template <class Io>
+void reservation_fields(const Io& io, PlanReservation& r) {
+  io("fits", r.fits);
+  io("cost", r.cost);
+}
+
+template <class Io>
+void plan_row_fields(const Io& x, PlanRow& row) {
+  x("hardware", row.hardware);
+  x("display_name", row.display_name);
+  x("gpus", row.gpus);
+  x("fits_memory", row.fits_memory);
+  x.object("strategy", [&](const Io& s) {
+    s("strategy", row.strategy);
+    s("fsdp_degree", row.fsdp_degree);
+    s("ddp_bytes_per_device", row.ddp_bytes_per_device);
+    s("fsdp_bytes_per_device", row.fsdp_bytes_per_device);
+    s("usable_bytes", row.usable_bytes);
+    s("reason", row.strategy_reason);
+  });
+  x("mfu", row.mfu);
+  x("mfu_source", row.mfu_source);
+  x("step_seconds", row.step_seconds);
+  x("compute_seconds_per_step", row.compute_seconds_per_step);
+  x("communication_seconds_per_step", row.communication_seconds_per_step);
+  x("wall_days", row.wall_days);
+  x("ettr", row.ettr);
+  x("checkpoint_interval_seconds", row.checkpoint_interval_seconds);
+  x("expected_failures", row.expected_failures);
+  x.object("reservation_7d", [&](const Io& r) { reservation_fields(r, row.reservation_7d); });
+  x.object("reservation_30d", [&](const Io& r) { reservation_fields(r, row.reservation_30d); });
+}
+
+struct PlanRecommendation {
+  std::string hardware;
+  int64_t reservation_days = 0;
+};
+
+template <class Io>
+void plan_fields(const Io& io, PlanResult& p) {
+  io("recommendation_text", p.recommendation_text);
+  if constexpr (Io::kReading) {
+    // plan.json had no passed/verdict before the ladder ran the plan: advice that passed.
+    p.status.schema_version = io.version();
+    std::optional<bool> passed;
+    std::optional<std::string> verdict;
+    io.opt("passed", passed);
+    io.opt("verdict", verdict);
+    p.status.passed = passed.value_or(true);
+    p.status.verdict = verdict.value_or(p.recommendation_text);
+  } else {
+    status_fields(io, p.status, "rows");
+  }
+  io("config", p.config);
+  io("pilot", p.pilot);
+  io.object("model", [&](const Io& model) {
+    model("architecture", p.architecture);
+    model("parameters", p.parameters);
+    model("flops_per_token", p.flops_per_token);
+  });
+  io.object("job", [&](const Io& job) {
+    job("micro_batch", p.micro_batch);
+    job("seq_len", p.seq_len);
+    job("grad_accum_steps", p.grad_accum_steps);
+    job("gpus", p.gpus);
+    job("precision", p.precision);
+    job("optimizer", p.optimizer);
+    job("tokens", p.tokens);
+    job("tokens_per_step", p.tokens_per_step);
+    job("steps", p.steps);
+  });
+  io.object("checkpoint", [&](const Io& ckpt) { ckpt("bytes", p.checkpoint_bytes); });
+  io("assumptions", p.assumptions);
+  io.list("rows", p.rows, [](const Io& x, PlanRow& row) { plan_row_fields(x, row); });
+  std::optional<PlanRecommendation> recommendation;
+  if (p.recommended_hardware) recommendation = {*p.recommended_hardware, p.recommended_days};
+  io.nullable_object("recommendation", recommendation, [](const Io& r, PlanRecommendation& rec) {
+    r("hardware", rec.hardware);
+    r("reservation_days", rec.reservation_days);
+  });
+  if (Io::kReading && recommendation) {
+    p.recommended_hardware = recommendation->hardware;
+    p.recommended_days = recommendation->reservation_days;
+  }
+}
+
+// ---- manifest.json: what the report shows of it -------------------------------------------------
+
+template <class Io>
+void identity_fields(const Io& io, RunIdentity& m) {
+  io.object("kiln", [&](const Io& kiln) {
+    kiln("version", m.kiln_version);
+    kiln("git_commit", m.git_commit);
+    kiln.or_default("git_dirty", m.git_dirty, false);
+  });
+  io.object("libtorch", [&](const Io& libtorch) { libtorch("version", m.libtorch_version); });
+  io.object("config", [&](const Io& config) {
+    config.or_default("file", m.config_file, std::string());
+    config("hash_xxh64", m.config_hash);
+  });
+  const auto data = [&](const Io& d) {
+    d.or_default("kind", m.data_kind, std::string());
+    if (Io::kReading || !m.data_content_hash.empty())  // written only when the kind has one
+      d.or_default("content_xxh3", m.data_content_hash, std::string());
+    d.opt("revision", m.data_revision);
+  };
+  if (!Io::kReading || io.has("data")) io.object("data", data);
+  io.object("model", [&](const Io& model) {
+    model("architecture", m.model_architecture);
+    model("parameter_count", m.model_parameters);
+  });
+  io("device", m.device);
+  io.or_default("world_size", m.world_size, int64_t{1});
+  io.or_default("command_line", m.command_line, std::string());
+  io.or_default("start_time_utc", m.start_time_utc, std::string());
+}
+
+// ---- metrics.jsonl records ----------------------------------------------------------------------
+
+template <class Io>
+void metrics_fields(const Io& io, MetricsRecord& m) {
+  io("step", m.step);
+  io.opt("loss", m.loss);
+  io.opt("lr", m.lr);
+  io.opt("step_seconds", m.step_seconds);
+  io.opt("data_wait_seconds", m.data_wait_seconds);
+  io.opt("samples_per_second", m.samples_per_second);
+  io.opt("tokens_per_second", m.tokens_per_second);
+  io.opt("val_loss", m.val_loss);
+}
+
+}  // namespace
+
+KILN_RESULT_FIELDS(CheckpointResult, checkpoint_fields)
+KILN_RESULT_FIELDS(PilotResult, pilot_fields)
+KILN_RESULT_FIELDS(PlanResult, plan_fields)
+
+// The manifest and metrics records are not rung files: no schema version of their own.
+void from_json(const json& j, RunIdentity& value) {
+  value = {};
+  identity_fields(ReadIo(j, "", 1), value);
+}
+void to_json(json& j, const RunIdentity& value) {
+  identity_fields(WriteIo(j), const_cast<RunIdentity&>(value));  // WriteIo only reads it
+}
+void from_json(const json& j, MetricsRecord& value) {
+  value = {};
+  metrics_fields(ReadIo(j, "", 1), value);
+}
+void to_json(json& j, const MetricsRecord& value) {
+  metrics_fields(WriteIo(j), const_cast<MetricsRecord&>(value));  // WriteIo only reads it
+}
+
 std::string PlanRow::strategy_text() const {
-  return strategy == "fsdp" ? fmt::format("fsdp x{}", fsdp_degree) : strategy;
+  return kiln::strategy_text(strategy, fsdp_degree);
 }
 
 double PlanRow::bytes_per_device() const {
@@ -173,204 +272,6 @@ int PlanResult::recommended_row() const {
     if (rows[k].hardware == *recommended_hardware) return static_cast<int>(k);
   }
   return -1;
-}
-
-namespace {
-PlanReservation read_reservation(const Reader& r) {
-  return {r.req<bool>("fits"), r.nullable<double>("cost")};
-}
-json reservation_json(const PlanReservation& r) {
-  return {{"fits", r.fits}, {"cost", opt_json(r.cost)}};
-}
-}  // namespace
-
-void from_json(const json& j, PlanResult& p) {
-  const Reader r(j, "");
-  p = {};
-  // plan.json had no passed/verdict before the ladder ran the plan: "advice" that passed.
-  p.status.schema_version = r.opt<int>("schema_version").value_or(1);
-  if (p.status.schema_version > kResultSchemaVersion) {
-    Reader::fail("schema_version", fmt::format("is {}: written by a newer kiln (this one reads up "
-                                               "to {})",
-                                               p.status.schema_version, kResultSchemaVersion));
-  }
-  p.recommendation_text = r.req<std::string>("recommendation_text");
-  p.status.passed = r.opt<bool>("passed").value_or(true);
-  p.status.verdict = r.opt<std::string>("verdict").value_or(p.recommendation_text);
-  p.config = r.req<std::string>("config");
-  p.pilot = r.nullable<std::string>("pilot");
-  const Reader model = r.obj("model");
-  p.architecture = model.req<std::string>("architecture");
-  p.parameters = model.req<double>("parameters");
-  p.flops_per_token = model.req<double>("flops_per_token");
-  const Reader job = r.obj("job");
-  p.micro_batch = job.req<int64_t>("micro_batch");
-  p.seq_len = job.req<int64_t>("seq_len");
-  p.grad_accum_steps = job.req<int64_t>("grad_accum_steps");
-  p.gpus = job.req<int64_t>("gpus");
-  p.precision = job.req<std::string>("precision");
-  p.optimizer = job.req<std::string>("optimizer");
-  p.tokens = job.req<double>("tokens");
-  p.tokens_per_step = job.req<double>("tokens_per_step");
-  p.steps = job.req<double>("steps");
-  p.checkpoint_bytes = r.obj("checkpoint").req<double>("bytes");
-  p.assumptions = r.strings("assumptions");
-  for (const Reader& x : r.list("rows")) {
-    PlanRow row;
-    row.hardware = x.req<std::string>("hardware");
-    row.display_name = x.req<std::string>("display_name");
-    row.gpus = x.req<int64_t>("gpus");
-    row.fits_memory = x.req<bool>("fits_memory");
-    const Reader s = x.obj("strategy");
-    row.strategy = s.req<std::string>("strategy");
-    row.fsdp_degree = s.req<int64_t>("fsdp_degree");
-    row.ddp_bytes_per_device = s.req<double>("ddp_bytes_per_device");
-    row.fsdp_bytes_per_device = s.req<double>("fsdp_bytes_per_device");
-    row.usable_bytes = s.req<double>("usable_bytes");
-    row.strategy_reason = s.req<std::string>("reason");
-    row.mfu = x.req<double>("mfu");
-    row.mfu_source = x.req<std::string>("mfu_source");
-    row.step_seconds = x.req<double>("step_seconds");
-    row.compute_seconds_per_step = x.req<double>("compute_seconds_per_step");
-    row.communication_seconds_per_step = x.req<double>("communication_seconds_per_step");
-    row.wall_days = x.nullable<double>("wall_days");
-    row.ettr = x.req<double>("ettr");
-    row.checkpoint_interval_seconds = x.req<double>("checkpoint_interval_seconds");
-    row.expected_failures = x.nullable<double>("expected_failures");
-    row.reservation_7d = read_reservation(x.obj("reservation_7d"));
-    row.reservation_30d = read_reservation(x.obj("reservation_30d"));
-    p.rows.push_back(row);
-  }
-  if (auto rec = r.nullable_obj("recommendation")) {
-    p.recommended_hardware = rec->req<std::string>("hardware");
-    p.recommended_days = rec->req<int64_t>("reservation_days");
-  }
-}
-
-void to_json(json& j, const PlanResult& p) {
-  j = json::object();
-  write_status(j, p.status);
-  json rows = json::array();
-  for (const auto& row : p.rows) {
-    rows.push_back({{"hardware", row.hardware},
-                    {"display_name", row.display_name},
-                    {"gpus", row.gpus},
-                    {"fits_memory", row.fits_memory},
-                    {"strategy",
-                     {{"strategy", row.strategy},
-                      {"fsdp_degree", row.fsdp_degree},
-                      {"ddp_bytes_per_device", row.ddp_bytes_per_device},
-                      {"fsdp_bytes_per_device", row.fsdp_bytes_per_device},
-                      {"usable_bytes", row.usable_bytes},
-                      {"reason", row.strategy_reason}}},
-                    {"mfu", row.mfu},
-                    {"mfu_source", row.mfu_source},
-                    {"step_seconds", row.step_seconds},
-                    {"compute_seconds_per_step", row.compute_seconds_per_step},
-                    {"communication_seconds_per_step", row.communication_seconds_per_step},
-                    {"wall_days", opt_json(row.wall_days)},
-                    {"ettr", row.ettr},
-                    {"checkpoint_interval_seconds", row.checkpoint_interval_seconds},
-                    {"expected_failures", opt_json(row.expected_failures)},
-                    {"reservation_7d", reservation_json(row.reservation_7d)},
-                    {"reservation_30d", reservation_json(row.reservation_30d)}});
-  }
-  j.update(
-      {{"config", p.config},
-       {"pilot", opt_json(p.pilot)},
-       {"model",
-        {{"architecture", p.architecture},
-         {"parameters", p.parameters},
-         {"flops_per_token", p.flops_per_token}}},
-       {"job",
-        {{"micro_batch", p.micro_batch},
-         {"seq_len", p.seq_len},
-         {"grad_accum_steps", p.grad_accum_steps},
-         {"gpus", p.gpus},
-         {"precision", p.precision},
-         {"optimizer", p.optimizer},
-         {"tokens", p.tokens},
-         {"tokens_per_step", p.tokens_per_step},
-         {"steps", p.steps}}},
-       {"checkpoint", {{"bytes", p.checkpoint_bytes}}},
-       {"assumptions", p.assumptions},
-       {"rows", rows},
-       {"recommendation", p.recommended_hardware ? json{{"hardware", *p.recommended_hardware},
-                                                        {"reservation_days", p.recommended_days}}
-                                                 : json(nullptr)},
-       {"recommendation_text", p.recommendation_text}});
-}
-
-// ---- manifest.json: what the report shows of it -------------------------------------------------
-
-void from_json(const json& j, RunIdentity& m) {
-  const Reader r(j, "");
-  m = {};
-  const Reader kiln = r.obj("kiln");
-  m.kiln_version = kiln.req<std::string>("version");
-  m.git_commit = kiln.req<std::string>("git_commit");
-  m.git_dirty = kiln.opt<bool>("git_dirty").value_or(false);
-  m.libtorch_version = r.obj("libtorch").req<std::string>("version");
-  const Reader config = r.obj("config");
-  m.config_file = config.opt<std::string>("file").value_or("");
-  m.config_hash = config.req<std::string>("hash_xxh64");
-  if (r.has("data")) {
-    const auto data = std::optional<Reader>(r.obj("data"));
-    m.data_kind = data->opt<std::string>("kind").value_or("");
-    m.data_content_hash = data->opt<std::string>("content_xxh3").value_or("");
-    m.data_revision = data->opt<std::string>("revision");
-  }
-  const Reader model = r.obj("model");
-  m.model_architecture = model.req<std::string>("architecture");
-  m.model_parameters = model.req<double>("parameter_count");
-  m.device = r.req<std::string>("device");
-  m.world_size = r.opt<int64_t>("world_size").value_or(1);
-  m.command_line = r.opt<std::string>("command_line").value_or("");
-  m.start_time_utc = r.opt<std::string>("start_time_utc").value_or("");
-}
-
-void to_json(json& j, const RunIdentity& m) {
-  json data = {{"kind", m.data_kind}, {"revision", opt_json(m.data_revision)}};
-  if (!m.data_content_hash.empty()) data["content_xxh3"] = m.data_content_hash;
-  j = {{"kiln",
-        {{"version", m.kiln_version}, {"git_commit", m.git_commit}, {"git_dirty", m.git_dirty}}},
-       {"libtorch", {{"version", m.libtorch_version}}},
-       {"config", {{"file", m.config_file}, {"hash_xxh64", m.config_hash}}},
-       {"data", data},
-       {"model", {{"architecture", m.model_architecture}, {"parameter_count", m.model_parameters}}},
-       {"device", m.device},
-       {"world_size", m.world_size},
-       {"command_line", m.command_line},
-       {"start_time_utc", m.start_time_utc}};
-}
-
-// ---- metrics.jsonl records ----------------------------------------------------------------------
-
-void from_json(const json& j, MetricsRecord& m) {
-  const Reader r(j, "");
-  m = {};
-  m.step = r.req<int64_t>("step");
-  m.loss = r.opt<double>("loss");
-  m.lr = r.opt<double>("lr");
-  m.step_seconds = r.opt<double>("step_seconds");
-  m.data_wait_seconds = r.opt<double>("data_wait_seconds");
-  m.samples_per_second = r.opt<double>("samples_per_second");
-  m.tokens_per_second = r.opt<double>("tokens_per_second");
-  m.val_loss = r.opt<double>("val_loss");
-}
-
-void to_json(json& j, const MetricsRecord& m) {
-  j = {{"step", m.step}};
-  auto put = [&](const char* key, const std::optional<double>& v) {
-    if (v) j[key] = *v;
-  };
-  put("loss", m.loss);
-  put("lr", m.lr);
-  put("step_seconds", m.step_seconds);
-  put("data_wait_seconds", m.data_wait_seconds);
-  put("samples_per_second", m.samples_per_second);
-  put("tokens_per_second", m.tokens_per_second);
-  put("val_loss", m.val_loss);
 }
 
 // ---- reading a file ----------------------------------------------------------------------------
@@ -412,6 +313,24 @@ T read_result(const std::filesystem::path& file) {
         regenerate_hint<T>()));
   }
 }
+
+template <class T>
+T checked_result(const json& value) {
+  try {
+    return value.get<T>();
+  } catch (const ResultFormatError& e) {
+    throw ResultFormatError(fmt::format(
+        "{}.json as written would not read back: {} (a key the reader needs is missing or "
+        "renamed in the rung; src/report/results*.cpp lists the keys)",
+        T::kRung, e.what()));
+  }
+}
+
+template CompileResult checked_result<CompileResult>(const json&);
+template ProfileResult checked_result<ProfileResult>(const json&);
+template ScaleResult checked_result<ScaleResult>(const json&);
+template PilotResult checked_result<PilotResult>(const json&);
+template PlanResult checked_result<PlanResult>(const json&);
 
 template BaselineResult read_result<BaselineResult>(const std::filesystem::path&);
 template CompileResult read_result<CompileResult>(const std::filesystem::path&);

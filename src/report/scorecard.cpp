@@ -58,17 +58,28 @@ ScoreRow start_row(const std::string& rung, const Loaded<T>& loaded) {
   return row;
 }
 
+// The rung's result when it measured something (else its row stops at its status).
+template <class T>
+const T* measured(const Loaded<T>& loaded) {
+  return loaded.value && loaded.value->status.measured ? &*loaded.value : nullptr;
+}
+
+// Throughput in tokens/s when the model has a sequence length, else samples/s: the figure
+// `<prefix>tokens_per_second` (or samples), its text followed by `suffix`.
+Figure throughput_figure(const std::optional<double>& tokens_per_second, double samples_per_second,
+                         const std::string& prefix, const std::string& suffix) {
+  const double value = tokens_per_second.value_or(samples_per_second);
+  const bool tokens = tokens_per_second.has_value();
+  return {prefix + (tokens ? "tokens_per_second" : "samples_per_second"),
+          throughput_text(value, tokens) + suffix, value};
+}
+
 ScoreRow baseline_row(const RunData& run) {
   ScoreRow row = start_row("baseline", run.baseline);
-  if (!run.baseline.value || !run.baseline.value->status.measured) return row;
-  const BaselineResult& b = *run.baseline.value;
-  if (b.tokens_per_second) {
-    row.figures.push_back(
-        {"tokens_per_second", throughput_text(*b.tokens_per_second, true), *b.tokens_per_second});
-  } else {
-    row.figures.push_back(
-        {"samples_per_second", throughput_text(b.samples_per_second, false), b.samples_per_second});
-  }
+  const BaselineResult* found = measured(run.baseline);
+  if (!found) return row;
+  const BaselineResult& b = *found;
+  row.figures.push_back(throughput_figure(b.tokens_per_second, b.samples_per_second, "", ""));
   row.figures.push_back(b.mfu ? Figure{"mfu", "MFU " + percent_text(*b.mfu), *b.mfu}
                               : Figure{"mfu", "MFU n/a (no catalog peak for the device)", kNone});
   if (b.status.passed)
@@ -101,8 +112,9 @@ ScoreRow compile_row(const RunData& run) {
 
 ScoreRow profile_row(const RunData& run) {
   ScoreRow row = start_row("profile", run.profile);
-  if (!run.profile.value || !run.profile.value->status.measured) return row;
-  const ProfileResult& p = *run.profile.value;
+  const ProfileResult* found = measured(run.profile);
+  if (!found) return row;
+  const ProfileResult& p = *found;
   row.figures.push_back({"bottleneck", p.bottleneck, kNone});
   row.figures.push_back({"step_seconds_mean",
                          fmt::format("{} / profiled step", seconds_text(p.step_seconds_mean)),
@@ -116,19 +128,18 @@ ScoreRow profile_row(const RunData& run) {
 
 ScoreRow scale_row(const RunData& run) {
   ScoreRow row = start_row("scale", run.scale);
-  if (!run.scale.value || !run.scale.value->status.measured) return row;
-  const ScaleResult& s = *run.scale.value;
+  const ScaleResult* found = measured(run.scale);
+  if (!found) return row;
+  const ScaleResult& s = *found;
   if (s.scaling_efficiency) {
     row.figures.push_back(
         {"scaling_efficiency",
          fmt::format("{} scaling efficiency", percent_text(*s.scaling_efficiency)),
          *s.scaling_efficiency});
   }
-  const bool tokens = s.global_tokens_per_second.has_value();
-  const double global = tokens ? *s.global_tokens_per_second : s.global_samples_per_second;
-  row.figures.push_back(
-      {tokens ? "global_tokens_per_second" : "global_samples_per_second",
-       fmt::format("{} over {} processes", throughput_text(global, tokens), s.world_size), global});
+  row.figures.push_back(throughput_figure(s.global_tokens_per_second, s.global_samples_per_second,
+                                          "global_",
+                                          fmt::format(" over {} processes", s.world_size)));
   if (s.status.passed) {
     row.decision = fmt::format("scale out with {} ({})", s.strategy,
                                s.strategy_reason.empty() ? "dist.strategy" : s.strategy_reason);
@@ -139,8 +150,9 @@ ScoreRow scale_row(const RunData& run) {
 
 ScoreRow checkpoint_row(const RunData& run) {
   ScoreRow row = start_row("checkpoint", run.checkpoint);
-  if (!run.checkpoint.value || !run.checkpoint.value->status.measured) return row;
-  const CheckpointResult& c = *run.checkpoint.value;
+  const CheckpointResult* found = measured(run.checkpoint);
+  if (!found) return row;
+  const CheckpointResult& c = *found;
   const bool bitwise = c.losses_bitwise_equal.value_or(false) &&
                        c.parameters_bitwise_equal.value_or(false) &&
                        c.optimizer_state_bitwise_equal.value_or(false);
@@ -158,8 +170,9 @@ ScoreRow checkpoint_row(const RunData& run) {
 
 ScoreRow pilot_row(const RunData& run) {
   ScoreRow row = start_row("pilot", run.pilot);
-  if (!run.pilot.value || !run.pilot.value->status.measured) return row;
-  const PilotResult& p = *run.pilot.value;
+  const PilotResult* found = measured(run.pilot);
+  if (!found) return row;
+  const PilotResult& p = *found;
   row.figures.push_back({"measured_peak_bytes",
                          "peak " + bytes_text(p.measured.step_peak) + " measured",
                          p.measured.step_peak});
@@ -289,24 +302,32 @@ Data identity_data(const RunData& run) {
 
 // ---- training curves ---------------------------------------------------------------------------
 
+bool records_tokens(const MetricsFile& metrics) {
+  for (const auto& r : metrics.records) {
+    if (r.tokens_per_second) return true;
+  }
+  return false;
+}
+
+MetricsCurves metrics_curves(const MetricsFile& metrics, bool tokens, const std::string& prefix) {
+  MetricsCurves c{{prefix + "train loss", {}, {}},
+                  {prefix + "validation loss", {}, {}},
+                  {prefix + (tokens ? "tokens/s" : "samples/s"), {}, {}}};
+  for (const auto& r : metrics.records) {
+    const double step = static_cast<double>(r.step);
+    if (r.loss) c.loss.x.push_back(step), c.loss.y.push_back(*r.loss);
+    if (r.val_loss) c.val.x.push_back(step), c.val.y.push_back(*r.val_loss);
+    const auto& per_second = tokens ? r.tokens_per_second : r.samples_per_second;
+    if (per_second) c.rate.x.push_back(step), c.rate.y.push_back(*per_second);
+  }
+  return c;
+}
+
 void training_section(const RunData& run, SectionSink& sink) {
   const MetricsFile* metrics = run.main_metrics();
   if (metrics == nullptr) return;
   Section& section = sink.add("training", "Training: " + metrics->name);
-  Series loss{"train loss", {}, {}}, val{"validation loss", {}, {}};
-  Series rate{"", {}, {}};
-  bool tokens = false;
-  for (const auto& r : metrics->records) {
-    tokens = tokens || r.tokens_per_second.has_value();
-  }
-  rate.label = tokens ? "tokens/s" : "samples/s";
-  for (const auto& r : metrics->records) {
-    const double step = static_cast<double>(r.step);
-    if (r.loss) loss.x.push_back(step), loss.y.push_back(*r.loss);
-    if (r.val_loss) val.x.push_back(step), val.y.push_back(*r.val_loss);
-    const auto& per_second = tokens ? r.tokens_per_second : r.samples_per_second;
-    if (per_second) rate.x.push_back(step), rate.y.push_back(*per_second);
-  }
+  auto [loss, val, rate] = metrics_curves(*metrics, records_tokens(*metrics), "");
   // The ladder's baseline records no evaluations in its metrics file: its validation loss before
   // and after training comes from baseline.json.
   const auto& baseline = run.baseline.value;

@@ -60,6 +60,15 @@ Section* rung_section(const Loaded<T>& loaded, SectionSink& sink, const std::str
   return &section;
 }
 
+/// A metrics file's curves by step: train loss, validation loss and throughput (tokens/s when
+/// `tokens`, else samples/s), each labelled `prefix` + its name.
+struct MetricsCurves {
+  Series loss, val, rate;
+};
+MetricsCurves metrics_curves(const MetricsFile& metrics, bool tokens, const std::string& prefix);
+/// Whether a record of `metrics` has tokens/s (a token model): the throughput curves' unit.
+bool records_tokens(const MetricsFile& metrics);
+
 void training_section(const RunData& run, SectionSink& sink);
 void baseline_section(const RunData& run, SectionSink& sink);
 void compile_section(const RunData& run, SectionSink& sink);

@@ -10,6 +10,7 @@
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/plan.h"
+#include "kiln/results.h"
 #include "kiln/rungs.h"
 
 namespace kiln {
@@ -21,6 +22,19 @@ double mean_of(const std::vector<double>& values, size_t first, size_t count) {
   double sum = 0;
   for (size_t k = first; k < first + count; ++k) sum += values[k];
   return sum / static_cast<double>(count);
+}
+
+// Writes baseline.json through the result's to_json and returns the rung's outcome, its table
+// rendered from the same result.
+RungResult finish_baseline(Session& session, const BaselineResult& out) {
+  RungResult result;
+  result.rung = "baseline";
+  result.passed = out.status.passed;
+  result.verdict = out.status.verdict;
+  result.numbers = out;
+  result.table = result_rows(out);
+  session.run->write_json("baseline.json", result.numbers);
+  return result;
 }
 
 }  // namespace
@@ -39,9 +53,6 @@ RungResult run_baseline(Session& session) {
   const Config& config = session.config;
   const int64_t warmup = config.get_int("baseline.warmup_steps");
   const int64_t measured = config.get_int("baseline.steps");
-  RungResult result;
-  result.rung = "baseline";
-
   log::info(fmt::format("baseline: {} warm-up + {} measured steps, eager, one process on {}",
                         warmup, measured, session.device.str()));
   const EvalStats initial_eval = trainer.evaluate();
@@ -84,11 +95,12 @@ RungResult run_baseline(Session& session) {
     samples += steps[k].samples;
     tokens += steps[k].tokens;
   }
+  // The result, written once through its struct (kiln/results.h).
+  BaselineResult out;
+  out.losses = losses;
   if (!failure.empty()) {
-    result.verdict = failure;
-    result.numbers = {{"passed", false}, {"reason", failure}, {"losses", losses}};
-    session.run->write_json("baseline.json", result.numbers);
-    return result;
+    out.status = {kResultSchemaVersion, false, failure, /*measured=*/false};
+    return finish_baseline(session, out);
   }
 
   const double total_seconds = std::accumulate(step_seconds.begin(), step_seconds.end(), 0.0);
@@ -123,43 +135,39 @@ RungResult run_baseline(Session& session) {
   for (const auto& [name, t] : trainer.optimizer().state())
     state_bytes += static_cast<double>(t.nbytes());
 
-  json numbers = {
-      {"device", session.device.str()},
-      {"warmup_steps", warmup},
-      {"measured_steps", measured},
-      {"batch_size", config.get_int("train.batch_size")},
-      {"grad_accum_steps", config.get_int("train.grad_accum_steps")},
-      {"seq_len", seq_len},
-      {"samples_per_second", samples_per_second},
-      {"tokens_per_second", seq_len > 0 ? json(tokens_per_second) : json(nullptr)},
-      {"step_seconds",
-       {{"median", percentile(step_seconds, 0.5)},
-        {"p10", percentile(step_seconds, 0.1)},
-        {"p90", percentile(step_seconds, 0.9)},
-        {"mean", total_seconds / static_cast<double>(step_seconds.size())}}},
-      {"data_wait_share", total_wait / total_seconds},
-      {"peak_memory",
-       {{"method", peak.method},
-        {"allocated_bytes", peak.allocated_bytes},
-        {"reserved_bytes", peak.reserved_bytes},
-        {"resident_after_bytes", peak.resident_after_bytes}}},
-      {"state_bytes",
-       {{"parameters", param_bytes}, {"gradients", param_bytes}, {"optimizer", state_bytes}}},
-      {"flops_per_sample", flops_per_sample},
-      {"flops_per_token",
-       seq_len > 0 ? json(flops_per_sample / static_cast<double>(seq_len)) : json(nullptr)},
-      {"achieved_flops_per_second", achieved_flops},
-      {"mfu", peak_flops > 0 ? json(achieved_flops / peak_flops) : json(nullptr)},
-      {"peak_flops_per_second", peak_flops > 0 ? json(peak_flops) : json(nullptr)},
-      {"peak_flops_source", peak_flops > 0 ? json(peak_source) : json(nullptr)},
-      {"loss_start", loss_start},
-      {"loss_end", loss_end},
-      {"losses", losses},
-      {"val_loss_initial", initial_eval.loss},
-      {"val_loss_final", final_eval.loss},
-      {"skipped_steps", trainer.skipped_steps()},
-  };
-  if (final_eval.accuracy >= 0) numbers["val_accuracy_final"] = final_eval.accuracy;
+  out.device = session.device.str();
+  out.warmup_steps = warmup;
+  out.measured_steps = measured;
+  out.batch_size = config.get_int("train.batch_size");
+  out.grad_accum_steps = config.get_int("train.grad_accum_steps");
+  out.seq_len = seq_len;
+  out.samples_per_second = samples_per_second;
+  if (seq_len > 0) out.tokens_per_second = tokens_per_second;
+  out.step_seconds = {percentile(step_seconds, 0.5), percentile(step_seconds, 0.1),
+                      percentile(step_seconds, 0.9),
+                      total_seconds / static_cast<double>(step_seconds.size())};
+  out.data_wait_share = total_wait / total_seconds;
+  out.peak_memory_method = peak.method;
+  out.peak_allocated_bytes = peak.allocated_bytes;
+  out.peak_reserved_bytes = peak.reserved_bytes;
+  out.resident_after_bytes = peak.resident_after_bytes;
+  out.parameters_bytes = param_bytes;
+  out.gradients_bytes = param_bytes;
+  out.optimizer_bytes = state_bytes;
+  out.flops_per_sample = flops_per_sample;
+  if (seq_len > 0) out.flops_per_token = flops_per_sample / static_cast<double>(seq_len);
+  out.achieved_flops_per_second = achieved_flops;
+  if (peak_flops > 0) {
+    out.mfu = achieved_flops / peak_flops;
+    out.peak_flops_per_second = peak_flops;
+    out.peak_flops_source = peak_source;
+  }
+  out.loss_start = loss_start;
+  out.loss_end = loss_end;
+  out.val_loss_initial = initial_eval.loss;
+  out.val_loss_final = final_eval.loss;
+  if (final_eval.accuracy >= 0) out.val_accuracy_final = final_eval.accuracy;
+  out.skipped_steps = trainer.skipped_steps();
 
   // The gate.
   std::vector<std::string> problems;
@@ -191,48 +199,13 @@ RungResult run_baseline(Session& session) {
     problems.push_back(fmt::format("val loss did not beat its initial value ({:.4f} -> {:.4f})",
                                    initial_eval.loss, final_eval.loss));
   }
-  result.passed = problems.empty();
-  result.verdict =
-      result.passed
+  out.status.passed = problems.empty();
+  out.status.verdict =
+      out.status.passed
           ? fmt::format("correct eager baseline: loss {:.4f} -> {:.4f}, val {:.4f} -> {:.4f}",
                         loss_start, loss_end, initial_eval.loss, final_eval.loss)
           : problems.front();
-  numbers["passed"] = result.passed;
-  numbers["verdict"] = result.verdict;
-  result.numbers = numbers;
-
-  auto& t = result.table;
-  t.emplace_back("throughput", seq_len > 0 ? fmt::format("{:.0f} tokens/s ({:.1f} samples/s)",
-                                                         tokens_per_second, samples_per_second)
-                                           : fmt::format("{:.0f} samples/s", samples_per_second));
-  t.emplace_back("step time", fmt::format("median {:.2f} ms, p10 {:.2f} ms, p90 {:.2f} ms",
-                                          1e3 * percentile(step_seconds, 0.5),
-                                          1e3 * percentile(step_seconds, 0.1),
-                                          1e3 * percentile(step_seconds, 0.9)));
-  t.emplace_back("data wait",
-                 fmt::format("{:.1f}% of step time", 100 * total_wait / total_seconds));
-  t.emplace_back(
-      "peak memory",
-      peak.allocated_bytes >= 0
-          ? format_bytes(peak.allocated_bytes) +
-                (session.device.is_cpu() ? " (process peak RSS over one step)" : " max allocated")
-          : peak.method);
-  t.emplace_back("model state",
-                 fmt::format("params {}, grads {}, optimizer {}", format_bytes(param_bytes),
-                             format_bytes(param_bytes), format_bytes(state_bytes)));
-  t.emplace_back(
-      "compute",
-      fmt::format("{:.3g} FLOP/sample, {:.3g} FLOP/s{}", flops_per_sample, achieved_flops,
-                  peak_flops > 0 ? fmt::format(", MFU {:.1f}%", 100 * achieved_flops / peak_flops)
-                                 : ", MFU n/a (device not in the hardware catalog; set "
-                                   "baseline.peak_flops_per_second)"));
-  t.emplace_back("loss", fmt::format("{:.4f} -> {:.4f}", loss_start, loss_end));
-  t.emplace_back("val loss", fmt::format("{:.4f} -> {:.4f}", initial_eval.loss, final_eval.loss) +
-                                 (final_eval.accuracy >= 0 ? fmt::format(" (accuracy {:.1f}%)",
-                                                                         100 * final_eval.accuracy)
-                                                           : ""));
-  session.run->write_json("baseline.json", numbers);
-  return result;
+  return finish_baseline(session, out);
 }
 
 }  // namespace kiln

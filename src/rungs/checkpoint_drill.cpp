@@ -17,6 +17,7 @@
 #include "kiln/dist.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
+#include "kiln/results.h"
 #include "kiln/run.h"
 #include "kiln/rungs.h"
 
@@ -40,9 +41,9 @@ bool bitwise_equal(const std::vector<std::pair<std::string, torch::Tensor>>& a,
   return true;
 }
 
-RungResult drill(const Config& config) {
-  RungResult result;
-  result.rung = "checkpoint";
+// The drill on rank 0; its outcome (passed, verdict) and every stage's figures as far as it got.
+CheckpointResult drill(const Config& config) {
+  CheckpointResult result;
   const auto drill_begin = Clock::now();
   const int64_t half = config.get_int("checkpoint.drill_steps");
   const int64_t total = 2 * half;
@@ -72,19 +73,20 @@ RungResult drill(const Config& config) {
                                     "--set",
                                     "checkpoint.every_steps=" + std::to_string(every_steps)};
   };
-  json numbers = {{"drill_steps", half}, {"total_steps", total}, {"directory", dir.string()}};
+  result.drill_steps = half;
+  result.total_steps = total;
+  result.directory = dir.string();
   auto fail = [&](const std::string& why) {
-    result.passed = false;
-    result.verdict = why;
-    numbers["seconds"] = seconds_since(drill_begin);
-    result.numbers = numbers;
+    result.status.passed = false;
+    result.status.verdict = why;
+    result.seconds = seconds_since(drill_begin);
     return result;
   };
 
   // 1. The reference: 2K uninterrupted steps, saved at the end.
   auto begin = Clock::now();
   int code = wait_process(spawn_process(train_args("reference", total), dir / "reference.log"));
-  numbers["reference_seconds"] = seconds_since(begin);
+  result.reference_seconds = seconds_since(begin);
   if (code != 0)
     return fail(fmt::format("the reference run exited with {} (see {})", code,
                             (dir / "reference.log").string()));
@@ -110,9 +112,9 @@ RungResult drill(const Config& config) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
-  numbers["killed"] = killed;
-  numbers["killed_exit_status"] = killed_status;
-  numbers["save_seconds"] = seconds_since(begin);
+  result.killed = killed;
+  result.killed_exit_status = killed_status;
+  result.save_seconds = seconds_since(begin);
   if (!checkpoint_committed(step_k)) {
     return fail(fmt::format("the run to be killed exited with {} before committing {} (see {})",
                             killed_status, step_k.string(), (dir / "killed.log").string()));
@@ -120,14 +122,14 @@ RungResult drill(const Config& config) {
 
   // 3. The committed checkpoint verifies.
   const VerifyReport report = verify_checkpoint(step_k);
-  numbers["verify_ok"] = report.ok();
-  numbers["checkpoint_bytes"] = report.bytes_checked;
+  result.verify_ok = report.ok();
+  result.checkpoint_bytes = static_cast<double>(report.bytes_checked);
   if (!report.ok())
     return fail("the committed checkpoint does not verify: " + report.problems.front());
   const CheckpointIndex index = read_checkpoint_index(step_k);
   const json& loader = index.ranks.at(0).at("loader");
-  numbers["resume_epoch"] = loader.at("epoch");
-  numbers["resume_batch_in_epoch"] = loader.at("batch");
+  result.resume_epoch = loader.at("epoch").get<int64_t>();
+  result.resume_batch_in_epoch = loader.at("batch").get<int64_t>();
 
   // 4. A fresh process restores it and trains to 2K.
   std::vector<std::string> resume_args = train_args("resumed", total);
@@ -135,7 +137,7 @@ RungResult drill(const Config& config) {
   resume_args.push_back(step_k.string());
   begin = Clock::now();
   code = wait_process(spawn_process(resume_args, dir / "resumed.log"));
-  numbers["resume_seconds"] = seconds_since(begin);
+  result.resume_seconds = seconds_since(begin);
   if (code != 0)
     return fail(fmt::format("the resumed run exited with {} (see {})", code,
                             (dir / "resumed.log").string()));
@@ -162,16 +164,16 @@ RungResult drill(const Config& config) {
   const bool optimizer_equal =
       bitwise_equal(read_checkpoint_tensors(reference_final, "optim/", true),
                     read_checkpoint_tensors(resumed_final, "optim/", true));
-  numbers["losses_compared"] = compared;
-  numbers["losses_bitwise_equal"] = compared == half && equal == compared;
-  numbers["max_abs_loss_difference"] = max_difference;
-  numbers["parameters_bitwise_equal"] = parameters_equal;
-  numbers["optimizer_state_bitwise_equal"] = optimizer_equal;
-  numbers["seconds"] = seconds_since(drill_begin);
-  result.numbers = numbers;
-  result.passed = compared == half && equal == compared && parameters_equal && optimizer_equal;
-  result.verdict =
-      result.passed
+  result.losses_compared = compared;
+  result.losses_bitwise_equal = compared == half && equal == compared;
+  result.max_abs_loss_difference = max_difference;
+  result.parameters_bitwise_equal = parameters_equal;
+  result.optimizer_state_bitwise_equal = optimizer_equal;
+  result.seconds = seconds_since(drill_begin);
+  result.status.passed =
+      compared == half && equal == compared && parameters_equal && optimizer_equal;
+  result.status.verdict =
+      result.status.passed
           ? fmt::format(
                 "restored step {} in a fresh process{}: {} losses, parameters and optimizer state "
                 "bitwise equal to an uninterrupted run",
@@ -182,18 +184,6 @@ RungResult drill(const Config& config) {
                 "parameters {}, optimizer state {}",
                 equal, half, max_difference, parameters_equal ? "equal" : "differ",
                 optimizer_equal ? "equal" : "differ");
-  result.table = {
-      {"checkpoint",
-       fmt::format("step {} of {}, {}, resumes at batch {} of epoch {}", half, total,
-                   format_bytes(static_cast<double>(report.bytes_checked)),
-                   numbers["resume_batch_in_epoch"].dump(), numbers["resume_epoch"].dump())},
-      {"kill", killed ? "SIGKILL after the commit" : "the run ended before the kill landed"},
-      {"verify", "checksums and headers ok"},
-      {"losses after resume", fmt::format("{}/{} bitwise equal", equal, compared)},
-      {"final parameters", parameters_equal ? "bitwise equal" : "differ"},
-      {"final optimizer state", optimizer_equal ? "bitwise equal" : "differ"},
-      {"drill time", format_duration(numbers["seconds"].get<double>())},
-  };
   return result;
 }
 
@@ -204,28 +194,29 @@ RungResult run_checkpoint_drill(const Config& config, const SessionOptions& opti
   // The drill's processes write in <run dir>/checkpoint-drill/ under this lock.
   const auto lock = lock_run_directories(
       config, options.comm ? *options.comm : *process_communicator(config), options.argv);
-  RungResult result;
-  result.rung = "checkpoint";
+  // Rank 0 runs the drill and writes checkpoint.json through its result's to_json; every rank
+  // returns that result as rank 0 wrote it.
+  CheckpointResult drilled;
+  nlohmann::json written;
   if (comm->rank() == 0) {
     // Every failure on rank 0 becomes the rung's verdict, so the other ranks (waiting in the
     // all-gather below) always learn the outcome instead of timing out.
     try {
-      result = drill(config);
+      drilled = drill(config);
     } catch (const std::exception& e) {
-      result.rung = "checkpoint";
-      result.passed = false;
-      result.verdict = "the drill could not run: " + one_line_error(e);
+      drilled = {};
+      drilled.status = {kResultSchemaVersion, false,
+                        "the drill could not run: " + one_line_error(e), /*measured=*/false};
     }
+    written = drilled;
     try {
       const std::filesystem::path path = run_directory(config) / "checkpoint.json";
       std::filesystem::create_directories(path.parent_path());
-      json out = result.numbers.is_null() ? json::object() : result.numbers;
-      out["passed"] = result.passed;
-      out["verdict"] = result.verdict;
-      write_file_atomic(path, out.dump(2) + "\n");
+      write_file_atomic(path, written.dump(2) + "\n");
     } catch (const std::exception& e) {
-      result.passed = false;
-      result.verdict += "; and checkpoint.json could not be written: " + one_line_error(e);
+      drilled.status.passed = false;
+      drilled.status.verdict += "; and checkpoint.json could not be written: " + one_line_error(e);
+      written = drilled;
     }
   }
   // The drill runs in single-process children started by rank 0; the other ranks learn its outcome.
@@ -233,24 +224,24 @@ RungResult run_checkpoint_drill(const Config& config, const SessionOptions& opti
     std::string shared_text;
     if (comm->rank() == 0) {
       try {
-        shared_text =
-            json{
-                {"passed", result.passed}, {"verdict", result.verdict}, {"numbers", result.numbers}}
-                .dump();
-      } catch (const std::exception& e) {
-        shared_text = json{
-            {"passed", false},
-            {"verdict", "the drill's outcome could not be shared: " + one_line_error(e)},
-            {"numbers",
-             nullptr}}.dump();
+        shared_text = written.dump();
+      } catch (const std::exception& e) {  // e.g. a verdict that is not UTF-8
+        CheckpointResult unshared;
+        unshared.status = {kResultSchemaVersion, false,
+                           "the drill's outcome could not be shared: " + one_line_error(e),
+                           /*measured=*/false};
+        shared_text = json(unshared).dump(-1, ' ', false, json::error_handler_t::replace);
       }
     }
-    const json shared = json::parse(comm->all_gather_bytes(shared_text)[0]);
-    result.rung = "checkpoint";
-    result.passed = shared["passed"].get<bool>();
-    result.verdict = shared["verdict"].get<std::string>();
-    result.numbers = shared["numbers"];
+    written = json::parse(comm->all_gather_bytes(shared_text)[0]);
+    drilled = written.get<CheckpointResult>();
   }
+  RungResult result;
+  result.rung = "checkpoint";
+  result.passed = drilled.status.passed;
+  result.verdict = drilled.status.verdict;
+  result.numbers = written;
+  result.table = result_rows(drilled);
   return result;
 }
 

@@ -17,6 +17,7 @@
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/models.h"
+#include "kiln/results.h"
 #include "kiln/rungs.h"
 
 namespace kiln {
@@ -45,7 +46,7 @@ CompiledForwardBackward::EvalOutputs eager_eval(Model& model, const Batch& batch
   model.eval();
   const torch::Tensor logits = model.forward(batch.inputs);
   CompiledForwardBackward::EvalOutputs out{model.loss(logits, batch.targets), {}};
-  if (logits.dim() == 2) out.correct = logits.argmax(1).eq(batch.targets).sum();
+  out.correct = model.correct_predictions(logits, batch.targets);  // undefined: no accuracy
   model.train();
   return out;
 }
@@ -206,6 +207,8 @@ RungResult run_compile(Session& session) {
     if (step && captured) numbers["capture"] = captured->report().to_json();
     numbers["passed"] = passed;
     numbers["verdict"] = verdict;
+    numbers["schema_version"] = kResultSchemaVersion;
+    checked_result<CompileResult>(numbers);  // the report's reader reads what the rung wrote
     result.numbers = numbers;
     session.run->write_json("compile.json", numbers);
     return result;

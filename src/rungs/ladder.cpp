@@ -1,5 +1,7 @@
 #include <fmt/format.h>
 
+#include <map>
+
 #include "core/files.h"
 #include "core/strings.h"
 #include "kiln/checkpoint.h"
@@ -10,6 +12,7 @@
 #include "kiln/pilot.h"
 #include "kiln/profile.h"
 #include "kiln/report.h"
+#include "kiln/results.h"
 #include "kiln/run.h"
 #include "kiln/rungs.h"
 
@@ -38,6 +41,41 @@ std::string report_markdown(const Config& config, const std::vector<RungResult>&
     out += fmt::format("\nNumbers: `{}.json`.\n", r.rung);
   }
   return out;
+}
+
+template <class T>
+RungStatus status_in_file(const std::filesystem::path& file) {
+  return read_result<T>(file).status;
+}
+
+// The rung's outcome as its <rung>.json says it, read back through the rung's typed result
+// (kiln/results.h): the ladder acts on what the report shows. A file that does not read back fails
+// the rung with the reader's one line.
+void read_back_outcome(const std::filesystem::path& run_dir, RungResult& result) {
+  using Reader = RungStatus (*)(const std::filesystem::path&);
+  static const std::map<std::string, Reader> readers = {
+      {"baseline", status_in_file<BaselineResult>},
+      {"compile", status_in_file<CompileResult>},
+      {"profile", status_in_file<ProfileResult>},
+      {"scale", status_in_file<ScaleResult>},
+      {"checkpoint", status_in_file<CheckpointResult>},
+      {"pilot", status_in_file<PilotResult>},
+      {"plan", status_in_file<PlanResult>}};
+  const auto reader = readers.find(result.rung);
+  const auto file = run_dir / (result.rung + ".json");
+  if (reader == readers.end() || !std::filesystem::exists(file)) return;
+  try {
+    const RungStatus status = reader->second(file);
+    if (status.passed != result.passed) {
+      result.passed = false;
+      result.verdict = fmt::format("{} says the rung {} but it returned {}: {}", file.string(),
+                                   status.passed ? "passed" : "failed",
+                                   result.passed ? "passed" : "failed", result.verdict);
+    }
+  } catch (const ResultFormatError& e) {
+    result.passed = false;
+    result.verdict = one_line_error(e);
+  }
 }
 
 }  // namespace
@@ -112,6 +150,10 @@ std::vector<RungResult> run_ladder(const Config& config, const SessionOptions& o
     rung_options.metrics_file = "metrics-" + rung.name + ".jsonl";
     try {
       results.push_back(rung.run(config, rung_options));
+      // A single-process ladder reads the file each rung wrote back (under torchrun only rank 0
+      // has it).
+      if (!options.comm || options.comm->world_size() == 1)
+        read_back_outcome(run_directory(config), results.back());
     } catch (const std::exception& e) {  // the report still shows what ran; the error is rethrown
       error = std::current_exception();
       RungResult failed;

@@ -24,6 +24,7 @@
 #include "kiln/memory.h"
 #include "kiln/models.h"
 #include "kiln/plan.h"
+#include "kiln/results.h"
 #include "kiln/rungs.h"
 
 namespace kiln {
@@ -510,6 +511,8 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
                                    tolerance > 0 ? fmt::format("within {:g} relative", tolerance)
                                                  : "bitwise equal")
                      : problems.front());
+  numbers["schema_version"] = kResultSchemaVersion;
+  checked_result<PilotResult>(numbers);  // the report's reader reads what the rung wrote
   session->run->write_json("pilot.json", numbers);
   return result;
 }

@@ -11,6 +11,7 @@
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/pilot.h"
+#include "kiln/results.h"
 #include "kiln/run.h"
 #include "kiln/rungs.h"
 
@@ -21,43 +22,26 @@ RungResult run_plan(const Config& config, const std::filesystem::path& pilot_dir
   std::optional<PilotCalibration> pilot;
   if (!pilot_dir.empty()) pilot = read_pilot(pilot_dir, config);
   nlohmann::json plan = make_plan(config, pilot ? &*pilot : nullptr, require_cost);
+  // The plan's document is the planner's (kiln/plan.h); the rung reads it through its typed
+  // result (a key the reader needs and the planner did not write stops here) and renders its
+  // table and verdict from that.
+  PlanResult typed = checked_result<PlanResult>(plan);
+  bool any_fits = false;
+  for (const auto& row : typed.rows) any_fits = any_fits || row.reservation_30d.fits;
+  // The plan is advice, not a gate on the job: it "passes" when some row fits 30 days.
+  typed.status.passed = any_fits;
+  typed.status.verdict = any_fits
+                             ? typed.recommendation_text
+                             : "nothing fits a 30-day reservation: " + typed.recommendation_text;
+  plan["schema_version"] = kResultSchemaVersion;  // as every rung's JSON: the report reads them
+  plan["passed"] = typed.status.passed;
+  plan["verdict"] = typed.status.verdict;
   RungResult result;
   result.rung = "plan";
+  result.passed = typed.status.passed;
+  result.verdict = typed.status.verdict;
   result.numbers = plan;
-  bool any_fits = false;
-  for (const auto& row : plan["rows"]) {
-    any_fits = any_fits || row["reservation_30d"]["fits"].get<bool>();
-    const auto& s = row["strategy"];
-    std::string strategy = s["strategy"].get<std::string>();
-    if (strategy == "fsdp") strategy += fmt::format(" x{}", s["fsdp_degree"].get<int64_t>());
-    const bool fits = row["fits_memory"].get<bool>();
-    std::string value = fmt::format("{}, {} GPUs", strategy, row["gpus"].get<int64_t>());
-    if (fits) {
-      value += fmt::format(", step {}, {} days, ETTR {:.1f}%, checkpoint every {}",
-                           format_duration(row["step_seconds"].get<double>()),
-                           row["wall_days"].is_null()
-                               ? std::string("never")
-                               : fmt::format("{:.2f}", row["wall_days"].get<double>()),
-                           100 * row["ettr"].get<double>(),
-                           format_duration(row["checkpoint_interval_seconds"].get<double>()));
-      for (const char* key : {"reservation_7d", "reservation_30d"}) {
-        const auto& r = row[key];
-        value += fmt::format(
-            "; {}: {}{}", key == std::string("reservation_7d") ? "7 d" : "30 d",
-            r["fits"].get<bool>() ? "fits" : "no",
-            r["cost"].is_null() ? "" : fmt::format(" ({:.0f})", r["cost"].get<double>()));
-      }
-    }
-    result.table.emplace_back(row["hardware"].get<std::string>(), value);
-  }
-  result.table.emplace_back("recommendation", plan["recommendation_text"].get<std::string>());
-  // The plan is advice, not a gate on the job: it "passes" when some row fits 30 days.
-  result.passed = any_fits;
-  result.verdict = any_fits ? plan["recommendation_text"].get<std::string>()
-                            : "nothing fits a 30-day reservation: " +
-                                  plan["recommendation_text"].get<std::string>();
-  plan["passed"] = result.passed;  // as every rung's JSON: the ladder's report reads them
-  plan["verdict"] = result.verdict;
+  result.table = result_rows(typed);
   const auto dir = run_directory(config);
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);

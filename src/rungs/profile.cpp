@@ -9,6 +9,7 @@
 #include "core/strings.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
+#include "kiln/results.h"
 #include "kiln/rungs.h"
 
 namespace kiln {
@@ -79,7 +80,11 @@ RungResult run_profile(Session& session, std::string* tables) {
   }
   if (!failure.empty()) {
     result.verdict = failure;
-    result.numbers = {{"passed", false}, {"reason", failure}, {"losses", losses}};
+    result.numbers = {{"schema_version", kResultSchemaVersion},
+                      {"passed", false},
+                      {"verdict", failure},
+                      {"losses", losses}};
+    checked_result<ProfileResult>(result.numbers);  // the report's reader reads what it wrote
     session.run->write_json("profile.json", result.numbers);
     return result;
   }
@@ -141,6 +146,8 @@ RungResult run_profile(Session& session, std::string* tables) {
                     {"verdict", verdict.numbers},
                     {"losses", losses}};
   if (!problems.empty()) result.numbers["problems"] = problems;
+  result.numbers["schema_version"] = kResultSchemaVersion;
+  checked_result<ProfileResult>(result.numbers);  // the report's reader reads what it wrote
   session.run->write_json("profile.json", result.numbers);
 
   auto& t = result.table;

@@ -5,6 +5,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdlib>
 #include <functional>
 
 #include "kiln/error.h"
@@ -136,11 +138,11 @@ TEST(Results, ARenamedKeyInAWrittenRungFileFailsLoudly) {
             }).find("rows[1].strategy.fsdp_degree is string, expected an integer"),
             std::string::npos);
   json newer = json::parse(kPilotJson);
-  newer["schema_version"] = 2;
+  newer["schema_version"] = kResultSchemaVersion + 1;
   testing::write_text(run / "pilot.json", newer.dump());
   EXPECT_NE(error_of([&] {
               read_result<PilotResult>(run / "pilot.json");
-            }).find("schema_version is 2: written by a newer kiln"),
+            }).find("schema_version is 3: written by a newer kiln"),
             std::string::npos);
 }
 
@@ -328,6 +330,113 @@ TEST(ReportHtml, TwoRunsSideBySide) {
                                 (dir / "both").string());
   EXPECT_EQ(done.exit_code, 0) << done.err;
   EXPECT_NE(testing::slurp(dir / "both" / "report.html").find("data-name=\"tokens_per_second\""),
+            std::string::npos);
+}
+
+// Where a struct's to_json (`written`) and a rung file (`file`) differ, one line each: a value
+// written under a key the file lacks or holds otherwise and, with `exact`, a key of the file that
+// the struct did not read back. Numbers compare as numbers (12.0 == 12); a NaN written is the
+// file's null. "schema_version" is the writer's own (an old file has none).
+void result_differences(const json& file, const json& written, const std::string& path, bool exact,
+                        std::vector<std::string>& out) {
+  if (written.is_object() && file.is_object()) {
+    for (const auto& [key, value] : written.items()) {
+      if (path.empty() && key == "schema_version") continue;
+      if (!file.contains(key)) {
+        out.push_back(path + "/" + key + " written, not in the file");
+      } else {
+        result_differences(file[key], value, path + "/" + key, exact, out);
+      }
+    }
+    if (!exact) return;
+    for (const auto& [key, value] : file.items()) {
+      if (!written.contains(key) && !(path.empty() && key == "schema_version"))
+        out.push_back(path + "/" + key + " in the file, not read back");
+    }
+  } else if (written.is_array() && file.is_array() && written.size() == file.size()) {
+    for (size_t k = 0; k < written.size(); ++k)
+      result_differences(file[k], written[k], fmt::format("{}/{}", path, k), exact, out);
+  } else if (written.is_number() && file.is_number()) {
+    if (written.get<double>() != file.get<double>()) out.push_back(path + " differs");
+  } else if (written.is_number_float() && std::isnan(written.get<double>()) && file.is_null()) {
+  } else if (written != file) {
+    out.push_back(path + ": " + written.dump() + " written, " + file.dump() + " in the file");
+  }
+}
+
+template <class T>
+std::vector<std::string> round_trip_differences(const json& file, bool exact) {
+  std::vector<std::string> out;
+  result_differences(file, json(file.get<T>()), "", exact, out);
+  return out;
+}
+
+// The rung files of the demo ladder that report.ladder runs (KILN_REPORT_LADDER; CTest runs this
+// suite as report.ladder_results after that fixture, tests/report/CMakeLists.txt): each read
+// through its struct and written back. The baseline and checkpoint rungs write through to_json
+// alone, so their files come back exactly (a key the rung wrote and the reader did not read
+// fails); every other rung's file holds each value its struct writes, under the same key.
+TEST(LadderFiles, EveryRungFileReadsBackThroughItsStruct) {
+  const char* ladder = std::getenv("KILN_REPORT_LADDER");
+  ASSERT_NE(ladder, nullptr) << "run through CTest (report.ladder_results)";
+  const auto run = std::filesystem::path(ladder) / "runs" / "demo";
+  auto file = [&](const char* name) { return json::parse(testing::slurp(run / name)); };
+  int checked = 0;
+  auto check = [&](const char* name, const std::vector<std::string>& problems) {
+    EXPECT_EQ(problems, std::vector<std::string>{}) << name;
+    ++checked;
+  };
+  const json baseline = file("baseline.json"), checkpoint = file("checkpoint.json");
+  EXPECT_EQ(baseline["schema_version"], kResultSchemaVersion);
+  EXPECT_GT(baseline["losses"].size(), 0u);
+  check("baseline.json", round_trip_differences<BaselineResult>(baseline, /*exact=*/true));
+  check("checkpoint.json", round_trip_differences<CheckpointResult>(checkpoint, /*exact=*/true));
+  check("profile.json", round_trip_differences<ProfileResult>(file("profile.json"), false));
+  check("scale.json", round_trip_differences<ScaleResult>(file("scale.json"), false));
+  check("pilot.json", round_trip_differences<PilotResult>(file("pilot.json"), false));
+  check("plan.json", round_trip_differences<PlanResult>(file("plan.json"), false));
+  if (std::filesystem::exists(run / "compile.json"))
+    check("compile.json", round_trip_differences<CompileResult>(file("compile.json"), false));
+  EXPECT_GE(checked, 6);
+
+  // The control: a key the rung wrote under another name than the reader reads fails both ways
+  // (the reader misses it, the file keeps a key nobody reads); so does a value changed in transit.
+  json renamed = baseline;
+  renamed["skipped_steps_total"] = renamed["skipped_steps"];
+  renamed.erase("skipped_steps");
+  EXPECT_NE(error_of([&] { renamed.get<BaselineResult>(); }).find("skipped_steps is missing"),
+            std::string::npos);
+  json extra = checkpoint;
+  extra["resume_step"] = 2;
+  EXPECT_EQ(round_trip_differences<CheckpointResult>(extra, true),
+            std::vector<std::string>{"/resume_step in the file, not read back"});
+}
+
+TEST(Results, KeysOfVersionTwoRequiredFromVersionTwo) {
+  BaselineResult b;
+  b.status = {kResultSchemaVersion, true, "correct eager baseline", true};
+  b.device = "cpu";
+  b.losses = {5.0, std::nan(""), 4.0};
+  b.val_loss_final = std::nan("");
+  json v2 = b;
+  EXPECT_EQ(v2["schema_version"], 2);
+  // Written as text (a NaN is null in JSON) and read back: NaN again.
+  const BaselineResult back = json::parse(v2.dump()).get<BaselineResult>();
+  EXPECT_TRUE(std::isnan(back.losses[1]) && std::isnan(back.val_loss_final));
+  EXPECT_EQ(back.losses[2], 4.0);
+  // A version-1 file (today's runs before versions) lacks the keys version 2 added: defaults.
+  json v1 = v2;
+  v1.erase("schema_version");
+  for (const char* key : {"grad_accum_steps", "losses", "skipped_steps", "peak_flops_source"})
+    v1.erase(key);
+  v1["peak_memory"].erase("reserved_bytes");
+  const BaselineResult old = v1.get<BaselineResult>();
+  EXPECT_EQ(old.status.schema_version, 1);
+  EXPECT_TRUE(old.losses.empty());
+  EXPECT_EQ(old.peak_reserved_bytes, -1);
+  // The same file claiming version 2 is refused, naming the key.
+  v1["schema_version"] = 2;
+  EXPECT_NE(error_of([&] { v1.get<BaselineResult>(); }).find("grad_accum_steps is missing"),
             std::string::npos);
 }
 
