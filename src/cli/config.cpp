@@ -1,36 +1,16 @@
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <unistd.h>
 
-#include <cerrno>
-#include <cstring>
 #include <filesystem>
 
 #include "cli/commands.h"
 #include "kiln/error.h"
 #include "kiln/train.h"
+#include "kiln/training_run.h"
 
 namespace kiln::cli {
 
 void check_run_inputs(const Config& config) {
-  resolve_device(config);  // run.device = "cuda" without a device: the line the run stops with
-  const std::string& data = config.get_string("data.name");
-  const std::string& path = config.get_string("data.path");
-  std::error_code ec;
-  if (data == "text" && !path.empty() && !std::filesystem::exists(path, ec)) {
-    throw UserError("data.path = \"" + path +
-                    "\" does not exist; point it at a text file or directory");
-  }
-  if (data != "tokens") return;
-  for (const std::string& file : {path, config.get_string("data.val_path")}) {
-    if (file.empty() || std::filesystem::is_directory(file, ec)) continue;  // a prepared directory
-    const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);  // opened, never read or hashed
-    if (fd < 0) {
-      throw UserError("token file " + file + " cannot be opened: " + std::strerror(errno) +
-                      "; check data.path / data.val_path");
-    }
-    ::close(fd);
-  }
+  check_job_inputs(config);  // kiln/training_run.h: the library's run_training checks the same
 }
 
 namespace {
@@ -70,7 +50,7 @@ void add_config_command(CLI::App& app, Action& action) {
   });
 }
 
-const Registration registration{90, add_config_command};
+const Registration config_registration{90, add_config_command};  // named apart: unity batches
 
 }  // namespace
 

@@ -13,6 +13,7 @@
 #include "data/tokens.h"
 #include "kiln/config.h"
 #include "kiln/data.h"
+#include "kiln/dataset_registry.h"
 #include "kiln/error.h"
 #include "kiln/models.h"
 
@@ -154,6 +155,16 @@ Datasets make_text(const Config& config, int64_t vocab_limit) {
 
 Datasets make_datasets(const Config& config) {
   const std::string& name = config.get_string("data.name");
+  if (const DatasetSpec* spec = find_dataset(name)) {  // a program's own (kiln/dataset_registry.h)
+    Datasets out = spec->build(config);
+    if (!out.train || !out.val) {
+      throw UserError("data.name = \"" + name + "\": the registered dataset built no " +
+                      (out.train ? "validation" : "training") + " set");
+    }
+    if (!out.identity.is_object()) out.identity = nlohmann::json::object();
+    if (!out.identity.contains("kind")) out.identity["kind"] = name;
+    return out;
+  }
   if (name == "synthetic") return make_synthetic(config);
   const int64_t vocab = model_vocab_size(config);  // 0 for a model without a vocabulary
   if (name == "text") return make_text(config, vocab);

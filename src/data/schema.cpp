@@ -1,9 +1,11 @@
 // The [data] section of the config schema and its rules: which model trains on which data, and
 // the sizes a dataset needs (checked by `kiln config validate` and before `kiln train` writes
 // anything).
+#include <algorithm>
 #include <string>
 
 #include "core/schema_sections.h"
+#include "kiln/dataset_registry.h"
 #include "kiln/models.h"
 
 namespace kiln {
@@ -12,8 +14,9 @@ ConfigSection data_section() {
   return {
       "data",
       {
-          string_key("data", "name", "synthetic", {"synthetic", "text", "tokens"},
-                     "dataset: synthetic teacher task, text file bytes, or token .bin files"),
+          string_key("data", "name", "synthetic", {},
+                     "dataset: synthetic teacher task, text file bytes, token .bin files, or a "
+                     "registered one (a C++ dataset registers with kiln::register_dataset)"),
           string_key("data", "path", "", {},
                      "text: a file or directory (default: Debian's fortunes corpus); tokens: the "
                      "train .bin, or a directory written by kiln data prepare (docs/data.md)"),
@@ -41,10 +44,24 @@ ConfigSection data_section() {
                   "batches the loader may prepare ahead of the training step"),
       },
       {
-          {"model.name = \"mlp\" trains on synthetic data",
+          {"data.name is synthetic, text, tokens or a registered dataset",
            [](const Config& c) -> std::string {
-             if (c.get_string("model.name") != "mlp" || c.get_string("data.name") == "synthetic")
-               return "";
+             const std::string& name = c.get_string("data.name");
+             const auto names = dataset_names();
+             if (std::find(names.begin(), names.end(), name) != names.end()) return "";
+             std::string list;
+             for (const auto& known : names) list += (list.empty() ? "" : ", ") + known;
+             return "data.name = \"" + name + "\" is not a dataset; the known ones: " + list +
+                    " (a C++ dataset registers with kiln::register_dataset, docs/models.md)";
+           },
+           {"data.name=nonexistent"}},
+          {"model.name = \"mlp\" trains on feature vectors (synthetic or a registered dataset), "
+           "not "
+           "text or tokens",
+           [](const Config& c) -> std::string {
+             const std::string& data = c.get_string("data.name");
+             if (c.get_string("model.name") != "mlp" || (data != "text" && data != "tokens"))
+               return "";  // synthetic, or a registered dataset of feature vectors
              return "model.name = \"mlp\" trains on data.name = \"synthetic\"; set data.name = "
                     "\"synthetic\" or model.name = \"gpt\"";
            },

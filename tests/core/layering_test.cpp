@@ -54,6 +54,7 @@ std::string public_header_component(const std::string& name) {
       {"comm.h", "comm"},
       {"models.h", "models"},
       {"data.h", "data"},
+      {"dataset_registry.h", "data"},
       {"train.h", "train"},
       {"dist.h", "dist"},
       {"checkpoint.h", "ckpt"},
@@ -68,6 +69,7 @@ std::string public_header_component(const std::string& name) {
       {"memory.h", "profile"},
       {"session.h", "rungs"},
       {"rungs.h", "rungs"},
+      {"training_run.h", "rungs"},
       {"hf.h", "models"},
       {"report.h", "report"},
       {"results.h", "report"}};
