@@ -247,6 +247,47 @@ date = "2026-12"
   EXPECT_EQ(other.exit_code, 2);
   EXPECT_THAT(other.err, HasSubstr("another job"));
 
+  // The pilot's timed matmul: gpt's [micro-batch 4 x seq 32, C 128] x [128, 4C 512] in float32;
+  // its MFU against it is the step's model FLOPs over the matmul's rate. The plan's row for this
+  // machine (this-cpu matches "cpu") takes that measured peak instead of the row's 0.1 TFLOP/s.
+  const auto& matmul = pilot["matmul_peak"];
+  EXPECT_EQ(matmul["m"], 128);
+  EXPECT_EQ(matmul["k"], 128);
+  EXPECT_EQ(matmul["n"], 512);
+  EXPECT_EQ(matmul["dtype"], "float32");
+  const double matmul_flops = matmul["flops_per_second"].get<double>();
+  EXPECT_NEAR(
+      pilot["mfu_of_matmul_peak"].get<double>(),
+      pilot["flops_per_step"].get<double>() / pilot["step_seconds"].get<double>() / matmul_flops,
+      1e-9);
+  EXPECT_DOUBLE_EQ(mine["peak_flops_per_gpu"].get<double>(), matmul_flops);
+  EXPECT_DOUBLE_EQ(mine["catalog_peak_flops_per_gpu"].get<double>(), 1e11);
+
+  // Forecast against actual on the pilot's own run: the forecast step is the pilot's step
+  // (achieved rate = FLOPs / step, over the peak and back), and the memory forecast is the
+  // estimated held state (exact for fp32 AdamW: 3 x 4,228,608 B) plus the working memory the
+  // pilot's calibration scales to the measured one: both ratios are 1. The save: the estimated
+  // checkpoint (12 B x N) over the measured bytes (headers and counters on top, under 1%).
+  auto against = run_kiln("plan " + tiny_pilot_args(dir) + " --set data.revision=v1 --pilot " +
+                          run_dir.string() + " --actual " + run_dir.string());
+  ASSERT_EQ(against.exit_code, 0) << against.out << against.err;
+  EXPECT_THAT(against.out, HasSubstr("Most wrong input"));
+  const auto comparison = nlohmann::json::parse(slurp(run_dir / "plan-vs-actual.json"));
+  const auto& rows = comparison["rows"];
+  EXPECT_EQ(rows[0]["quantity"], "step time");
+  EXPECT_NEAR(rows[0]["ratio"].get<double>(), 1.0, 1e-9);
+  EXPECT_DOUBLE_EQ(rows[0]["actual"].get<double>(), pilot["step_seconds"].get<double>());
+  EXPECT_EQ(rows[3]["quantity"], "peak memory");
+  EXPECT_NEAR(rows[3]["ratio"].get<double>(), 1.0, 1e-9);
+  EXPECT_DOUBLE_EQ(rows[3]["actual"].get<double>(), m["peak_bytes"].get<double>());
+  EXPECT_NEAR(rows[4]["ratio"].get<double>(), 3 * 4'228'608.0 / checkpoint_bytes, 1e-9);
+  EXPECT_THAT(comparison["step_source"].get<std::string>(), HasSubstr("pilot.json"));
+  // A run of another job is refused, naming it.
+  auto foreign = run_kiln("plan " + tiny_pilot_args(dir) + " --set train.batch_size=5 --actual " +
+                          run_dir.string());
+  EXPECT_EQ(foreign.exit_code, 2);
+  EXPECT_THAT(foreign.err, HasSubstr("another job"));
+
   // --check-pins: nothing differs; then a changed revision, then content under the same revision.
   const std::string manifest_path = (run_dir / "manifest.json").string();
   auto same = run_kiln("pilot " + tiny_pilot_args(dir, " --set data.revision=v1") +
