@@ -136,6 +136,25 @@ class DataParallel : public TrainerHook {
 
 // ---- fully sharded data parallelism (FSDP) ------------------------------------------------------
 
+/// One rank's shard of a parameter under sharded data parallelism (kiln/dist.h's
+/// sharded_layout()).
+struct ParameterShard {
+  std::string name;     // the parameter's name
+  torch::Tensor shard;  // the tensor the optimizer steps: rows [row_offset, row_offset + rows) of
+                        // the parameter along dim 0, then padding rows (zeros)
+  std::vector<int64_t> global_shape;  // the parameter's shape
+  int64_t row_offset = 0;
+  int64_t rows = 0;  // rows that are the parameter's (0: padding only)
+};
+
+/// The layout of sharded data parallelism over `comm`: the optimizer steps `shards`; the global
+/// gradient norm sums the ranks' squared shard norms (and their fp16 overflow flags) over
+/// `comm`, so clipping and the non-finite guard agree on every rank; the state lists each shard's
+/// own rows (padding dropped; none when it holds padding only) and the same rows of its
+/// optimizer state, as pieces (TrainState::pieces). FullyShardedDataParallel installs it.
+std::shared_ptr<ParallelLayout> sharded_layout(std::vector<ParameterShard> shards,
+                                               std::shared_ptr<Communicator> comm);
+
 struct FsdpOptions {
   /// dist.reshard_after_forward: free a unit's gathered parameters after its forward and gather
   /// them again for its backward (ZeRO-3); false keeps them from forward until the unit's
@@ -205,7 +224,7 @@ struct FsdpMemory {
 ///    size), asynchronously, groups in a fixed order (units last to first, then the root), and
 ///    its full parameters and gradients are freed.
 ///  - on_gradients_ready waits for the reduce-scatters and sets each shard's gradient; the
-///    Trainer's optimizer holds and steps the shards only (Trainer::use_sharded_parameters), and
+///    Trainer's optimizer holds and steps the shards only (sharded_layout()), and
 ///    the gradient norm sums squared shard norms over the ranks.
 ///  - mixed precision (FsdpOptions::param_dtype, e.g. bfloat16): the shards stay in their dtype
 ///    (fp32); each all-gather sends a cast copy of the shard, so the model's parameters are

@@ -61,6 +61,14 @@ class Model : public torch::nn::Module {
   /// target (for token models over the B*T positions). A model that overrides it needs a Python
   /// twin with the same loss for the compile rung.
   virtual torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets) const;
+  /// Whether the model is a classifier whose accuracy evaluation reports (the mlp): its
+  /// forward() gives [B, C] logits and correct_predictions() counts argmax hits. False (the
+  /// default) for token models, whose measure is the loss alone.
+  virtual bool classifier() const { return false; }
+  /// For a classifier: the number of samples whose argmax logit is the target, a 0-dim int64
+  /// tensor on the logits' device. Undefined for other models.
+  torch::Tensor correct_predictions(const torch::Tensor& logits,
+                                    const torch::Tensor& targets) const;
   /// The registered name it was built under (ModelSpec::name): "mlp", "gpt", "llama", ...
   virtual std::string architecture() const = 0;
   /// Architecture hyper-parameters as JSON (for the manifest and reports).

@@ -230,17 +230,6 @@ struct TensorPiece {
   std::vector<int64_t> offsets;  // index of the piece's first element in the whole tensor
 };
 
-/// One rank's shard of a parameter under sharded data parallelism
-/// (Trainer::use_sharded_parameters).
-struct ParameterShard {
-  std::string name;     // the parameter's name
-  torch::Tensor shard;  // the tensor the optimizer steps: rows [row_offset, row_offset + rows) of
-                        // the parameter along dim 0, then padding rows (zeros)
-  std::vector<int64_t> global_shape;  // the parameter's shape
-  int64_t row_offset = 0;
-  int64_t rows = 0;  // rows that are the parameter's (0: padding only)
-};
-
 /// Everything a run needs to continue bitwise where it stopped, as one value (torchtitan's
 /// Stateful, in one place). Tensors alias the live state: capturing copies nothing (an async
 /// checkpointer stages them before the next optimizer step), and Trainer::load_state copies into
@@ -312,6 +301,33 @@ class CapturedStep {
   virtual torch::Tensor run(const std::vector<Batch>& batches, double lr,
                             const DeviceWork& work) = 0;
 };
+
+/// How the trained tensors lie over the ranks, and what follows from it for the Trainer: which
+/// tensors the optimizer steps, how the global gradient norm is formed, and which tensors (and
+/// pieces of tensors) the training state holds. The default (replicated_layout()) keeps every
+/// tensor whole on every rank: one process, or DDP, whose hook has averaged the gradients before
+/// the norm. Sharded data parallelism (kiln/dist.h, FSDP) installs its own with
+/// Trainer::set_parallel_layout. The Trainer owns the layout; it calls it on the training thread
+/// only. Errors: CommunicationError from a collective (the norm), nothing else.
+class ParallelLayout {
+ public:
+  virtual ~ParallelLayout() = default;
+  /// The tensors the optimizer steps, named like the model's parameters they stand for.
+  virtual NamedTensors optimizer_parameters(Model& model) = 0;
+  /// The global L2 norm of the gradients `grads` (this rank's, of optimizer_parameters()), the
+  /// same value on every rank. `overflow`: under fp16-mixed this rank's loss-scaler overflow flag
+  /// (0-dim, on the device), to be made global too (every rank's scaler backs off together);
+  /// undefined otherwise.
+  virtual torch::Tensor global_gradient_norm(const std::vector<torch::Tensor>& grads,
+                                             torch::Tensor& overflow) = 0;
+  /// Fills `state.model` (parameters, then buffers), `state.optimizer` (from the optimizer's
+  /// Optimizer::state(), step counts excluded) and `state.pieces` for the tensors that are this
+  /// rank's piece of a larger one.
+  virtual void add_state(Model& model, const NamedTensors& optimizer_state, TrainState& state) = 0;
+};
+
+/// Every tensor whole on every rank (one process, DDP).
+std::shared_ptr<ParallelLayout> replicated_layout();
 
 struct TrainerOptions {
   torch::Device device = torch::kCPU;
@@ -408,15 +424,10 @@ class Trainer {
     captured_ = std::move(captured);
   }
   bool captured() const { return captured_ != nullptr; }
-  /// Sharded data parallelism (FullyShardedDataParallel, kiln/dist.h): the optimizer is rebuilt
-  /// over `shards` (this rank's pieces of the parameters, named like them, with gradients set by
-  /// the strategy before clipping) instead of the model's parameters, and the global gradient
-  /// norm sums the squared shard norms over `comm`, so clipping and the non-finite guard agree
-  /// on every rank. Call before the first step.
-  /// state() then lists each shard's rows (padding dropped; none when it holds padding only) and
-  /// its optimizer state as pieces (TrainState::pieces) instead of the model's parameters.
-  void use_sharded_parameters(std::vector<ParameterShard> shards,
-                              std::shared_ptr<Communicator> comm);
+  /// Lays the trained tensors out as `layout` says from the next step on (kiln/dist.h's FSDP
+  /// installs a sharded one): the optimizer is rebuilt over layout->optimizer_parameters(), the
+  /// gradient norm and state() go through the layout. Call before the first step.
+  void set_parallel_layout(std::shared_ptr<ParallelLayout> layout);
 
   /// Marks a phase for every hook (profiler scopes, timers). Prefer PhaseScope. Components call
   /// these around their own work, e.g. a checkpointer around its staging (Phase::kCheckpoint),
@@ -450,8 +461,7 @@ class Trainer {
   std::vector<std::shared_ptr<TrainerHook>> hooks_;
   std::shared_ptr<CompiledForwardBackward> compiled_;
   std::shared_ptr<CapturedStep> captured_;
-  std::shared_ptr<Communicator> shard_norm_comm_;  // set by use_sharded_parameters
-  std::vector<ParameterShard> shards_;             // set by use_sharded_parameters
+  std::shared_ptr<ParallelLayout> layout_;  // replicated_layout() unless set_parallel_layout
   std::unique_ptr<MixedPrecision> precision_;  // train.precision (src/train/precision.h)
   int64_t step_ = 0;
   int64_t skipped_steps_ = 0;  // as of the last sync

@@ -22,7 +22,7 @@ void add_baseline_command(CLI::App& app, Action& action) {
   });
 }
 
-const Registration registration{20, add_baseline_command};
+const Registration baseline_registration{20, add_baseline_command};  // named apart: unity batches
 
 }  // namespace
 

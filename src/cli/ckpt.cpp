@@ -187,7 +187,7 @@ void add_ckpt_command(CLI::App& app, Action& action) {
   });
 }
 
-const Registration registration{60, add_ckpt_command};
+const Registration ckpt_registration{60, add_ckpt_command};  // named apart: unity batches
 
 }  // namespace
 

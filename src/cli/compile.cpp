@@ -28,7 +28,7 @@ void add_compile_command(CLI::App& app, Action& action) {
   });
 }
 
-const Registration registration{25, add_compile_command};
+const Registration compile_registration{25, add_compile_command};  // named apart: unity batches
 
 }  // namespace
 

@@ -95,7 +95,7 @@ void add_data_command(CLI::App& app, Action& action) {
   prepare->callback([&action, args] { action = [args] { return prepare_command(*args); }; });
 }
 
-const Registration registration{92, add_data_command};
+const Registration data_registration{92, add_data_command};  // named apart: unity batches
 
 }  // namespace
 

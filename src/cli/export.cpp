@@ -96,7 +96,7 @@ void add_export_command(CLI::App& app, Action& action) {
   command->callback([&action, args] { action = [args] { return export_command(*args); }; });
 }
 
-const Registration registration{70, add_export_command};
+const Registration export_registration{70, add_export_command};  // named apart: unity batches
 
 }  // namespace
 

@@ -39,7 +39,7 @@ void add_ladder_command(CLI::App& app, Action& action) {
   });
 }
 
-const Registration registration{5, add_ladder_command};
+const Registration ladder_registration{5, add_ladder_command};  // named apart: unity batches
 
 }  // namespace
 

@@ -42,7 +42,7 @@ void add_pilot_command(CLI::App& app, Action& action) {
   });
 }
 
-const Registration registration{61, add_pilot_command};
+const Registration pilot_registration{61, add_pilot_command};  // named apart: unity batches
 
 }  // namespace
 

@@ -95,7 +95,7 @@ void add_profile_command(CLI::App& app, Action& action) {
   });
 }
 
-const Registration registration{30, add_profile_command};
+const Registration profile_registration{30, add_profile_command};  // named apart: unity batches
 
 }  // namespace
 

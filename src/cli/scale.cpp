@@ -28,7 +28,7 @@ void add_scale_command(CLI::App& app, Action& action) {
   });
 }
 
-const Registration registration{40, add_scale_command};
+const Registration scale_registration{40, add_scale_command};  // named apart: unity batches
 
 }  // namespace
 

@@ -458,7 +458,7 @@ std::shared_ptr<FullyShardedDataParallel> FullyShardedDataParallel::attach(
     shards.push_back({p.layout.name, p.shard, p.layout.shape, raw->rank * p.layout.rows_per_rank,
                       p.layout.valid_rows(raw->rank)});
   }
-  trainer.use_sharded_parameters(std::move(shards), raw->comm);
+  trainer.set_parallel_layout(sharded_layout(std::move(shards), raw->comm));
   trainer.add_hook(hook);
   model.add_unit_wrapper(hook);
   const FsdpMemory memory = hook->memory();

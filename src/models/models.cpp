@@ -54,6 +54,7 @@ class Mlp final : public Model {
         1, [this](const torch::Tensor& x) { return fc2_->forward(x); }, hidden);
   }
   std::string architecture() const override { return "mlp"; }
+  bool classifier() const override { return true; }
   nlohmann::json describe() const override {
     nlohmann::json out = {
         {"input_dim", input_dim_}, {"hidden_dim", hidden_dim_}, {"num_classes", num_classes_}};
@@ -233,6 +234,12 @@ torch::Tensor Model::run_unit(int unit, const UnitForward& forward, const torch:
 
 torch::Tensor Model::loss(const torch::Tensor& logits, const torch::Tensor& targets) const {
   return F::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+}
+
+torch::Tensor Model::correct_predictions(const torch::Tensor& logits,
+                                         const torch::Tensor& targets) const {
+  if (!classifier()) return {};
+  return logits.argmax(-1).eq(targets).sum();
 }
 
 GptConfig gpt_shape(const Config& config) {

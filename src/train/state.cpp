@@ -4,8 +4,6 @@
 #include <fmt/format.h>
 #include <torch/cuda.h>
 
-#include <map>
-
 #include "core/strings.h"
 #include "kiln/error.h"
 #include "kiln/train.h"
@@ -41,35 +39,7 @@ TrainState Trainer::state() {
   state.batch_size = loader_->options().batch_size;
   state.world_size = options_.world_size;
   state.batches_per_epoch = loader_->sampler().batches_per_epoch();
-  if (shards_.empty()) {
-    for (const auto& item : model_->named_parameters())
-      state.model.emplace_back(item.key(), item.value());
-    for (const auto& item : model_->named_buffers())
-      state.model.emplace_back(item.key(), item.value());
-    state.optimizer = optimizer_->state();
-  } else {  // sharded: each shard's own rows, and the same rows of its optimizer state
-    std::map<std::string, const ParameterShard*> shard_of;
-    for (const auto& s : shards_) shard_of[s.name] = &s;
-    auto add_piece = [&](NamedTensors& into, const std::string& name, const torch::Tensor& t,
-                         const ParameterShard& s) {
-      if (s.rows == 0) return;
-      std::vector<int64_t> offsets(s.global_shape.size(), 0);
-      if (!offsets.empty()) offsets[0] = s.row_offset;
-      into.emplace_back(name, s.global_shape.empty() ? t.view({}) : t.narrow(0, 0, s.rows));
-      state.pieces[name] = TensorPiece{s.global_shape, offsets};
-    };
-    for (const auto& s : shards_) add_piece(state.model, s.name, s.shard, s);
-    for (const auto& item : model_->named_buffers())
-      state.model.emplace_back(item.key(), item.value());
-    for (const auto& [name, tensor] : optimizer_->state()) {
-      auto it = shard_of.find(name.substr(0, name.rfind('.')));
-      if (it == shard_of.end()) {
-        state.optimizer.emplace_back(name, tensor);
-      } else {
-        add_piece(state.optimizer, name, tensor, *it->second);
-      }
-    }
-  }
+  layout_->add_state(*model_, optimizer_->state(), state);
   for (auto& entry : optimizer_->step_counts()) state.optimizer.push_back(std::move(entry));
   for (auto& [name, generator] : generators()) {
     std::lock_guard lock(generator.mutex());

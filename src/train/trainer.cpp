@@ -70,9 +70,9 @@ Trainer::Trainer(const Config& config, std::shared_ptr<Model> model, Datasets da
     // recomputation in backward runs them again.
     model_->add_unit_wrapper(make_activation_checkpointing(*model_, model_->units()));
   }
-  NamedTensors params;
-  for (auto& item : model_->named_parameters()) params.emplace_back(item.key(), item.value());
-  optimizer_ = std::make_unique<Optimizer>(OptimOptions::from_config(config), std::move(params));
+  layout_ = replicated_layout();
+  optimizer_ = std::make_unique<Optimizer>(OptimOptions::from_config(config),
+                                           layout_->optimizer_parameters(*model_));
   LoaderOptions loader_options;
   loader_options.batch_size = train_options_.batch_size;
   loader_options.num_workers = static_cast<int>(config.get_int("data.num_workers"));
@@ -103,13 +103,10 @@ Trainer::Trainer(const Config& config, std::shared_ptr<Model> model, Datasets da
 
 Trainer::~Trainer() = default;
 
-void Trainer::use_sharded_parameters(std::vector<ParameterShard> shards,
-                                     std::shared_ptr<Communicator> comm) {
-  NamedTensors named;
-  for (const auto& s : shards) named.emplace_back(s.name, s.shard);
-  optimizer_ = std::make_unique<Optimizer>(optimizer_->options(), std::move(named));
-  shard_norm_comm_ = comm && comm->world_size() > 1 ? std::move(comm) : nullptr;
-  shards_ = std::move(shards);
+void Trainer::set_parallel_layout(std::shared_ptr<ParallelLayout> layout) {
+  layout_ = std::move(layout);
+  optimizer_ =
+      std::make_unique<Optimizer>(optimizer_->options(), layout_->optimizer_parameters(*model_));
 }
 
 void Trainer::add_hook(std::shared_ptr<TrainerHook> hook) {
@@ -286,21 +283,7 @@ torch::Tensor Trainer::device_step(int micro_steps, const std::function<Batch(in
   }
   // fp16-mixed: unscale in place; an overflow skips the step through the non-finite guard.
   torch::Tensor overflow = precision_->unscale_gradients(grads);
-  torch::Tensor total_norm;
-  if (shard_norm_comm_) {  // sharded gradients: the squared norms summed over the ranks
-    torch::Tensor squares = at::stack(at::_foreach_norm(grads, 2)).square().sum();
-    if (overflow.defined()) {  // and the overflow flags: every rank's scaler backs off together
-      torch::Tensor both = at::stack({squares, overflow.to(squares.scalar_type())});
-      shard_norm_comm_->all_reduce_sum(both);
-      squares = both[0];
-      overflow = (both[1] > 0).to(overflow.scalar_type());
-    } else {
-      shard_norm_comm_->all_reduce_sum(squares);
-    }
-    total_norm = squares.sqrt();
-  } else {
-    total_norm = at::linalg_vector_norm(at::stack(at::_foreach_norm(grads, 2)), 2);
-  }
+  const torch::Tensor total_norm = layout_->global_gradient_norm(grads, overflow);
   if (train_options_.clip_grad_norm > 0) {
     at::_foreach_mul_(grads,
                       at::clamp_max(train_options_.clip_grad_norm / (total_norm + 1e-6), 1.0));
@@ -392,17 +375,17 @@ EvalStats Trainer::evaluate() {
       samples += batch.samples();
       if (compiled_) {  // the compiled eval graph, unless this batch must run eager
         const auto out = compiled_->evaluate(Batch{inputs, targets});
-        const bool classifier = data_.train->tokens_per_sample() == 0;
-        if (out.loss.defined() && (out.correct.defined() || !classifier)) {
+        if (out.loss.defined() && (out.correct.defined() || !model_->classifier())) {
           loss_sum += out.loss.item<double>();
-          if (classifier) correct += out.correct.item<int64_t>();
+          if (model_->classifier()) correct += out.correct.item<int64_t>();
           continue;
         }
       }
       const auto autocast = precision_->autocast_scope();  // train.precision
       auto logits = model_->forward(inputs);
       loss_sum += model_->loss(logits, targets).item<double>();
-      if (logits.dim() == 2) correct += logits.argmax(1).eq(targets).sum().item<int64_t>();
+      if (model_->classifier())
+        correct += model_->correct_predictions(logits, targets).item<int64_t>();
     }
     model_->train();
     if (options_.comm && options_.comm->world_size() > 1) {  // every rank evaluated its shard
@@ -419,7 +402,7 @@ EvalStats Trainer::evaluate() {
     }
     out.loss = loss_sum / static_cast<double>(batches);
     out.samples = samples;
-    if (data_.train->tokens_per_sample() == 0) {
+    if (model_->classifier()) {
       out.accuracy = static_cast<double>(correct) / static_cast<double>(samples);
     }
   }

@@ -15,7 +15,7 @@
 #include "kiln/session.h"
 #include "support/helpers.h"
 
-namespace kiln::testing {
+namespace kiln::testing::fsdp_test {  // its own: dist_test.cpp has a RunResult too (unity)
 namespace {
 
 TEST(ShardLayout, PadsUnevenDimZeroAcrossRanks) {
@@ -384,7 +384,7 @@ TEST(Fsdp, EvaluateGathersAndFreesAgain) {
 }
 
 }  // namespace
-}  // namespace kiln::testing
+}  // namespace kiln::testing::fsdp_test
 
 namespace kiln::testing {
 namespace {

@@ -132,6 +132,64 @@ TEST(Trainer, ClippingBoundsTheUpdateNormButReportsTheRawNorm) {
   EXPECT_NEAR(std::sqrt(squared), 1e-3, 1e-5);  // SGD at lr 1: the update is the clipped gradient
 }
 
+// The Trainer goes through its ParallelLayout for the optimizer's tensors, the gradient norm and
+// the state: a layout that steps only fc2, doubles the norm and hides fc1 from the state is obeyed
+// in all three (and the default layout is the replicated one: the same run without it differs).
+TEST(Trainer, AParallelLayoutOwnsTheOptimizedTensorsTheNormAndTheState) {
+  class Fc2Only final : public ParallelLayout {
+   public:
+    NamedTensors optimizer_parameters(Model& model) override {
+      NamedTensors out;
+      for (auto& item : model.named_parameters())
+        if (item.key().rfind("fc2.", 0) == 0) out.emplace_back(item.key(), item.value());
+      return out;
+    }
+    torch::Tensor global_gradient_norm(const std::vector<torch::Tensor>& grads,
+                                       torch::Tensor& overflow) override {
+      ++norms;
+      grads_seen = grads.size();
+      const torch::Tensor n = replicated_->global_gradient_norm(grads, overflow);
+      inner = n.item<double>();
+      return 2 * n;
+    }
+    void add_state(Model& model, const NamedTensors& optimizer_state, TrainState& state) override {
+      replicated_->add_state(model, optimizer_state, state);
+      std::erase_if(state.model, [](const auto& item) { return item.first.rfind("fc1.", 0) == 0; });
+    }
+    int norms = 0;
+    size_t grads_seen = 0;  // the gradients of the tensors it gave the optimizer
+    double inner = 0;       // their norm
+
+   private:
+    std::shared_ptr<ParallelLayout> replicated_ = replicated_layout();
+  };
+  TempDir dir;
+  Config config = mlp_config(dir.path(), {"optim.name=sgd"});
+  auto run = [&](std::shared_ptr<Fc2Only> layout) {
+    auto model = make_model(config);
+    Trainer trainer(config, model, make_datasets(config));
+    if (layout) trainer.set_parallel_layout(layout);
+    const auto fc1 = model->named_parameters()["fc1.weight"].detach().clone();
+    const StepStats s = trainer.train_step(/*sync=*/true);
+    const bool fc1_moved = !model->named_parameters()["fc1.weight"].equal(fc1);
+    std::vector<std::string> names;
+    for (const auto& item : trainer.state().model) names.push_back(item.first);
+    return std::tuple{s.grad_norm, fc1_moved, names};
+  };
+  const auto [norm, fc1_moved, names] = run(nullptr);
+  auto layout = std::make_shared<Fc2Only>();
+  const auto [layout_norm, layout_fc1_moved, layout_names] = run(layout);
+  EXPECT_TRUE(fc1_moved);
+  EXPECT_FALSE(layout_fc1_moved) << "the optimizer stepped a tensor the layout did not give it";
+  EXPECT_EQ(layout->norms, 1);
+  EXPECT_EQ(layout->grads_seen, 2u);  // fc2.weight, fc2.bias
+  EXPECT_DOUBLE_EQ(layout_norm, 2 * layout->inner);
+  EXPECT_GT(norm, layout->inner);  // the replicated norm is over fc1 and fc2
+  EXPECT_THAT(names, ::testing::Contains("fc1.weight"));
+  EXPECT_THAT(layout_names, ::testing::Not(::testing::Contains("fc1.weight")));
+  EXPECT_THAT(layout_names, ::testing::Contains("fc2.weight"));
+}
+
 TEST(Schedule, WarmupThenCosineToTheFloor) {
   Config c = Config::parse("", "x",
                            {"optim.lr=1.0", "optim.warmup_steps=10", "optim.schedule=cosine",
