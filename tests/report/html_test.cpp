@@ -114,7 +114,8 @@ TEST(Results, ARenamedKeyInAWrittenRungFileFailsLoudly) {
   const std::string error = error_of([&] { read_result<PlanResult>(run / "plan.json"); });
   EXPECT_NE(error.find("plan.json: rows[1].strategy.fsdp_degree is missing"), std::string::npos)
       << error;
-  EXPECT_NE(error.find("schema version 1"), std::string::npos) << error;
+  EXPECT_NE(error.find(fmt::format("schema version {}", kResultSchemaVersion)), std::string::npos)
+      << error;
   EXPECT_NE(error.find("rerun `kiln plan`"), std::string::npos) << error;
 
   // The page says so where the plan's numbers would be, in its scorecard row and its section,
