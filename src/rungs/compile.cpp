@@ -247,9 +247,14 @@ RungResult run_compile(Session& session) {
           ? (report_of().graphs.empty() ? 0.0 : report_of().graphs.front().build_seconds)
           : seconds_since(compile_begin);
   const auto& graphs = report_of().graphs;
-  const bool cold = !graphs.empty() && !graphs.front().cache_hit;
+  const auto& units = report_of().unit_graphs;  // per-unit mode: the pairs, no step graph
+  const bool any_graph = !graphs.empty() || !units.empty();
+  const bool cold = !graphs.empty()  ? !graphs.front().cache_hit
+                    : !units.empty() ? std::any_of(units.begin(), units.end(),
+                                                   [](const auto& u) { return !u.cache_hit; })
+                                     : false;
   numbers["compile_seconds"] = compile_seconds;
-  numbers["cache"] = graphs.empty() ? "n/a" : (cold ? "cold" : "cached");
+  numbers["cache"] = any_graph ? (cold ? "cold" : "cached") : "n/a";
   if (report_of().fallback_to_eager) {
     result.table.emplace_back("graph breaks", describe_breaks(report_of().breaks));
     numbers["speedup"] = nullptr;
@@ -505,7 +510,22 @@ RungResult run_compile(Session& session) {
   };
   t.emplace_back("compile time",
                  fmt::format("{:.1f} s, {} cache", compile_seconds, cold ? "cold" : "warm"));
-  t.emplace_back("graphs", fmt::format("{}: {}", report.graphs.size(), graph_text(report.graphs)));
+  if (report.granularity == "unit") {
+    std::string text;
+    for (const auto& u : report.unit_graphs) {
+      text += fmt::format("{}{} {} ({})", text.empty() ? "" : "; ", u.unit, u.input,
+                          u.eager       ? "eager: graph breaks"
+                          : u.shared    ? "shares an earlier unit's pair"
+                          : u.cache_hit ? "cached pair"
+                                        : fmt::format("built in {:.1f} s", u.build_seconds));
+    }
+    t.emplace_back("graphs", fmt::format("per unit, {} call(s) compiled, root eager: {}",
+                                         report.compiled_unit_forwards,
+                                         text.empty() ? std::string("none") : text));
+  } else {
+    t.emplace_back("graphs",
+                   fmt::format("{}: {}", report.graphs.size(), graph_text(report.graphs)));
+  }
   if (step) {
     const auto& eval_graphs = step->report().eval_graphs;
     t.emplace_back("eval graphs", fmt::format("{}: {}", eval_graphs.size(),

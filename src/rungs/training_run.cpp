@@ -87,7 +87,7 @@ TrainingRunResult run_training(const Config& given, const TrainingRunOptions& op
   auto compiled = attach_compiled_step(*session->trainer, config);  // [compile]
   // SIGTERM / SIGUSR1: finish the step, commit a checkpoint, throw Preempted (exit 75).
   attach_preemption(*session->trainer, *session->comm, checkpointing);
-  session->trainer->add_hook(make_tensorboard_hook(*session->run));  // beside metrics.jsonl
+  session->trainer->add_hook(make_tensorboard_hook(*session->run));       // beside metrics.jsonl
   log_plan_forecast(config, session->run->dir(), session->comm->rank());  // kiln/plan.h
   TrainingRunResult result;
   result.summary = session->trainer->fit(config.get_int("train.steps"), session->run.get());
@@ -109,10 +109,23 @@ std::string training_summary_text(const TrainingRunResult& result) {
   if (s.skipped_steps > 0) out += fmt::format("skipped {} non-finite steps\n", s.skipped_steps);
   if (result.compile_report) {
     const CompileReport& report = *result.compile_report;
-    out += fmt::format(
-        "compiled step: {}, {} graph(s), {} recompile(s); eval: {} graph(s), {} recompile(s){}\n",
-        report.backend, report.graphs.size(), report.recompiles.size(), report.eval_graphs.size(),
-        report.eval_recompiles.size(), report.fallback_to_eager ? ", graph breaks: ran eager" : "");
+    if (report.granularity == "unit") {  // per-unit packages; the root runs eager
+      size_t pairs = 0;
+      for (const auto& u : report.unit_graphs) pairs += u.shared ? 0 : 1;
+      out += fmt::format(
+          "compiled units: {}, {} unit(s) (per input shape) on {} forward/backward package "
+          "pair(s), {} "
+          "compiled unit forward(s), {} eager unit call(s), {} unit recompile(s); the root "
+          "(embeddings, head, loss) eager\n",
+          report.backend, report.unit_graphs.size(), pairs, report.compiled_unit_forwards,
+          report.eager_unit_calls, report.unit_recompiles);
+    } else {
+      out += fmt::format(
+          "compiled step: {}, {} graph(s), {} recompile(s); eval: {} graph(s), {} recompile(s){}\n",
+          report.backend, report.graphs.size(), report.recompiles.size(), report.eval_graphs.size(),
+          report.eval_recompiles.size(),
+          report.fallback_to_eager ? ", graph breaks: ran eager" : "");
+    }
   }
   out += fmt::format("run directory: {}\n", result.run_dir.string());
   return out;

@@ -421,6 +421,14 @@ def case_fsdp_scale(args, work):
           auto["strategy_decision"]["strategy"] == "ddp",
           f"auto picks ddp (it fits) and says why: {auto['strategy_reason']!r}")
     check(any(row[0] == "strategy" for row in fsdp["table"]), "the table names the strategy")
+    # Under FSDP no replica holds the whole weights, so the replicas row claims no check (issue 22):
+    # the hashes compared would be of all-gathered bytes, equal by construction.
+    replicas = [row[1] for row in fsdp["table"] if row[0] == "replicas"]
+    check(replicas and replicas[0].startswith("n/a (sharded"),
+          f"FSDP's replicas row says n/a (sharded ...): {replicas!r}")
+    replicas_ddp = [row[1] for row in auto["table"] if row[0] == "replicas"]
+    check(replicas_ddp and replicas_ddp[0].startswith("in sync (weights "),
+          f"DDP's replicas row compares the weights: {replicas_ddp!r}")
 
 
 def case_world_of_one(args, work):
