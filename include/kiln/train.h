@@ -461,7 +461,7 @@ class Trainer {
   std::vector<std::shared_ptr<TrainerHook>> hooks_;
   std::shared_ptr<CompiledForwardBackward> compiled_;
   std::shared_ptr<CapturedStep> captured_;
-  std::shared_ptr<ParallelLayout> layout_;  // replicated_layout() unless set_parallel_layout
+  std::shared_ptr<ParallelLayout> layout_;     // replicated_layout() unless set_parallel_layout
   std::unique_ptr<MixedPrecision> precision_;  // train.precision (src/train/precision.h)
   int64_t step_ = 0;
   int64_t skipped_steps_ = 0;  // as of the last sync

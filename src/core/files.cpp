@@ -138,10 +138,12 @@ std::filesystem::path hash_cache_file() {
 
 uint64_t hash_file_cached(const std::filesystem::path& path) {
   struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) throw UserError("cannot read " + path.string() + ": " + errno_text());
+  if (::stat(path.c_str(), &st) != 0)
+    throw UserError("cannot read " + path.string() + ": " + errno_text());
   std::error_code ec;
   const std::string key = std::filesystem::absolute(path, ec).string();
-  const int64_t mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  const int64_t mtime_ns =
+      static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
   const std::filesystem::path cache = hash_cache_file();
   nlohmann::json entries = nlohmann::json::object();
   if (!cache.empty()) {
@@ -160,7 +162,8 @@ uint64_t hash_file_cached(const std::filesystem::path& path) {
   if (!cache.empty()) {
     char hex[17];
     std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(hash));
-    entries[key] = {{"size", static_cast<int64_t>(st.st_size)}, {"mtime_ns", mtime_ns}, {"xxh3", hex}};
+    entries[key] = {
+        {"size", static_cast<int64_t>(st.st_size)}, {"mtime_ns", mtime_ns}, {"xxh3", hex}};
     try {
       std::filesystem::create_directories(cache.parent_path(), ec);
       write_file_atomic(cache, entries.dump(1) + "\n");

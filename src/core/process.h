@@ -17,9 +17,9 @@ namespace kiln {
 std::filesystem::path kiln_executable();
 
 /// Starts argv (argv[0] is a path) with the current environment, plus KILN_RUN_LOCK naming the
-/// directories this process holds (kiln/run.h: the child runs under their lock). With a `log`, stdout and stderr
-/// are appended to it; otherwise they are inherited. `env` sets (or replaces) variables in the
-/// child's environment only. Returns the child's pid. Throws UserError.
+/// directories this process holds (kiln/run.h: the child runs under their lock). With a `log`,
+/// stdout and stderr are appended to it; otherwise they are inherited. `env` sets (or replaces)
+/// variables in the child's environment only. Returns the child's pid. Throws UserError.
 pid_t spawn_process(const std::vector<std::string>& argv, const std::filesystem::path& log = {},
                     const std::vector<std::pair<std::string, std::string>>& env = {});
 

@@ -172,9 +172,9 @@ TEST(CapturedStep, EachNewShapeIsARecaptureUpToTheLimit) {
 TEST(CapturedStep, AHostSynchronisationIsAGraphBreakNamedByOperator) {
   TempDir dir;
   for (bool fullgraph : {true, false}) {
-    Config config =
-        mlp_config(dir.path(), {"model.data_dependent_branch=true", "compile.warmup_steps=1",
-                                "data.num_workers=0", fmt::format("compile.fullgraph={}", fullgraph)});
+    Config config = mlp_config(
+        dir.path(), {"model.data_dependent_branch=true", "compile.warmup_steps=1",
+                     "data.num_workers=0", fmt::format("compile.fullgraph={}", fullgraph)});
     config.set_from_string("compile.backend=cudagraphs");  // after the rules, as captured_gpt
     Trainer trainer(config, make_model(config), make_datasets(config));
     auto step = std::make_shared<CapturedGraphStep>(config, trainer, rerun_recorders());

@@ -237,8 +237,7 @@ TEST(CompiledStep, AutoStrategyResolvingToFsdpIsRefusedBeforeAnythingIsWritten) 
       shared_cache());
   EXPECT_NE(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.err.find("dist.strategy = \"auto\": fsdp"), std::string::npos) << r.err;
-  EXPECT_NE(r.err.find("FSDP gathers each unit's parameters around its forward"),
-            std::string::npos)
+  EXPECT_NE(r.err.find("FSDP gathers each unit's parameters around its forward"), std::string::npos)
       << r.err;
   EXPECT_FALSE(std::filesystem::exists(dir / "auto")) << r.err;
 }

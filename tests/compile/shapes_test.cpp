@@ -53,8 +53,8 @@ TEST(ShapeTracker, DynamicBuildsOneGraphForTheWholeRange) {
   EXPECT_EQ(t.graphs()[0].str(),
             "inputs [batch, seq], targets [batch, seq] (batch in [2, 65536], seq in [2, 16])");
   EXPECT_TRUE(t.graphs()[0].accepts(tokens(3, 5)));
-  EXPECT_FALSE(t.graphs()[0].accepts(tokens(3, 17)));          // beyond block_size
-  EXPECT_FALSE(t.graphs()[0].accepts({{3, 5}, {3, 6}}));        // one symbol, two sizes
+  EXPECT_FALSE(t.graphs()[0].accepts(tokens(3, 17)));     // beyond block_size
+  EXPECT_FALSE(t.graphs()[0].accepts({{3, 5}, {3, 6}}));  // one symbol, two sizes
 }
 
 TEST(ShapeTracker, AutoSpecialisesFirstThenMakesTheChangedDimensionDynamic) {
@@ -111,8 +111,8 @@ TEST(CompileOptions, ProbeLengthsParseOrNameTheKey) {
 }
 
 TEST(GraphBreaks, EachBreakIsOneClauseWithItsPlace) {
-  EXPECT_EQ(describe_breaks({{"data-dependent branch", "models.py:40 in forward"},
-                             {"print", "x.py:2 in f"}}),
+  EXPECT_EQ(describe_breaks(
+                {{"data-dependent branch", "models.py:40 in forward"}, {"print", "x.py:2 in f"}}),
             "graph break at models.py:40 in forward: data-dependent branch; graph break at "
             "x.py:2 in f: print");
 }

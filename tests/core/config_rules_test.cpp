@@ -46,7 +46,7 @@ TEST(ConfigRules, TheSectionsDeclareTheKnownRules) {
   std::map<std::string, int> per_section;
   for (const auto& [section, rule] : every_rule()) ++per_section[section];
   EXPECT_EQ(per_section["model"], 8);  // + registered name, llama heads, preset, init_from
-  EXPECT_EQ(per_section["data"], 7);  // + a registered dataset name (kiln/dataset_registry.h)
+  EXPECT_EQ(per_section["data"], 7);   // + a registered dataset name (kiln/dataset_registry.h)
   EXPECT_EQ(per_section["optim"], 2);
   EXPECT_EQ(per_section["dist"], 1);
   EXPECT_EQ(per_section["compile"], 9);  // probe_seq_lens + the step matrix's eight

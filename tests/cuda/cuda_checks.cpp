@@ -7,8 +7,8 @@
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
-#include <nlohmann/json.hpp>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "ckpt/saving.h"
@@ -189,8 +189,7 @@ TEST(Cuda, CapturedStepWithDdpOnNccl) {
   EXPECT_NE(captured.err.find("captured into the step's CUDA graph"), std::string::npos)
       << captured.err;
   EXPECT_NE(captured.err.find("compile: captured the step"), std::string::npos) << captured.err;
-  expect_same_losses(dir / "eager" / "metrics.jsonl", dir / "captured" / "metrics.jsonl", 12,
-                     1e-4);
+  expect_same_losses(dir / "eager" / "metrics.jsonl", dir / "captured" / "metrics.jsonl", 12, 1e-4);
 }
 
 TEST(Cuda, ProfilerRecordsKernelsAndTheGpuVerdict) {
@@ -263,10 +262,10 @@ TEST(Cuda, CompileRungWithInductorAndCudaGraphs) {
   // Both sides measured: a speedup from two real medians (the gate is c["passed"]).
   EXPECT_GT(c["eager"]["median_seconds"].get<double>(), 0);
   EXPECT_GT(c["compiled"]["median_seconds"].get<double>(), 0);
-  EXPECT_NEAR(c["speedup"].get<double>(),
-              c["eager"]["median_seconds"].get<double>() /
-                  c["compiled"]["median_seconds"].get<double>(),
-              1e-6);
+  EXPECT_NEAR(
+      c["speedup"].get<double>(),
+      c["eager"]["median_seconds"].get<double>() / c["compiled"]["median_seconds"].get<double>(),
+      1e-6);
   ASSERT_TRUE(c.contains("capture"));
   EXPECT_EQ(c["capture"]["graphs"].size(), 1u);
 }
