@@ -4,8 +4,9 @@ Both sides tokenize the same files (the fortunes corpus by default: a directory'
 non-hidden, non-symlink, non-binary files, sorted, as kiln takes them) with the same
 tokenizer.json (a byte-level BPE trained here with the `tokenizers` library: no download), append
 the same separator after each document, and write the tokens to disk; each is timed as a whole
-process (interpreter start included on both sides), alternating, --repeats times. kiln writes to
-a fresh directory each time, so it tokenizes every time. The token streams are compared once.
+process (interpreter start included on both sides; kiln's own start, LibTorch loaded, too),
+alternating, --repeats times; wall and CPU seconds and the load average are kept per repeat.
+kiln writes to a fresh directory each time, so it tokenizes every time. The token streams are compared once.
 
     .venv/bin/python bench/data/run.py --kiln build/kiln --repeats 5 \
         --result bench/results/data-prepare-fortunes.json
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -64,10 +66,17 @@ def train_tokenizer(corpus, vocab_size, path):
     tok.save(path)
 
 
-def timed(command, env=None):
+def timed(command, env=None, cpu=None):
+    """Runs a command; returns its wall seconds and stdout, appending its CPU seconds (user +
+    system, its children included) to `cpu`: a view of the work that the machine's load moves
+    less than the wall time."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     begin = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - begin
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if cpu is not None:
+        cpu.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
     if done.returncode != 0:
         sys.exit(f"{command[0]} failed ({done.returncode}): {done.stderr.strip()}")
     return seconds, done.stdout
@@ -100,15 +109,18 @@ def main():
         tokenizer = os.path.join(scratch, "tokenizer.json")
         train_tokenizer(args.corpus, args.vocab_size, tokenizer)
         env = dict(os.environ, KILN_PYTHON=sys.executable)
-        kiln_seconds, loop_seconds = [], []
+        kiln_seconds, loop_seconds, load_averages = [], [], []
+        kiln_cpu, loop_cpu = [], []
         tokens = None
         for repeat in range(args.repeats):
+            load_averages.append({"before": os.getloadavg()})
             out = os.path.join(scratch, f"prepared-{repeat}")
             seconds, _ = timed([args.kiln, "data", "prepare", "--tokenizer", tokenizer, "--out", out,
-                                args.corpus], env)
+                                args.corpus], env, kiln_cpu)
             kiln_seconds.append(seconds)
             loop_out = os.path.join(scratch, "loop.bin")
-            seconds, printed = timed([sys.executable, "-c", LOOP, tokenizer, args.corpus, loop_out])
+            seconds, printed = timed([sys.executable, "-c", LOOP, tokenizer, args.corpus, loop_out],
+                                     cpu=loop_cpu)
             loop_seconds.append(seconds)
             if repeat == 0:
                 kiln_stream, data = kiln_tokens(out)
@@ -119,6 +131,11 @@ def main():
                     sys.exit(f"the token streams differ: kiln {kiln_stream.size} tokens, "
                              f"loop {loop_stream.size}")
             shutil.rmtree(out)
+            load_averages[-1]["after"] = os.getloadavg()
+            print(f"repeat {repeat}: kiln {kiln_seconds[-1]:.2f} s ({kiln_cpu[-1]:.2f} s CPU), loop "
+                  f"{loop_seconds[-1]:.2f} s ({loop_cpu[-1]:.2f} s CPU), "
+                  f"load {load_averages[-1]['before'][0]:.1f} -> {load_averages[-1]['after'][0]:.1f}",
+                  flush=True)
         kiln_median, loop_median = statistics.median(kiln_seconds), statistics.median(loop_seconds)
         result = {
             "benchmark": "kiln data prepare vs a plain Python loop over tokenizers' encode()",
@@ -134,6 +151,13 @@ def main():
             "kiln_tokens_per_second": tokens / kiln_median,
             "python_loop_tokens_per_second": tokens / loop_median,
             "ratio_kiln_over_python": loop_median / kiln_median,
+            "ratio_kiln_over_python_per_repeat": [p / k for k, p in zip(kiln_seconds, loop_seconds)],
+            "kiln_cpu_seconds": kiln_cpu,
+            "python_loop_cpu_seconds": loop_cpu,
+            "cpu_ratio_python_over_kiln": statistics.median(loop_cpu) / statistics.median(kiln_cpu),
+            "load_average_1_5_15_per_repeat": load_averages,
+            "tokenizer_calls": "kiln: encode_batch_fast over batches of documents (the library's "
+                               "threads); loop: one encode() per document",
             "cpus": os.cpu_count(),
             "machine": platform.processor() or platform.machine(),
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
