@@ -208,14 +208,19 @@ def main():
             "kiln_loss_scales": kiln["loss_scale"], "python_loss_scales": py_scales,
         }
         if args.timing:
-            kiln_medians, py_medians = [], []
+            kiln_medians, py_medians, load_averages = [], [], []
             for r in range(args.repeats):
+                load_averages.append({"before": os.getloadavg()})
                 if r > 0:
                     kiln = export(args.kiln, args.config, args.steps, out, args.overrides,
                                   args.initial_loss_scale)
                     py_seconds = replay(out, args.steps, args.initial_loss_scale)[3]
                 kiln_medians.append(statistics.median(kiln["step_seconds"][args.warmup:]))
                 py_medians.append(statistics.median(py_seconds[args.warmup:]))
+                load_averages[-1]["after"] = os.getloadavg()
+                print(f"repeat {r}: kiln {1e3 * kiln_medians[-1]:.3f} ms, python "
+                      f"{1e3 * py_medians[-1]:.3f} ms, load {load_averages[-1]['before'][0]:.1f} -> "
+                      f"{load_averages[-1]['after'][0]:.1f}", flush=True)
             k_med, p_med = statistics.median(kiln_medians), statistics.median(py_medians)
             result.update({
                 "kiln_median_step_seconds": k_med, "python_median_step_seconds": p_med,
@@ -224,6 +229,9 @@ def main():
                 "python_median_step_seconds_per_repeat": py_medians,
                 "ratio_kiln_over_python_per_repeat": [k / p for k, p in zip(kiln_medians, py_medians)],
                 "timed_steps_per_repeat": args.steps - args.warmup,
+                "load_average_1_5_15_per_repeat": load_averages,
+                "same_work": "both sides replay the same exported batches, preloaded in memory "
+                             "(kiln: Trainer::train_step_on; no loader on either side)",
                 "batch_size": cfg["train"]["batch_size"], "seq_len": cfg["data"].get("seq_len"),
                 "precision": cfg["train"].get("precision", "fp32"), "threads": torch.get_num_threads(),
                 "optimizer": cfg["optim"]["name"], "fused": cfg["optim"]["fused"],
