@@ -242,6 +242,24 @@ def explain(module, args):
     return out.graph_count, breaks
 
 
+def found_graph_breaks(module, args, result, where="", advice=""):
+    """Runs explain(module, args) into result (graph_count, graph_breaks, graph_break_count and
+    seconds["explain"]). With breaks: status "graph_breaks", an error listing them ("N graph
+    break(s)<where>, nothing compiled: ...<advice>"), and True (the caller compiles nothing)."""
+    begin = time.perf_counter()
+    result["graph_count"], result["graph_breaks"] = explain(module, args)
+    result["graph_break_count"] = len(result["graph_breaks"])
+    result["seconds"]["explain"] = time.perf_counter() - begin
+    if not result["graph_breaks"]:
+        return False
+    result["status"] = "graph_breaks"
+    listed = "; ".join(f"{b['where']}: {b['reason'].split(':')[0]}"
+                       for b in result["graph_breaks"])
+    result["error"] = (f"{len(result['graph_breaks'])} graph break(s){where}, nothing compiled: "
+                       f"{listed}{advice}")
+    return True
+
+
 # ---- export, joint graph, compile ---------------------------------------------------------------
 
 def joint_graph(ep, notes):
@@ -421,7 +439,7 @@ def run(spec, result):
         try:
             return compile_units.run_unit(spec, result, model, device,
                                           lambda: autocast(spec["device"], precision),
-                                          INDUCTOR_CONFIGS, explain)
+                                          INDUCTOR_CONFIGS, found_graph_breaks)
         except compile_units.UnitSpecError as e:
             raise SpecError(str(e))
     if spec["graph"] == "eval":
@@ -436,16 +454,7 @@ def run(spec, result):
     args = example_inputs(spec, device)
     seconds, notes = result["seconds"], result["notes"]
 
-    begin = time.perf_counter()
-    result["graph_count"], result["graph_breaks"] = explain(module, args)
-    result["graph_break_count"] = len(result["graph_breaks"])
-    seconds["explain"] = time.perf_counter() - begin
-    if result["graph_breaks"]:
-        result["status"] = "graph_breaks"
-        listed = "; ".join(f"{b['where']}: {b['reason'].split(':')[0]}"
-                           for b in result["graph_breaks"])
-        result["error"] = (f"{len(result['graph_breaks'])} graph break(s), nothing compiled: "
-                           f"{listed}; remove them from the model or run eager")
+    if found_graph_breaks(module, args, result, advice="; remove them from the model or run eager"):
         return EXIT_GRAPH_BREAKS
 
     begin = time.perf_counter()

@@ -12,6 +12,7 @@ import support
 import torch
 
 from kiln_py import compile as kc
+from kiln_py import compile_units as cu
 from kiln_py import models
 
 TOLERANCE = 1e-5
@@ -190,6 +191,52 @@ class MixedPrecisionExport(unittest.TestCase):
         self.assertIn(torch.float16, dtypes)
         self.assertEqual(inputs, 2)  # eval takes no scale
 
+
+class UnitPairCheck(unittest.TestCase):
+    """compile_units' check of a built unit pair against eager autograd, with bfloat16 parameters
+    (FSDP's param_dtype) on gpt tiny's block at 8 x 64 positions. Eager bf16 rounds its own way:
+    at one thread its LayerNorm bias gradients land 0.11-0.12 of their largest value from float32
+    math, over the 0.1 tolerance, while the built pair was 0.003 from it (the first FSDP + bf16
+    build at this shape failed the check). So a difference over the tolerance is judged against
+    float32: a pair as close to it as eager passes, a plumbing error (O(1)) does not. No
+    AOTInductor build: the pair's results are given, and the tolerance is set to 1e-3 so the
+    float32 judge runs whatever this CPU's bf16 kernels round to."""
+
+    def setUp(self):
+        model = models.build({"name": "gpt", "n_layer": 1, "n_head": 4, "n_embd": 128,
+                              "block_size": 256, "vocab_size": 256, "activation": "gelu_tanh",
+                              "norm": "pre-LayerNorm", "tied_head": True, "init_std": 0.02})
+        self.unit = model.get_submodule("transformer.h.0").train()
+        self.names = [n for n, _ in self.unit.named_parameters()]
+        bf16 = lambda shape: {"shape": list(shape), "dtype": "bfloat16"}  # noqa: E731
+        spec = {"input": bf16([8, 64, 128]), "parameters": [
+            dict(bf16(p.shape), name=n) for n, p in self.unit.named_parameters()]}
+        self.args = cu.example_args(spec, torch.device("cpu"))
+        self.defined = list(range(len(self.args)))
+        # A correct pair: float32 math on the bf16 arguments.
+        self.output, self.grads = cu._autograd(self.unit, self.names, [a.float() for a in self.args],
+                                               torch.autocast("cpu", enabled=False))
+
+    def compare(self, grads):
+        notes = []
+        cu.compare_with_eager(self.output, grads, self.defined, self.unit, self.names, self.args,
+                              lambda: kc.autocast("cpu", "bf16-mixed"), torch.device("cpu"), notes,
+                              tolerance=1e-3)
+        return notes
+
+    def test_a_pair_as_close_to_float32_as_eager_passes(self):
+        notes = self.compare(self.grads)
+        bias = self.names.index("ln_1.bias") + 1
+        judged = [n for n in notes if n.startswith(f"gradient {bias}:")]
+        self.assertEqual(len(judged), 1, notes)
+        self.assertIn("against float32, compiled 0,", judged[0])
+
+    def test_swapped_gradients_are_refused(self):
+        grads = list(self.grads)
+        a, b = self.names.index("ln_1.bias") + 1, self.names.index("ln_2.bias") + 1
+        grads[a], grads[b] = grads[b], grads[a]
+        with self.assertRaisesRegex(RuntimeError, r"gradient \d+ differs .* from float32"):
+            self.compare(grads)
 
 if __name__ == "__main__":
     unittest.main()
