@@ -42,6 +42,44 @@ from kiln_py.models import from_config, loss as model_loss  # noqa: E402
 from peer import make_optimizer  # noqa: E402
 
 
+def cpu_flags():
+    """The instruction-set extensions that decide bf16 speed (native bf16 or emulated)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if x in flags]
+
+
+def bench_parser(doc, warmup, steps):
+    """The options every compile bench takes (its own added by the caller)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--kiln", required=True)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps first (compile, load)")
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per side per repeat")
+    parser.add_argument("--repeats", type=int, default=5, help="at least 5: the ratios are medians over them")
+    parser.add_argument("--result", help="write the comparison as JSON here")
+    return parser
+
+
+def parse_bench_args(parser):
+    args = parser.parse_args()
+    if args.repeats < 5:
+        parser.error("a ratio needs --repeats 5 or more")
+    return args
+
+
+def write_result(path, result):
+    """The comparison as JSON, when --result names a file (every repeat's numbers inside)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+
+
 def sets(overrides):
     out = []
     for o in overrides:
@@ -126,30 +164,25 @@ def python_side(cfg, warmup, steps):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--kiln", required=True)
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--set", action="append", default=[], dest="overrides")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=15, help="timed steps per side per repeat")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--result", help="write the comparison as JSON here")
-    args = parser.parse_args()
+    args = parse_bench_args(bench_parser(__doc__, warmup=3, steps=15))
 
     with tempfile.TemporaryDirectory(prefix="kiln-compile-bench-") as work:
         cfg = resolved_config(args.kiln, args.config, args.overrides, work)
         cache = os.path.join(work, "cache")  # cold for the first kiln run, warm afterwards
-        kiln_runs, py_runs = [], []
+        kiln_runs, py_runs, loads = [], [], []
         for r in range(args.repeats):
+            loads.append({"before_kiln": os.getloadavg()[0]})  # 1-minute load average (uptime's)
             kiln_runs.append(kiln_side(args.kiln, args.config, args.overrides, work, f"k{r}", cache,
                                        args.warmup, args.steps))
+            loads[-1]["before_python"] = os.getloadavg()[0]
             py_runs.append(python_side(cfg, args.warmup, args.steps))
+            loads[-1]["after_python"] = os.getloadavg()[0]
             k = kiln_runs[-1]
             print(f"repeat {r + 1}: kiln eager {1e3 * k['eager']['median_seconds']:.2f} ms, "
                   f"kiln inductor {1e3 * k['compiled']['median_seconds']:.2f} ms "
                   f"(compile {k['compile_seconds']:.1f} s, {k['cache']}); python eager "
                   f"{1e3 * py_runs[-1][0]:.2f} ms, torch.compile {1e3 * py_runs[-1][1]:.2f} ms "
-                  f"(first iteration {py_runs[-1][2]:.1f} s)", flush=True)
+                  f"(first iteration {py_runs[-1][2]:.1f} s); load {loads[-1]}", flush=True)
 
     med = statistics.median
     kiln_eager = med(k["eager"]["median_seconds"] for k in kiln_runs)
@@ -168,6 +201,13 @@ def main():
                    "kiln_inductor_over_kiln_eager": kiln_compiled / kiln_eager,
                    "kiln_eager_over_python_eager": kiln_eager / py_eager,
                    "python_torch_compile_over_python_eager": py_compiled / py_eager},
+        # Each repeat's own ratio (kiln and Python timed minutes apart, so under the same load),
+        # and their median: steadier than the ratio of medians on a shared, loaded machine.
+        "median_of_repeat_ratios": {
+            "kiln_inductor_over_python_torch_compile": statistics.median(
+                k["compiled"]["median_seconds"] / p[1] for k, p in zip(kiln_runs, py_runs)),
+            "kiln_inductor_over_kiln_eager": statistics.median(
+                k["compiled"]["median_seconds"] / k["eager"]["median_seconds"] for k in kiln_runs)},
         "compile_seconds": {"kiln_cold": kiln_runs[0]["compile_seconds"],
                             "kiln_cached": [k["compile_seconds"] for k in kiln_runs[1:]],
                             "python_first_iteration": [p[2] for p in py_runs]},
@@ -178,18 +218,20 @@ def main():
              "kiln_inductor": k["compiled"]["median_seconds"],
              "kiln_compile_seconds": k["compile_seconds"], "kiln_cache": k["cache"],
              "python_eager": p[0], "python_torch_compile": p[1],
-             "python_first_iteration_seconds": p[2]}
-            for k, p in zip(kiln_runs, py_runs)],
+             "python_first_iteration_seconds": p[2],
+             "ratio_kiln_inductor_over_python_torch_compile": k["compiled"]["median_seconds"] / p[1],
+             "ratio_kiln_inductor_over_kiln_eager": k["compiled"]["median_seconds"]
+             / k["eager"]["median_seconds"],
+             "load_average_1min": l}
+            for k, p, l in zip(kiln_runs, py_runs, loads)],
         "kiln_verdicts": [k["verdict"] for k in kiln_runs],
         "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(), "cpu_flags": cpu_flags(),
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     for key, value in result["ratios"].items():
         print(f"{key}: {value:.3f}")
-    if args.result:
-        with open(args.result, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+    write_result(args.result, result)
     return 0
 
 

@@ -17,6 +17,11 @@ Rank 0 writes per-step losses and step times.
 With --fsdp: FSDP2 instead of DDP, `fully_shard` on each of kiln's units (gpt's blocks, the mlp's
 layers) and then on the root (embeddings, final norm, tied head), as kiln's FSDP groups them;
 set_requires_gradient_sync(False) on all but the last micro-step (kiln's "unsharded" accumulation).
+With --fsdp, for bench/compile/fsdp.py (torchtitan's recipe): --checkpoint wraps each block in
+checkpoint_wrapper, --compile-units compiles each block with torch.compile (after the wrapper, before
+fully_shard), --bf16 gives fully_shard MixedPrecisionPolicy(param_dtype=bfloat16,
+reduce_dtype=float32) and runs the forward and loss under torch.autocast(cpu, bfloat16), as kiln's
+train.precision = "bf16-mixed" under FSDP does (bf16 gathers, fp32 shards, gradients and optimizer).
 """
 import argparse
 import json
@@ -45,7 +50,13 @@ def main():
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--result", required=True, help="rank 0 writes losses and step times here")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard instead of DDP")
+    parser.add_argument("--checkpoint", action="store_true", help="--fsdp: checkpoint_wrapper per block")
+    parser.add_argument("--compile-units", action="store_true", help="--fsdp: torch.compile per block")
+    parser.add_argument("--bf16", action="store_true",
+                        help="--fsdp: MixedPrecisionPolicy(bf16 params, fp32 reduce) and autocast(bf16)")
     args = parser.parse_args()
+    if (args.checkpoint or args.compile_units or args.bf16) and not args.fsdp:
+        parser.error("--checkpoint, --compile-units and --bf16 go with --fsdp")
 
     with open(os.path.join(args.export, "config.toml"), "rb") as f:
         cfg = tomllib.load(f)
@@ -60,11 +71,22 @@ def main():
     model.load_state_dict(load_file(os.path.join(args.export, "init.safetensors")), strict=True)
     model.train()
     if args.fsdp:
-        from torch.distributed.fsdp import fully_shard
-        units = list(model.transformer.h) if hasattr(model, "transformer") else [model.fc1, model.fc2]
-        for unit in units:
-            fully_shard(unit, reshard_after_forward=cfg["dist"].get("reshard_after_forward", True))
-        ddp = fully_shard(model)
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16
+                  else MixedPrecisionPolicy())
+        blocks = model.transformer.h if hasattr(model, "transformer") else None
+        if blocks is None and (args.checkpoint or args.compile_units):
+            raise SystemExit("--checkpoint and --compile-units need a model with blocks (gpt)")
+        units = list(blocks) if blocks is not None else [model.fc1, model.fc2]
+        for i, unit in enumerate(units):
+            if args.checkpoint:
+                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+                unit = blocks[i] = checkpoint_wrapper(unit)
+            if args.compile_units:
+                unit.compile()
+            fully_shard(unit, reshard_after_forward=cfg["dist"].get("reshard_after_forward", True),
+                        mp_policy=policy)
+        ddp = fully_shard(model, mp_policy=policy)
     else:
         ddp = DistributedDataParallel(model, bucket_cap_mb=cfg["dist"]["bucket_mb"])
     optimizer = make_optimizer(model, cfg["optim"])
@@ -88,8 +110,9 @@ def main():
             if args.fsdp:
                 ddp.set_requires_gradient_sync(last)
             with (ddp.no_sync() if not last and not args.fsdp else torch.enable_grad()):
-                logits = ddp(inputs)
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)) / accum
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+                    logits = ddp(inputs)
+                    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)) / accum
                 loss.backward()
             total += loss.detach()
         if clip > 0:
