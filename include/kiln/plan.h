@@ -73,18 +73,28 @@ nlohmann::json to_json(const StrategyDecision& decision);
 
 /// The shape of the configured model, read from the config without building it.
 struct ModelShape {
-  std::string architecture;                                                     // "gpt" or "mlp"
-  int64_t n_layer = 0, n_head = 0, n_embd = 0, block_size = 0, vocab_size = 0;  // gpt
-  int64_t input_dim = 0, hidden_dim = 0, num_classes = 0;                       // mlp
+  /// model.name: "gpt", "llama", "mlp", or another registered model (planned from its math).
+  std::string architecture;
+  int64_t n_layer = 0, n_head = 0, n_embd = 0, block_size = 0, vocab_size = 0;  // gpt, llama
+  int64_t n_kv_head = 0, intermediate_size = 0;  // llama: key/value heads, the SwiGLU width
+  bool tie_embeddings = false;                   // llama: lm_head is embed_tokens' weight
+  int64_t input_dim = 0, hidden_dim = 0, num_classes = 0;  // mlp
+  /// A model other than gpt and mlp: its ModelSpec::math (kiln/models.h) figures, which the
+  /// parameter, unit and FLOP counts below return for it (llama's math is llama_math; a user
+  /// model's is whatever it registered). 0 for gpt and mlp, counted from the shape.
+  int64_t math_parameters = 0, math_largest_unit_parameters = 0, math_flop_parameters = 0,
+          math_attention_layers = 0, math_attention_width = 0;
 };
 
-/// The config's model shape (model.name, model.preset and its overrides). Throws UserError for a
-/// shape the model cannot be built with (as resolve_gpt_config).
+/// The config's model shape (model.name, model.preset and its overrides; any other registered
+/// model through its ModelSpec::math). Throws UserError for a shape the model cannot be built
+/// with (as resolve_gpt_config / resolve_llama_config), or a model that registers no math.
 ModelShape model_shape(const Config& config);
 
 /// Scalar parameters of the model kiln builds for `shape`, counted from the layer shapes (equal
 /// to parameter_count(*make_model(config)); tests hold them equal). gpt: V*C + block*C +
-/// L*(12C^2 + 13C) + 2C (tied head, biases, LayerNorm weight and bias).
+/// L*(12C^2 + 13C) + 2C (tied head, biases, LayerNorm weight and bias); other models their
+/// ModelSpec::math (llama: V*C (x2 untied) + L*(2C*H*D + 2C*K*D + 3C*I + 2C) + C).
 int64_t analytic_parameter_count(const ModelShape& shape);
 
 /// Parameters of the largest FSDP unit: one transformer block (12C^2 + 13C) or the embeddings +
@@ -93,7 +103,9 @@ int64_t largest_unit_parameter_count(const ModelShape& shape);
 
 /// Training FLOPs (forward + backward) per token at `seq_len`: 6N + 12*L*C*T for gpt with N the
 /// parameters without the position embedding (PaLM, appendix B; as Model::train_flops_per_sample),
-/// 6N per sample for the mlp. With full activation checkpointing one more forward: 8N + 16LCT.
+/// 6N per sample for the mlp, ModelMath::train_flops_per_token for the others (llama: N without
+/// an untied embedding, attention width H*D). With full activation checkpointing one more
+/// forward: 8N + 16LCT.
 double train_flops_per_token(const ModelShape& shape, int64_t seq_len,
                              bool activation_checkpointing = false);
 
@@ -400,6 +412,14 @@ struct Forecast {
   double peak_memory_bytes = 0;  // the memory model's step peak, calibrated by the pilot
   double memory_calibration = 1;
   double checkpoint_bytes = 0, save_seconds = 0, write_bytes_per_second = 0;
+  /// The run as a whole: its evaluations (every train.eval_every steps and one at the end) and
+  /// checkpoint saves (every checkpoint.every_steps, and the final one with save_final), each at
+  /// its forecast time; wall = train + saves + evaluations; ETTR = train / wall (no failures: one
+  /// run). 0 = unknown (no step time).
+  double evals = 0, eval_seconds = 0, saves = 0, wall_seconds = 0, ettr = 0;
+  /// plan.price_7d_per_gpu_hour for the device's catalog row (0 = no price), and the run's cost
+  /// at it: wall x world_size x price.
+  double price_per_gpu_hour = 0, cost = 0;
 };
 
 /// The forecast of `config` run on `device_name` with `world_size` processes under `strategy`
@@ -415,9 +435,11 @@ std::string forecast_text(const Forecast& forecast);
 
 /// `kiln train`'s start: logs the forecast of the run in `run_dir` (its manifest.json's device
 /// and world size), calibrated by the pilot in plan.pilot when set, and when to expect the
-/// finish. Advice only: a missing or foreign pilot is a warning (the forecast is then
-/// uncalibrated), never an error. Rank 0 only (others return).
-void log_plan_forecast(const Config& config, const std::filesystem::path& run_dir, int rank);
+/// finish, and returns it (the run tracks itself against it). Advice only: a missing or foreign
+/// pilot is a warning (the forecast is then uncalibrated), never an error; nullopt when no
+/// forecast could be made. Rank 0 only (others return nullopt).
+std::optional<Forecast> log_plan_forecast(const Config& config,
+                                          const std::filesystem::path& run_dir, int rank);
 
 /// What a run recorded, as `kiln plan --actual` reads it from the typed rung results. 0 = not
 /// recorded.
@@ -433,10 +455,17 @@ struct ActualRun {
   double peak_memory_bytes = 0;
   std::string memory_source;
   double save_seconds = 0;  // one checkpoint save
+  /// From the run's last plan-tracking record (metrics.jsonl "plan", kiln train): the wall time
+  /// from the first step's start to the end, the time checkpoints stalled it, and ETTR =
+  /// productive step time / wall. 0 = not recorded.
+  double wall_seconds = 0, checkpoint_seconds = 0, ettr = 0;
 };
 
 /// Forecast against actual, row by row: {"rows": [{quantity, forecast, actual, ratio
-/// (forecast / actual, null when either is unknown), input (the forecast input that sets it)}],
+/// (forecast / actual, null when either is unknown), error ((forecast - actual) / actual, null
+/// likewise), input (the forecast input that sets it)}]; the rows: step time, tokens/s, time of
+/// the recorded steps, peak memory, checkpoint save, wall time, ETTR, cost (the actual wall x
+/// world size x the forecast's price),
 /// "most_wrong": {input, ratio, text}}. The most wrong input is the one whose ratio is farthest
 /// from 1 (|log ratio|).
 nlohmann::json compare_forecast(const Forecast& forecast, const ActualRun& actual);

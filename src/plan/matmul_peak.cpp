@@ -38,10 +38,10 @@ MatmulShape job_matmul_shape(const ModelShape& shape, const JobShape& job) {
     out.m = job.micro_batch;
     out.k = shape.input_dim;
     out.n = shape.hidden_dim;
-  } else {  // gpt and llama: [b*s, C] x [C, 4C]
+  } else {  // gpt: [b*s, C] x [C, 4C]; llama: [b*s, C] x [C, I] (gate and up projections)
     out.m = job.micro_batch * job.seq_len;
     out.k = shape.n_embd;
-    out.n = 4 * shape.n_embd;
+    out.n = shape.intermediate_size > 0 ? shape.intermediate_size : 4 * shape.n_embd;
   }
   out.m = std::max<int64_t>(1, out.m);
   out.n = std::max<int64_t>(1, out.n);

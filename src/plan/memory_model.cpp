@@ -12,69 +12,23 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <string>
 #include <vector>
 
 #include "kiln/plan.h"
+#include "plan/step_walk.h"
 
 namespace kiln {
 namespace {
 
-enum Part {
-  kParameters,
-  kOptimizer,
-  kGradients,
-  kActivations,
-  kLogits,
-  kBackward,
-  kCopies,
-  kCommunication,
-  kParts
-};
-
-// Live bytes by part, and the largest sum seen with its parts and moment.
-class Walk {
- public:
-  void add(Part part, double bytes, const std::string& moment) {
-    live_[part] += bytes;
-    double sum = 0;
-    for (double v : live_) sum += v;
-    if (sum > peak_) {
-      peak_ = sum;
-      at_peak_ = live_;
-      peak_at_ = moment;
-    }
-  }
-  void free(Part part, double bytes) { live_[part] -= bytes; }
-  double live(Part part) const { return live_[part]; }
-
-  void fill(MemoryEstimate& m) const {
-    m.parameters = at_peak_[kParameters];
-    m.optimizer = at_peak_[kOptimizer];
-    m.gradients = at_peak_[kGradients];
-    m.activations = at_peak_[kActivations];
-    m.logits = at_peak_[kLogits];
-    m.backward_extra = at_peak_[kBackward];
-    m.autocast_copies = at_peak_[kCopies];
-    m.communication = at_peak_[kCommunication];
-    m.peak_bytes = std::max(peak_, 0.0);
-    m.peak_at = peak_at_;
-  }
-
- private:
-  std::array<double, kParts> live_{}, at_peak_{};
-  double peak_ = -1;
-  std::string peak_at_;
-};
-
-// One parameter: rows (its dim 0) x row_numel elements; linear weights go through autocast.
-struct Param {
-  double rows = 0, row_numel = 1;
-  bool linear_weight = false;  // cast by autocast (a linear's weight or bias)
-  double numel() const { return rows * row_numel; }
-};
+using plan_walk::kActivations;
+using plan_walk::kBackward;
+using plan_walk::kCommunication;
+using plan_walk::kCopies;
+using plan_walk::kGradients;
+using plan_walk::kLogits;
+using plan_walk::Param;
 
 // gpt's parameters per FSDP group: each block (Model::units()), then the root (wte, wpe, ln_f).
 std::vector<std::vector<Param>> gpt_groups(const ModelShape& s) {
@@ -93,186 +47,14 @@ std::vector<std::vector<Param>> gpt_groups(const ModelShape& s) {
   return groups;
 }
 
-// The gpt step on one device.
-class GptStep {
+// The gpt step on one device (src/models/models.cpp).
+class GptStep final : public plan_walk::StepWalk {
  public:
-  GptStep(const ModelShape& s, const JobShape& job) : s_(s), job_(job) {
-    b_ = static_cast<double>(job.micro_batch);
-    t_ = static_cast<double>(job.seq_len);
-    h_ = static_cast<double>(s.n_embd);
-    heads_ = static_cast<double>(s.n_head);
-    v_ = static_cast<double>(s.vocab_size);
-    tok_ = b_ * t_;
-    x_ = tok_ * h_;
-    const std::string compute = compute_precision(job.precision);  // "bf16-mixed" -> "bf16"
-    mixed_ = compute == "bf16" || compute == "fp16";
-    e_ = mixed_ ? 2.0 : 4.0;
-    fsdp_ = job.strategy == "fsdp" && job.world_size > 1;
-    ddp_ = job.strategy == "ddp" && job.world_size > 1;
-    world_ = fsdp_ ? static_cast<double>(job.world_size) : 1.0;
-    r_ = fsdp_ && mixed_ ? 2.0 : 4.0;  // FSDP mixed: bf16 parameters, a bf16 residual stream
-    cast_ = mixed_ && !fsdp_;          // autocast copies fp32 weights and activations
-    gathered_dtype_ = mixed_ ? 2.0 : 4.0;
-    groups_ = gpt_groups(s);
-    const size_t n = groups_.size();
-    gathered_.assign(n, false);
-    in_flight_.assign(n, false);
-    grad_bytes_.assign(n, 0.0);
-    has_grad_.assign(n, false);
-    reduce_bytes_.assign(n, 0.0);
-    for (const auto& g : groups_) {
-      double full = 0, shard = 0;
-      for (const Param& p : g) {
-        full += p.numel();
-        shard += std::ceil(p.rows / world_) * p.row_numel;
-      }
-      full_.push_back(full);
-      shard_.push_back(shard);
-      parameters_ += full;
-      shard_total_ += shard;
-    }
-    optimizer_per_parameter_ = state_bytes_per_parameter(job) - 8.0;
-  }
-
-  MemoryEstimate run() {
-    // Held across steps.
-    walk_.add(kParameters, 4.0 * shard_total_, "the held state");
-    walk_.add(kOptimizer, optimizer_per_parameter_ * shard_total_, "the held state");
-    if (fsdp_) walk_.add(kGradients, 4.0 * shard_total_, "the held state");    // gradient shards
-    if (ddp_) walk_.add(kCommunication, 4.0 * parameters_, "the held state");  // buckets
-    const int micro_steps = static_cast<int>(std::max<int64_t>(1, job_.grad_accum_steps));
-    for (int micro = 0; micro < micro_steps; ++micro) {
-      micro_ = micro;
-      communicating_ = micro == micro_steps - 1 || job_.fsdp_accumulate_sharded;
-      if (fsdp_) micro_step_begin();
-      forward_and_loss();
-      backward();
-    }
-    if (fsdp_) {
-      finish_reduces();
-      for (size_t g = 0; g < groups_.size(); ++g) free_group(g);
-    }
-    MemoryEstimate m;
-    walk_.fill(m);
-    m.gradients_held = micro_steps > 1;
-    m.gradients_after_step = 4.0 * (fsdp_ ? shard_total_ : parameters_);
-    return m;
-  }
+  GptStep(const ModelShape& s, const JobShape& job) : StepWalk(s, job, gpt_groups(s)) {}
 
  private:
-  std::string block_name(size_t unit) const { return fmt::format("block {}", unit); }
-  size_t root() const { return groups_.size() - 1; }
-  std::string micro_text() const {
-    return job_.grad_accum_steps > 1 ? fmt::format(" (micro-batch {})", micro_ + 1) : "";
-  }
-
-  // ---- FSDP (src/dist/fsdp.cpp) ----
-  void start_gather(size_t g) {
-    if (!fsdp_ || gathered_[g] || in_flight_[g]) return;
-    in_flight_[g] = true;
-    walk_.add(kCommunication, gather_buffer_bytes(g), "an all-gather");
-  }
-  double gather_buffer_bytes(size_t g) const {
-    // The [W x S] buffer, and the shard cast to the gather dtype when that differs.
-    return world_ * shard_[g] * gathered_dtype_ + (mixed_ ? shard_[g] * gathered_dtype_ : 0.0);
-  }
-  void ensure_gathered(size_t g, const std::string& moment) {
-    if (!fsdp_ || gathered_[g]) return;
-    start_gather(g);
-    walk_.add(kCommunication, full_[g] * gathered_dtype_, moment);
-    walk_.free(kCommunication, gather_buffer_bytes(g));
-    in_flight_[g] = false;
-    gathered_[g] = true;
-  }
-  void free_group(size_t g) {
-    if (!fsdp_) return;
-    if (in_flight_[g]) walk_.free(kCommunication, gather_buffer_bytes(g));
-    in_flight_[g] = false;
-    if (gathered_[g]) walk_.free(kCommunication, full_[g] * gathered_dtype_);
-    gathered_[g] = false;
-  }
-  void launch_reduce(size_t g, const std::string& moment) {
-    walk_.add(kCommunication, 4.0 * world_ * shard_[g], moment);  // the fp32 [W x S] input
-    walk_.free(kGradients, grad_bytes_[g]);                       // the full gradients
-    grad_bytes_[g] = 0;
-    has_grad_[g] = false;
-    walk_.add(kCommunication, 4.0 * shard_[g], moment);  // the [S] output
-    reduce_bytes_[g] = 4.0 * (world_ + 1.0) * shard_[g];
-    free_group(g);
-  }
-  void finish_reduces() {
-    for (size_t g = 0; g < groups_.size(); ++g) {
-      walk_.free(kCommunication, reduce_bytes_[g]);
-      reduce_bytes_[g] = 0;
-    }
-  }
-  void micro_step_begin() {
-    if (micro_ > 0 && job_.fsdp_accumulate_sharded) finish_reduces();
-    for (size_t g = 0; g + 1 < groups_.size(); ++g) free_group(g);
-    ensure_gathered(root(), "gathering the embeddings" + micro_text());
-    if (job_.fsdp_prefetch) start_gather(0);
-  }
-  // All of group g's gradients arrived.
-  void group_ready(size_t g, const std::string& moment) {
-    if (!fsdp_) return;
-    if (communicating_) {
-      launch_reduce(g, moment);
-    } else {
-      free_group(g);  // the full gradients stay, accumulating
-    }
-  }
-
-  // ---- a parameter's gradient, as autograd accumulates it ----
-  void parameter_gradient(size_t g, const Param& p, const std::string& moment) {
-    const double n = p.numel();
-    if (fsdp_) {
-      const double computed = gathered_dtype_ * n;  // the gathered parameter's dtype
-      if (communicating_) {
-        if (has_grad_[g] && !mixed_) {  // fp32, unsharded accumulation: added in place
-          walk_.add(kBackward, computed, moment);
-          walk_.free(kBackward, computed);
-        } else {
-          walk_.add(kGradients, computed, moment);
-          grad_bytes_[g] += computed;
-        }
-        return;
-      }
-      if (mixed_) {  // accumulated in fp32 beside, the bf16 gradient dropped
-        walk_.add(kGradients, computed, moment);
-        if (micro_ == 0) {
-          walk_.add(kGradients, 4.0 * n, moment);
-          grad_bytes_[g] += 4.0 * n;
-        }
-        walk_.free(kGradients, computed);
-      } else if (micro_ == 0) {
-        walk_.add(kGradients, 4.0 * n, moment);
-        grad_bytes_[g] += 4.0 * n;
-      } else {
-        walk_.add(kBackward, 4.0 * n, moment);
-        walk_.free(kBackward, 4.0 * n);
-      }
-      has_grad_[g] = true;
-      return;
-    }
-    // One process or DDP: fp32 gradients; a cast weight's gradient is computed in the compute
-    // dtype and cast back (ToCopyBackward).
-    const bool through_cast = cast_ && p.linear_weight;
-    if (through_cast) walk_.add(kBackward, e_ * n, moment);
-    if (micro_ == 0) {
-      walk_.add(kGradients, 4.0 * n, moment);
-    } else {  // accumulated into .grad in place
-      walk_.add(kBackward, 4.0 * n, moment);
-      walk_.free(kBackward, 4.0 * n);
-    }
-    if (through_cast) walk_.free(kBackward, e_ * n);
-  }
-  void gradients(size_t g, std::initializer_list<size_t> indices, const std::string& moment) {
-    for (size_t k : indices) parameter_gradient(g, groups_[g][k], moment);
-  }
-
   // Autocast's weight copies of block g's linears (cached for the autocast scope; the weights'
   // copies are also saved for backward, the biases' are not).
-  double weight_copy(size_t g, size_t k) const { return cast_ ? e_ * groups_[g][k].numel() : 0; }
   double block_weight_copies(size_t g) const {
     return weight_copy(g, 2) + weight_copy(g, 4) + weight_copy(g, 8) + weight_copy(g, 10);
   }
@@ -316,7 +98,7 @@ class GptStep {
     if (!saving) walk_.free(kActivations, 4 * e * X + r * X);  // h and x2
   }
 
-  void forward_and_loss() {
+  void forward_and_loss() override {
     const std::string fwd = "the forward" + micro_text();
     const double X = x_, r = r_;
     walk_.add(kActivations, 2.0 * 8.0 * tok_, fwd);  // the batch: inputs and targets, int64
@@ -423,7 +205,7 @@ class GptStep {
     group_ready(g, moment);
   }
 
-  void backward() {
+  void backward() override {
     const double X = x_, r = r_;
     const size_t rg = root();
     // Cross-entropy's backward: d log-softmax, d logits (fp32), then the head's.
@@ -483,19 +265,6 @@ class GptStep {
       walk_.free(kGradients, walk_.live(kGradients));
     }
   }
-
-  const ModelShape& s_;
-  const JobShape& job_;
-  double b_ = 0, t_ = 0, h_ = 0, heads_ = 0, v_ = 0, tok_ = 0, x_ = 0;
-  double e_ = 4, r_ = 4, gathered_dtype_ = 4, world_ = 1;
-  bool mixed_ = false, fsdp_ = false, ddp_ = false, cast_ = false;
-  std::vector<std::vector<Param>> groups_;
-  std::vector<double> full_, shard_, grad_bytes_, reduce_bytes_;
-  std::vector<bool> gathered_, in_flight_, has_grad_;
-  double parameters_ = 0, shard_total_ = 0, optimizer_per_parameter_ = 0;
-  int micro_ = 0;
-  bool communicating_ = true;
-  Walk walk_;
 };
 
 // The mlp (fc1, ReLU, fc2): small enough for a closed form. fc1 saves its input [b, D], ReLU its
@@ -525,17 +294,46 @@ MemoryEstimate mlp_estimate(const ModelShape& s, const JobShape& job) {
   return m;
 }
 
+// A model kiln knows only by its registered math (ModelSpec::math): the held state and the
+// gradients exactly (parameters x bytes), nothing for its activations, which only its forward
+// knows. The pilot's measurement is the figure to plan such a model on.
+MemoryEstimate registered_model_estimate(const ModelShape& s, const JobShape& job) {
+  MemoryEstimate m;
+  const double n = static_cast<double>(analytic_parameter_count(s));
+  const bool fsdp = job.strategy == "fsdp" && job.world_size > 1;
+  const double share = fsdp ? 1.0 / static_cast<double>(job.world_size) : 1.0;
+  m.parameters = 4.0 * n * share;
+  m.optimizer = (state_bytes_per_parameter(job) - 8.0) * n * share;
+  m.gradients = 4.0 * n * share;
+  m.communication = job.strategy == "ddp" && job.world_size > 1 ? 4.0 * n : 0.0;
+  m.gradients_held = job.grad_accum_steps > 1;
+  m.gradients_after_step = m.gradients;
+  m.peak_bytes = m.parameters + m.optimizer + m.gradients + m.communication;
+  m.peak_at = fmt::format(
+      "the held state and gradients only (model.name = \"{}\" registers no activation model)",
+      s.architecture);
+  m.everything_bytes = n * state_bytes_per_parameter(job);
+  return m;
+}
+
 }  // namespace
 
 MemoryEstimate estimate_memory(const ModelShape& shape, const JobShape& job) {
   if (shape.architecture == "mlp") return mlp_estimate(shape, job);
-  MemoryEstimate m = GptStep(shape, job).run();
+  if (shape.architecture != "gpt" && shape.architecture != "llama") {
+    return registered_model_estimate(shape, job);
+  }
+  auto walk = [&shape](const JobShape& j) {
+    return shape.architecture == "llama" ? plan_walk::llama_step_estimate(shape, j)
+                                         : GptStep(shape, j).run();
+  };
+  MemoryEstimate m = walk(job);
   // The strategy rule's figure: DDP on every device, one micro-batch.
   JobShape ddp = job;
   ddp.strategy = "ddp";
   ddp.world_size = 2;
   ddp.grad_accum_steps = 1;
-  m.everything_bytes = GptStep(shape, ddp).run().peak_bytes;
+  m.everything_bytes = walk(ddp).peak_bytes;
   return m;
 }
 

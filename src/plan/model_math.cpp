@@ -28,12 +28,34 @@ ModelShape model_shape(const Config& config) {
     shape.num_classes = config.get_int("model.num_classes");
     return shape;
   }
-  const GptConfig gpt = resolve_gpt_config(config);
-  shape.n_layer = gpt.n_layer;
-  shape.n_head = gpt.n_head;
-  shape.n_embd = gpt.n_embd;
-  shape.block_size = gpt.block_size;
-  shape.vocab_size = gpt.vocab_size;
+  if (shape.architecture == "gpt") {
+    const GptConfig gpt = resolve_gpt_config(config);
+    shape.n_layer = gpt.n_layer;
+    shape.n_head = gpt.n_head;
+    shape.n_embd = gpt.n_embd;
+    shape.block_size = gpt.block_size;
+    shape.vocab_size = gpt.vocab_size;
+    return shape;
+  }
+  // Any other model (llama, a user's): the counts from its registered math, the widths for the
+  // memory model (llama's walk reads them; src/plan/memory_llama.cpp).
+  const ModelMath math = model_math(config);  // UserError without ModelSpec::math
+  shape.math_parameters = math.parameters;
+  shape.math_largest_unit_parameters = math.largest_unit_parameters;
+  shape.math_flop_parameters = math.flop_parameters;
+  shape.math_attention_layers = math.n_layer;
+  shape.math_attention_width = math.attention_width;
+  shape.n_layer = math.n_layer;
+  shape.n_head = math.n_head;
+  shape.n_kv_head = math.n_kv_head;
+  shape.n_embd = math.n_embd;
+  shape.intermediate_size = math.intermediate_size;
+  shape.vocab_size = math.vocab_size;
+  if (shape.architecture == "llama") {
+    const LlamaConfig llama = resolve_llama_config(config);
+    shape.block_size = llama.block_size;
+    shape.tie_embeddings = llama.tie_embeddings;
+  }
   return shape;
 }
 
@@ -41,12 +63,14 @@ int64_t analytic_parameter_count(const ModelShape& s) {
   if (s.architecture == "mlp") {
     return s.input_dim * s.hidden_dim + s.hidden_dim + s.hidden_dim * s.num_classes + s.num_classes;
   }
+  if (s.architecture != "gpt") return s.math_parameters;
   const int64_t c = s.n_embd;
   return s.vocab_size * c + s.block_size * c + s.n_layer * block_parameters(c) + 2 * c;
 }
 
 int64_t largest_unit_parameter_count(const ModelShape& s) {
   if (s.architecture == "mlp") return analytic_parameter_count(s);
+  if (s.architecture != "gpt") return s.math_largest_unit_parameters;
   const int64_t c = s.n_embd;
   return std::max(block_parameters(c), s.vocab_size * c + s.block_size * c + 2 * c);
 }
@@ -55,6 +79,12 @@ double train_flops_per_token(const ModelShape& s, int64_t seq_len, bool activati
   const double passes = activation_checkpointing ? 4.0 / 3.0 : 1.0;  // one more forward
   if (s.architecture == "mlp") {
     return passes * 6.0 * static_cast<double>(analytic_parameter_count(s));
+  }
+  if (s.architecture != "gpt") {  // ModelMath::train_flops_per_token
+    return passes *
+           (6.0 * static_cast<double>(s.math_flop_parameters) +
+            12.0 * static_cast<double>(s.math_attention_layers) *
+                static_cast<double>(s.math_attention_width) * static_cast<double>(seq_len));
   }
   const double n = static_cast<double>(analytic_parameter_count(s) - s.block_size * s.n_embd);
   const double attention = 12.0 * static_cast<double>(s.n_layer) * static_cast<double>(s.n_embd) *

@@ -37,6 +37,10 @@ TEST(PlanModel, AnalyticParameterCountEqualsBuiltModels) {
        "data.seq_len=64"},
       {"model.name=mlp"},
       {"model.name=mlp", "model.input_dim=7", "model.hidden_dim=33", "model.num_classes=5"},
+      {"model.name=llama", "data.name=text", "model.preset=llama-tiny"},
+      {"model.name=llama", "data.name=text", "model.preset=llama-tiny",
+       "model.tie_embeddings=true"},
+      {"model.name=llama", "data.name=text", "model.preset=llama-small"},
   };
   for (const auto& overrides : cases) {
     const Config config = config_with(overrides);
@@ -54,6 +58,29 @@ TEST(PlanModel, FlopsPerTokenMatchTheModel) {
   // Activation checkpointing adds one forward: 8/6 of the work.
   EXPECT_DOUBLE_EQ(train_flops_per_token(model_shape(config), seq, true),
                    train_flops_per_token(model_shape(config), seq) * 4.0 / 3.0);
+}
+
+// llama through its ModelSpec::math: the model's own FLOP count, and Llama 3 8B's published
+// shape by hand (docs/models.md): N = 2 x 128,256 x 4,096 + 32 x (2 x 4,096 x 4,096 + 2 x 4,096 x
+// 1,024 + 3 x 4,096 x 14,336 + 2 x 4,096) + 4,096 = 8,030,261,248; per token at T = 8,192:
+// 6 x (N - 525,336,576) + 12 x 32 x 4,096 x 8,192 = 57,914,449,920 FLOPs; the largest unit the
+// root (two embeddings and the norm, 1,050,677,248) over a layer (218,112,000).
+TEST(PlanModel, LlamaIsPlannedFromItsOwnMath) {
+  const Config tiny =
+      config_with({"model.name=llama", "data.name=text", "model.preset=llama-tiny"});
+  const int64_t seq = tiny.get_int("data.seq_len");
+  EXPECT_DOUBLE_EQ(train_flops_per_token(model_shape(tiny), seq) * static_cast<double>(seq),
+                   make_model(tiny)->train_flops_per_sample(seq));
+  Config big = Config::load(source_dir() / "configs" / "llama3-8b.toml");
+  const ModelShape shape = model_shape(big);
+  EXPECT_EQ(shape.architecture, "llama");
+  EXPECT_EQ(shape.n_kv_head, 8);
+  EXPECT_EQ(shape.intermediate_size, 14336);
+  EXPECT_EQ(analytic_parameter_count(shape), 8'030'261'248);
+  EXPECT_DOUBLE_EQ(train_flops_per_token(shape, 8192), 57'914'449'920.0);
+  EXPECT_EQ(largest_unit_parameter_count(shape), 1'050'677'248);
+  // The job's GEMM is the gate/up projection: [b s, 4096] x [4096, 14336].
+  EXPECT_EQ(job_matmul_shape(shape, job_shape(big)).n, 14336);
 }
 
 TEST(PlanModel, StateBytesPerParameter) {
