@@ -12,6 +12,7 @@
 #include "kiln/error.h"
 #include "kiln/pilot.h"
 #include "kiln/results.h"
+#include "kiln/run.h"
 #include "kiln/rungs.h"
 
 namespace kiln::cli {
@@ -67,13 +68,23 @@ ActualRun read_actual_run(const std::filesystem::path& dir) {
     for (int64_t number = 1; std::getline(in, line); ++number) {
       if (line.empty()) continue;
       MetricsRecord record;
+      json parsed;
       try {
-        record = json::parse(line).get<MetricsRecord>();
+        parsed = json::parse(line);
+        record = parsed.get<MetricsRecord>();
       } catch (const std::exception& e) {
         throw UserError(
             fmt::format("{}:{}: {}", (dir / "metrics.jsonl").string(), number, e.what()));
       }
       if (record.step_seconds && *record.step_seconds > 0) steps.push_back(record);
+      // kiln train's plan-tracking records (src/rungs/plan_tracking.h): the last one holds the
+      // run's wall time, checkpoint time and ETTR so far (the final one, the whole run's).
+      if (parsed.contains("plan") && parsed["plan"].is_object()) {
+        const json& plan = parsed["plan"];
+        a.wall_seconds = plan.value("elapsed_seconds", 0.0);
+        a.checkpoint_seconds = plan.value("checkpoint_seconds", 0.0);
+        a.ettr = plan.value("ettr", 0.0);
+      }
     }
   }
   // A baseline's steady-state median, a pilot's measured step, else a training run's steps (a
@@ -185,8 +196,12 @@ void add_plan_command(CLI::App& app, Action& action) {
       const Config config = args->load();
       const std::string pilot_dir = pilot->empty() ? config.get_string("plan.pilot") : *pilot;
       if (!actual->empty()) return plan_against_actual(config, pilot_dir, *actual);
-      RungResult result = run_plan(config, pilot_dir, *cost);
-      std::fputs(("\n" + plan_markdown(result.numbers)).c_str(), stdout);
+      run_plan(config, pilot_dir, *cost);
+      // The plan's Markdown as the rung wrote it beside plan.json (the planner's document).
+      std::string markdown = read_file(run_directory(config) / "plan.md");
+      const std::string title = "# kiln plan\n\n";
+      if (markdown.rfind(title, 0) == 0) markdown.erase(0, title.size());
+      std::fputs(("\n" + markdown).c_str(), stdout);
       return 0;
     };
   });

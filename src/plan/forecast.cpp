@@ -52,6 +52,8 @@ std::string forecast_value_text(double value, const std::string& unit) {
   if (!(value > 0)) return "-";
   if (unit == "seconds") return format_duration(value);
   if (unit == "bytes") return format_bytes(value);
+  if (unit == "fraction") return fmt::format("{:.1f}%", 100 * value);
+  if (unit == "money") return fmt::format("{:.2f}", value);
   return fmt::format("{:.4g}", value);
 }
 
@@ -125,6 +127,34 @@ Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
                                  ? pilot->write_bytes_per_second
                                  : config.get_float("plan.checkpoint_write_gb_per_second") * 1e9;
   f.save_seconds = f.checkpoint_bytes / f.write_bytes_per_second;
+
+  // The run as a whole (Trainer::fit and CheckpointHook): an evaluation every eval_every steps
+  // before the last and one at the end; a save every every_steps and the final one.
+  const auto steps = config.get_int("train.steps");
+  const auto eval_every = config.get_int("train.eval_every");
+  f.evals = static_cast<double>((eval_every > 0 ? (steps - 1) / eval_every : 0) + 1);
+  const auto save_every = config.get_int("checkpoint.every_steps");
+  if (save_every > 0) {
+    f.saves = static_cast<double>(steps / save_every) +
+              (config.get_bool("checkpoint.save_final") && steps % save_every != 0 ? 1.0 : 0.0);
+  }
+  if (f.step_seconds > 0) {
+    const double eval_tokens =
+        static_cast<double>(config.get_int("train.eval_batches") * job.micro_batch * job.seq_len);
+    f.eval_seconds = same_device && pilot->eval_seconds > 0
+                         ? pilot->eval_seconds
+                         : eval_tokens * train_flops_per_token(shape, job.seq_len) / 3.0 /
+                               (f.peak_flops_per_second * f.mfu);  // forward only
+    f.wall_seconds = f.train_seconds + f.saves * f.save_seconds + f.evals * f.eval_seconds;
+    f.ettr = f.train_seconds / f.wall_seconds;
+  }
+  if (row != nullptr) {
+    const auto& prices = config.get_table("plan.price_7d_per_gpu_hour");
+    if (auto price = prices.find(row->name); price != prices.end()) {
+      f.price_per_gpu_hour = price->second;
+      f.cost = f.wall_seconds / 3600.0 * static_cast<double>(f.world_size) * price->second;
+    }
+  }
   return f;
 }
 
@@ -145,8 +175,9 @@ std::string forecast_text(const Forecast& f) {
       format_duration(f.train_seconds));
 }
 
-void log_plan_forecast(const Config& config, const std::filesystem::path& run_dir, int rank) {
-  if (rank != 0) return;
+std::optional<Forecast> log_plan_forecast(const Config& config,
+                                          const std::filesystem::path& run_dir, int rank) {
+  if (rank != 0) return std::nullopt;
   json manifest = nullptr;
   {
     std::ifstream in(run_dir / "manifest.json");
@@ -174,9 +205,11 @@ void log_plan_forecast(const Config& config, const std::filesystem::path& run_di
     std::string line = forecast_text(f);
     if (f.train_seconds > 0) line += "; finish expected " + forecast_utc_time(f.train_seconds);
     log::info(line + " (compare: kiln plan CONFIG --actual " + run_dir.string() + ")");
+    return f;
   } catch (const UserError& e) {  // advice only: a catalog problem does not stop training
     log::warn(fmt::format("no forecast: {}", e.what()));
   }
+  return std::nullopt;
 }
 
 json compare_forecast(const Forecast& f, const ActualRun& a) {
@@ -193,6 +226,18 @@ json compare_forecast(const Forecast& f, const ActualRun& a) {
     double forecast, actual;
     std::string input;
   };
+  const std::string run_input = fmt::format(
+      "the run's shape: {:.0f} steps, {:.0f} saves, {:.0f} evaluations of {} each, at the step "
+      "rate above",
+      f.steps, f.saves, f.evals, format_duration(f.eval_seconds));
+  const std::string price_input =
+      f.price_per_gpu_hour > 0
+          ? fmt::format("price {:.4g}/GPU-hour (plan.price_7d_per_gpu_hour) x {} GPU(s)",
+                        f.price_per_gpu_hour, f.world_size)
+          : std::string("no price (plan.price_7d_per_gpu_hour for this device's row)");
+  // The actual cost: the run's wall time at the same price (what the reservation would bill).
+  const double actual_cost =
+      a.wall_seconds / 3600.0 * static_cast<double>(a.world_size) * f.price_per_gpu_hour;
   const std::vector<Row> rows = {
       {"step time", "seconds", f.step_seconds, a.step_seconds, rate_input},
       {"tokens/s per device", "per_second", f.tokens_per_second, a.tokens_per_second, rate_input},
@@ -200,6 +245,9 @@ json compare_forecast(const Forecast& f, const ActualRun& a) {
        rate_input},
       {"peak memory", "bytes", f.peak_memory_bytes, a.peak_memory_bytes, memory_input},
       {"checkpoint save", "seconds", f.save_seconds, a.save_seconds, write_input},
+      {"wall time", "seconds", f.wall_seconds, a.wall_seconds, run_input},
+      {"ETTR", "fraction", f.ettr, a.ettr, run_input},
+      {"cost", "money", f.cost, actual_cost, price_input},
   };
   json out_rows = json::array();
   std::string worst_input;
@@ -207,12 +255,14 @@ json compare_forecast(const Forecast& f, const ActualRun& a) {
   std::string worst_quantity;
   for (const Row& r : rows) {
     const json ratio = forecast_ratio(r.forecast, r.actual);
-    out_rows.push_back({{"quantity", r.quantity},
-                        {"unit", r.unit},
-                        {"forecast", r.forecast > 0 ? json(r.forecast) : json(nullptr)},
-                        {"actual", r.actual > 0 ? json(r.actual) : json(nullptr)},
-                        {"ratio", ratio},
-                        {"input", r.input}});
+    out_rows.push_back(
+        {{"quantity", r.quantity},
+         {"unit", r.unit},
+         {"forecast", r.forecast > 0 ? json(r.forecast) : json(nullptr)},
+         {"actual", r.actual > 0 ? json(r.actual) : json(nullptr)},
+         {"ratio", ratio},
+         {"error", ratio.is_null() ? json(nullptr) : json(r.forecast / r.actual - 1)},
+         {"input", r.input}});
     if (ratio.is_null()) continue;
     const double distance = std::abs(std::log(ratio.get<double>()));
     if (distance > worst_distance) {
@@ -247,16 +297,20 @@ std::string comparison_markdown(const json& c) {
       c["calibration"].get<std::string>(), c["run_dir"].get<std::string>(),
       c["world_size"].get<int64_t>(), c["device"].get<std::string>(),
       c["step_source"].get<std::string>(), c["memory_source"].get<std::string>());
-  out += "| quantity | forecast | actual | forecast/actual | set by |\n|---|---|---|---|---|\n";
+  out +=
+      "| quantity | forecast | actual | forecast/actual | error | set by |\n"
+      "|---|---|---|---|---|---|\n";
   for (const auto& r : c["rows"]) {
     const std::string unit = r["unit"].get<std::string>();
     auto value = [&](const char* key) {
       return r[key].is_null() ? std::string("-") : forecast_value_text(r[key].get<double>(), unit);
     };
     out += fmt::format(
-        "| {} | {} | {} | {} | {} |\n", r["quantity"].get<std::string>(), value("forecast"),
+        "| {} | {} | {} | {} | {} | {} |\n", r["quantity"].get<std::string>(), value("forecast"),
         value("actual"),
         r["ratio"].is_null() ? std::string("-") : fmt::format("{:.3f}", r["ratio"].get<double>()),
+        r["error"].is_null() ? std::string("-")
+                             : fmt::format("{:+.1f}%", 100 * r["error"].get<double>()),
         r["input"].get<std::string>());
   }
   out += c["most_wrong"].is_null()

@@ -20,6 +20,7 @@
 #include "kiln/plan.h"
 #include "kiln/report.h"
 #include "kiln/session.h"
+#include "rungs/plan_tracking.h"
 
 namespace kiln {
 
@@ -82,13 +83,22 @@ TrainingRunResult run_training(const Config& given, const TrainingRunOptions& op
                                                      .comm = comm,
                                                      .append_metrics = continues,
                                                      .existing_records = existing});
+  // The plan's forecast for this run (kiln/plan.h), and, when it forecasts the step time (a
+  // pilot of this job on this device, or a catalog row), the run tracked against it: added
+  // before the checkpoint hook, so a save after a step is time between steps, not inside one.
+  auto forecast = log_plan_forecast(config, session->run->dir(), session->comm->rank());
+  if (forecast && forecast->step_seconds > 0) {
+    session->trainer->add_hook(std::make_shared<PlanTrackingHook>(
+        *session->run, std::move(*forecast), config.get_int("train.steps"),
+        session->comm->world_size(), config.get_int("train.metrics_every"),
+        config.get_int("run.log_every")));
+  }
   auto checkpointing = attach_checkpointing(*session->trainer, *session->comm, session->run->dir(),
                                             options.resume);        // [checkpoint]
   auto compiled = attach_compiled_step(*session->trainer, config);  // [compile]
   // SIGTERM / SIGUSR1: finish the step, commit a checkpoint, throw Preempted (exit 75).
   attach_preemption(*session->trainer, *session->comm, checkpointing);
-  session->trainer->add_hook(make_tensorboard_hook(*session->run));       // beside metrics.jsonl
-  log_plan_forecast(config, session->run->dir(), session->comm->rank());  // kiln/plan.h
+  session->trainer->add_hook(make_tensorboard_hook(*session->run));  // beside metrics.jsonl
   TrainingRunResult result;
   result.summary = session->trainer->fit(config.get_int("train.steps"), session->run.get());
   result.run_dir = session->run->dir();

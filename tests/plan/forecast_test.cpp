@@ -4,10 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
 
 #include "kiln/config.h"
 #include "kiln/error.h"
 #include "kiln/plan.h"
+#include "kiln/training_run.h"
 #include "support/helpers.h"
 
 namespace kiln::testing {
@@ -113,7 +115,7 @@ TEST(Forecast, ComparisonNamesTheMostWrongInput) {
   a.peak_memory_bytes = 1100;  // 0.909
   a.save_seconds = 1.0;        // 2.0: |ln 2| = 0.69 > |ln 0.8| = 0.22 > |ln 0.909| = 0.095
   nlohmann::json c = compare_forecast(f, a);
-  ASSERT_EQ(c["rows"].size(), 5u);
+  ASSERT_EQ(c["rows"].size(), 8u);
   EXPECT_NEAR(c["rows"][0]["ratio"].get<double>(), 0.8, 1e-12);
   EXPECT_NEAR(c["rows"][1]["ratio"].get<double>(), 1.25, 1e-12);
   EXPECT_NEAR(c["rows"][2]["ratio"].get<double>(), 0.8, 1e-12);
@@ -128,6 +130,155 @@ TEST(Forecast, ComparisonNamesTheMostWrongInput) {
   EXPECT_THAT(c["most_wrong"]["input"].get<std::string>(), HasSubstr("achieved FLOP/s"));
   // |ln 1.25| = |ln 0.8|: either of the three rows it sets.
   EXPECT_NEAR(std::abs(std::log(c["most_wrong"]["ratio"].get<double>())), std::log(1.25), 1e-12);
+}
+
+TEST(Forecast, TheRunsWallTimeEttrAndCost) {
+  // Step 28.50816 us (peak 1e12 x MFU 0.5, as above); 200 steps = 5.701632 ms.
+  // Evaluations: train.eval_every 100 -> at step 100 and at the end: 2, each 8 batches x 4 x 16
+  //   = 512 tokens x 222,720 / 3 FLOPs (forward only) / 5e11 = 76.02176 us.
+  // Saves: checkpoint.every_steps 50 -> 200 / 50 = 4 (the last at step 200: no extra final one),
+  //   each 427,008 B / 2e9 B/s = 213.504 us.
+  // wall = 5.701632 ms + 4 x 213.504 us + 2 x 76.02176 us = 6.70769152 ms; ETTR = 5.701632 /
+  //   6.70769152 = 0.85001404477; cost at 2.5/GPU-hour on 2 GPUs = 6.70769152e-3 / 3600 x 2 x 2.5
+  //   = 9.3162382222e-6.
+  Config config = forecast_config(
+      {"baseline.peak_flops_per_second=1e12", "plan.mfu=0.5", "checkpoint.every_steps=50"});
+  config.set_from_string("plan.price_7d_per_gpu_hour={ h100-sxm = 2.5 }");
+  config.validate();
+  const Forecast f = forecast_run(config, nullptr, "NVIDIA H100 80GB HBM3", 2, "ddp");
+  EXPECT_DOUBLE_EQ(f.evals, 2.0);
+  EXPECT_NEAR(f.eval_seconds, 7.602176e-5, 1e-16);
+  EXPECT_DOUBLE_EQ(f.saves, 4.0);
+  EXPECT_NEAR(f.wall_seconds, 6.70769152e-3, 1e-15);
+  EXPECT_NEAR(f.ettr, 0.8500140447722915, 1e-12);
+  EXPECT_DOUBLE_EQ(f.price_per_gpu_hour, 2.5);
+  EXPECT_NEAR(f.cost, 9.316238222222222e-06, 1e-17);
+  // 210 steps: saves at 50..200 and a final one at 210 (save_final); evaluations at 100, 200
+  // and the end. Without save_final, 4 saves.
+  Config longer = forecast_config({"baseline.peak_flops_per_second=1e12", "plan.mfu=0.5",
+                                   "checkpoint.every_steps=50", "train.steps=210"});
+  EXPECT_DOUBLE_EQ(forecast_run(longer, nullptr, "cpu", 1).saves, 5.0);
+  EXPECT_DOUBLE_EQ(forecast_run(longer, nullptr, "cpu", 1).evals, 3.0);
+  longer.set_from_string("checkpoint.save_final=false");
+  EXPECT_DOUBLE_EQ(forecast_run(longer, nullptr, "cpu", 1).saves, 4.0);
+  // No catalog row (cpu): no price, no cost.
+  EXPECT_EQ(forecast_run(config, nullptr, "cpu", 1).cost, 0.0);
+}
+
+TEST(Forecast, ComparisonHasWallEttrAndCostRowsWithTheirErrors) {
+  // Forecast: wall 100 s, ETTR 0.9, 2.5/GPU-hour, cost 100 / 3600 x 2 x 2.5 = 0.138889.
+  // Actual: wall 125 s, ETTR 0.72 on 2 GPUs: cost 125 / 3600 x 2 x 2.5 = 0.173611.
+  // Ratios: wall 0.8 (error -20%), ETTR 1.25 (+25%), cost 0.8 (-20%).
+  Forecast f;
+  f.step_seconds = 0.01;
+  f.wall_seconds = 100;
+  f.ettr = 0.9;
+  f.price_per_gpu_hour = 2.5;
+  f.world_size = 2;
+  f.cost = 100.0 / 3600 * 2 * 2.5;
+  ActualRun a;
+  a.run_dir = "runs/a";
+  a.device = "NVIDIA H100 80GB HBM3";
+  a.world_size = 2;
+  a.step_seconds = 0.01;
+  a.wall_seconds = 125;
+  a.ettr = 0.72;
+  const nlohmann::json c = compare_forecast(f, a);
+  ASSERT_EQ(c["rows"].size(), 8u);
+  const auto& wall = c["rows"][5];
+  const auto& ettr = c["rows"][6];
+  const auto& cost = c["rows"][7];
+  EXPECT_EQ(wall["quantity"], "wall time");
+  EXPECT_NEAR(wall["ratio"].get<double>(), 0.8, 1e-12);
+  EXPECT_NEAR(wall["error"].get<double>(), -0.2, 1e-12);
+  EXPECT_EQ(ettr["quantity"], "ETTR");
+  EXPECT_NEAR(ettr["ratio"].get<double>(), 1.25, 1e-12);
+  EXPECT_NEAR(ettr["error"].get<double>(), 0.25, 1e-12);
+  EXPECT_EQ(cost["quantity"], "cost");
+  EXPECT_NEAR(cost["forecast"].get<double>(), 0.1388888888888889, 1e-12);
+  EXPECT_NEAR(cost["actual"].get<double>(), 0.1736111111111111, 1e-12);
+  EXPECT_NEAR(cost["error"].get<double>(), -0.2, 1e-12);
+  EXPECT_NEAR(c["rows"][0]["error"].get<double>(), 0.0, 1e-12);  // the step time: exact
+  const std::string markdown = comparison_markdown(c);
+  EXPECT_THAT(markdown, HasSubstr("| ETTR | 90.0% | 72.0% | 1.250 | +25.0% |"));
+  EXPECT_THAT(markdown, HasSubstr("| cost | 0.14 | 0.17 | 0.800 | -20.0% |"));
+  // No price: the cost row has no figures.
+  f.price_per_gpu_hour = 0;
+  f.cost = 0;
+  EXPECT_TRUE(compare_forecast(f, a)["rows"][7]["ratio"].is_null());
+}
+
+// kiln train tracks itself against the forecast: every train.metrics_every steps a "plan" record
+// whose tokens/s is the per-device rate of the steps since the last one (from the step records
+// of the same file) and whose fraction is that over the forecast's; ETTR and the ETA from its
+// own figures; the final record at the end; the --actual reader takes the final one.
+TEST(PlanTracking, KilnTrainLogsTokensPerSecondAgainstThePlanInItsRecords) {
+  TempDir dir;
+  const Config config = gpt_config(
+      dir.path(), {"train.steps=6", "train.metrics_every=1", "checkpoint.every_steps=3",
+                   "baseline.peak_flops_per_second=1e9", "plan.mfu=0.5", "data.num_workers=0"});
+  const Forecast forecast = forecast_run(config, nullptr, "cpu", 1);
+  ASSERT_GT(forecast.tokens_per_second, 0.0);
+  const TrainingRunResult result = run_training(config, TrainingRunOptions{});
+  std::ifstream in(result.run_dir / "metrics.jsonl");
+  std::vector<nlohmann::json> steps, plans;
+  for (std::string line; std::getline(in, line);) {
+    const auto r = nlohmann::json::parse(line);
+    if (r.contains("loss") && r.contains("step_seconds")) steps.push_back(r);
+    if (r.contains("plan")) plans.push_back(r);
+  }
+  int64_t previous = 0;
+  for (const auto& r : plans) {
+    const auto& p = r["plan"];
+    if (p["final"].get<bool>()) continue;
+    const int64_t at = r["step"].get<int64_t>();
+    SCOPED_TRACE("plan record at step " + std::to_string(at));
+    double tokens = 0, seconds = 0;  // the steps since the last plan record, from step records
+    for (const auto& s : steps) {
+      const int64_t n = s["step"].get<int64_t>();
+      if (n <= previous || n > at) continue;
+      tokens += s["tokens_per_second"].get<double>() * s["step_seconds"].get<double>();
+      seconds += s["step_seconds"].get<double>();
+    }
+    previous = at;
+    ASSERT_GT(seconds, 0.0);
+    const double actual = tokens / seconds;  // one device
+    EXPECT_NEAR(p["tokens_per_second"].get<double>(), actual, 1e-9 * actual);
+    EXPECT_DOUBLE_EQ(p["tokens_per_second_forecast"].get<double>(), forecast.tokens_per_second);
+    EXPECT_NEAR(p["tokens_per_second_vs_plan"].get<double>(), actual / forecast.tokens_per_second,
+                1e-9 * actual / forecast.tokens_per_second);
+    const double elapsed = p["elapsed_seconds"].get<double>();
+    EXPECT_NEAR(p["ettr"].get<double>(), p["productive_seconds"].get<double>() / elapsed, 1e-12);
+    EXPECT_LE(p["ettr"].get<double>(), 1.0);
+    const double step = static_cast<double>(at);
+    EXPECT_NEAR(p["eta_seconds"].get<double>(), elapsed / step * (6 - step), 1e-9);
+  }
+  const size_t steps_seen = steps.size();
+  EXPECT_EQ(steps_seen, 6u);
+  ASSERT_EQ(plans.size(), 7u);  // every step (metrics_every = 1) and the final one
+  const auto& last = plans.back()["plan"];
+  EXPECT_TRUE(last["final"].get<bool>());
+  EXPECT_EQ(plans.back()["step"], 6);
+  EXPECT_EQ(last["eta_seconds"].get<double>(), 0.0);
+  // Two saves (steps 3 and 6) were timed in the checkpoint phase: the final record counts more
+  // checkpoint time than the record at step 1 (which saw only the polls between steps), and no
+  // more than the time outside the steps.
+  EXPECT_GT(last["checkpoint_seconds"].get<double>(),
+            plans[0]["plan"]["checkpoint_seconds"].get<double>());
+  EXPECT_LE(last["checkpoint_seconds"].get<double>(),
+            last["elapsed_seconds"].get<double>() - last["productive_seconds"].get<double>());
+  EXPECT_DOUBLE_EQ(last["ettr_forecast"].get<double>(), forecast.ettr);
+  // Without a step-time forecast (a CPU, no pilot, no peak): no plan records.
+  TempDir other;
+  const TrainingRunResult plain = run_training(
+      gpt_config(other.path(), {"train.steps=2", "data.num_workers=0"}), TrainingRunOptions{});
+  std::ifstream plain_in(plain.run_dir / "metrics.jsonl");
+  int plain_plans = 0;
+  for (std::string line; std::getline(plain_in, line);) {
+    const auto r = nlohmann::json::parse(line);
+    if (r.contains("plan")) ++plain_plans;
+  }
+  EXPECT_EQ(plain_plans, 0);
 }
 
 TEST(Forecast, ThePlanUsesThePilotsMeasuredMatmulPeakAndWarnsOnTheCatalog) {
