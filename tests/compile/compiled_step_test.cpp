@@ -100,20 +100,10 @@ TEST(CompiledStep, TheRungCompilesColdThenLoadsTheCachedPackage) {
   EXPECT_TRUE(second["compile"]["eval"]["graphs"][0]["cache_hit"].get<bool>());
   EXPECT_EQ(second["compile"]["eval"]["graphs"][0]["package"], eval_graph["package"]);
 
-  // A package whose bytes changed is rejected with the reason and rebuilt, never loaded.
-  const std::filesystem::path package = first["compile"]["graphs"][0]["package"].get<std::string>();
-  {
-    std::fstream f(package, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(100);
-    f.put('\x5a');
-  }
-  const CommandResult stale = run_kiln(args + " --set run.name=s");
-  ASSERT_EQ(stale.exit_code, 0) << stale.out << stale.err;
-  json third = read_json(dir / "s" / "compile.json");
-  EXPECT_EQ(third["cache"], "cold");
-  EXPECT_NE(third["compile"]["graphs"][0]["cache_note"].get<std::string>().find(
-                "differs from the one recorded"),
-            std::string::npos);
+  // A package whose bytes changed is not run here end to end (it cost a third AOTInductor build):
+  // PackageCache.MissThenHitThenRejectsACorruptOrForeignPackage (shapes_test.cpp) proves the cache
+  // rejects it with "differs from the one recorded", and a rejected package takes the same miss
+  // path as the cold run above (cache_note = the cache's reason, then a build).
 }
 
 TEST(CompiledStep, TrainingWithAccumulationMatchesEagerTraining) {
