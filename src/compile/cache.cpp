@@ -1,6 +1,7 @@
 // The package cache and the Python that fills it. A package is a shared library, the one thing
 // kiln loads from disk that executes code: only packages kiln built into this cache are loaded,
 // each after its xxh3 hash matched the one recorded when it was built.
+#include <ATen/Parallel.h>
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/file.h>
@@ -15,6 +16,7 @@
 #include <mutex>
 #include <sstream>
 
+#include "compile/compiler_run.h"
 #include "core/files.h"
 #include "core/process.h"
 #include "core/strings.h"
@@ -244,6 +246,75 @@ const CompilerPython& CompilerPython::probe(const std::string& python) {
         python, out.torch_version, libtorch_version(), fix));
   }
   return probed.emplace(python, out).first->second;
+}
+
+// ---- one run of the compiler
+// ---------------------------------------------------------------------
+
+namespace {
+
+// The last non-empty line of a log (the error a Python traceback ends with).
+std::string compiler_log_last_line(const fs::path& path) {
+  std::string text;
+  try {
+    text = read_file(path);
+  } catch (const UserError&) {
+    return "no log";
+  }
+  const std::string_view all = trim(text);
+  const size_t newline = all.rfind('\n');
+  return std::string(newline == std::string_view::npos ? all : all.substr(newline + 1));
+}
+
+}  // namespace
+
+bool CompilerRun::graph_breaks() const {
+  return result.value("status", "error") == "graph_breaks";
+}
+
+std::vector<GraphBreak> CompilerRun::breaks() const {
+  std::vector<GraphBreak> out;
+  for (const auto& b : result.value("graph_breaks", json::array())) {
+    out.push_back({b.value("reason", ""), b.value("where", "")});
+  }
+  return out;
+}
+
+void CompilerRun::check_built(const std::string& what) const {
+  if (result.value("status", "error") != "ok" || exit_status != 0) {
+    throw UserError(fmt::format("compiling {} failed: {} (log: {})", what,
+                                result.value("error", "exit " + std::to_string(exit_status)),
+                                log.string()));
+  }
+}
+
+CompilerRun run_compiler(const CompilerPython& python, const fs::path& scratch, json spec,
+                         torch::Device device, TrainOptions::Precision precision,
+                         const std::string& what) {
+  spec["device"] = device.is_cuda() ? "cuda" : "cpu";
+  spec["precision"] = precision_name(precision);
+  spec["threads"] = at::get_num_threads();
+  spec["deterministic"] = at::globalContext().deterministicAlgorithms();
+  write_file_atomic(scratch / "spec.json", spec.dump(2) + "\n");
+  const std::string runner =
+      "import sys, runpy\n"
+      "sys.path.insert(0, sys.argv[1])\n"
+      "sys.argv = ['kiln_py.compile'] + sys.argv[2:]\n"
+      "runpy.run_module('kiln_py.compile', run_name='__main__', alter_sys=True)\n";
+  CompilerRun run;
+  run.log = scratch / "compile.log";
+  run.exit_status = wait_process(spawn_process(
+      {python.python, "-c", runner, python.package_dir.string(), "--spec",
+       (scratch / "spec.json").string(), "--result", (scratch / "result.json").string()},
+      run.log));
+  try {
+    run.result = json::parse(read_file(scratch / "result.json"));
+  } catch (const std::exception&) {
+    throw UserError(
+        fmt::format("compiling {} failed (exit {}) without a result; see {} (it ends: {})", what,
+                    run.exit_status, run.log.string(), compiler_log_last_line(run.log)));
+  }
+  return run;
 }
 
 }  // namespace kiln

@@ -9,6 +9,7 @@
 #include <map>
 
 #include "compile/compiled_units.h"
+#include "compile/compiler_run.h"
 #include "core/clock.h"
 #include "core/files.h"
 #include "core/process.h"
@@ -69,19 +70,6 @@ GraphShape accepted_shape(const json& accepts, const GraphShape& asked) {
     return asked;
   }
   return out;
-}
-
-// The last non-empty line of a log (the error a Python traceback ends with).
-std::string last_line(const fs::path& path) {
-  std::string text;
-  try {
-    text = read_file(path);
-  } catch (const UserError&) {
-    return "no log";
-  }
-  const std::string_view all = trim(text);
-  const size_t newline = all.rfind('\n');
-  return std::string(newline == std::string_view::npos ? all : all.substr(newline + 1));
 }
 
 std::string dtype_name(const torch::Tensor& t) {
@@ -337,42 +325,18 @@ size_t CompiledStep::load_graph(Kind& kind, GraphShape& shape) {
     const fs::path scratch = cache_.scratch_dir(fingerprint);
     const ModelSpec* model_spec = find_model(model_json_.value("name", ""));
     const bool tokens = model_spec && model_spec->input == ModelInput::kTokens;
-    json spec = {
+    const json spec = {
         {"model", model_json_},
         {"graph", graph_kind},
         {"inputs", {{"shape", shape.shapes.inputs}, {"dtype", tokens ? "int64" : "float32"}}},
         {"targets", {{"shape", shape.shapes.targets}, {"dtype", "int64"}}},
         {"dynamic", shape.to_json()["dynamic"]},
-        {"device", device_.is_cuda() ? "cuda" : "cpu"},
-        {"precision", precision_name(precision_)},
         {"package", (scratch / "model.pt2").string()},
-        {"threads", at::get_num_threads()},
-        {"deterministic", at::globalContext().deterministicAlgorithms()},
     };
-    write_file_atomic(scratch / "spec.json", spec.dump(2) + "\n");
-    const std::string runner =
-        "import sys, runpy\n"
-        "sys.path.insert(0, sys.argv[1])\n"
-        "sys.argv = ['kiln_py.compile'] + sys.argv[2:]\n"
-        "runpy.run_module('kiln_py.compile', run_name='__main__', alter_sys=True)\n";
-    const fs::path log_path = scratch / "compile.log";
-    const int status = wait_process(spawn_process(
-        {python.python, "-c", runner, python.package_dir.string(), "--spec",
-         (scratch / "spec.json").string(), "--result", (scratch / "result.json").string()},
-        log_path));
-    json result;
-    try {
-      result = json::parse(read_file(scratch / "result.json"));
-    } catch (const std::exception&) {
-      throw UserError(
-          fmt::format("compiling the step failed (exit {}) without a result; see {} (it ends: {})",
-                      status, log_path.string(), last_line(log_path)));
-    }
-    const std::string state = result.value("status", "error");
-    if (state == "graph_breaks") {
-      for (const auto& b : result.value("graph_breaks", json::array())) {
-        report_.breaks.push_back({b.value("reason", ""), b.value("where", "")});
-      }
+    const CompilerRun run = run_compiler(python, scratch, spec, device_, precision_, "the step");
+    if (run.graph_breaks()) {
+      const std::vector<GraphBreak> found = run.breaks();
+      report_.breaks.insert(report_.breaks.end(), found.begin(), found.end());
       const std::string list = describe_breaks(report_.breaks);
       if (options_.fullgraph) {
         throw TrainingError(fmt::format(
@@ -387,11 +351,8 @@ size_t CompiledStep::load_graph(Kind& kind, GraphShape& shape) {
       report_.fallback_to_eager = true;
       return SIZE_MAX;
     }
-    if (state != "ok" || status != 0) {
-      throw UserError(fmt::format("compiling the step failed: {} (log: {})",
-                                  result.value("error", "exit " + std::to_string(status)),
-                                  log_path.string()));
-    }
+    run.check_built("the step");
+    const json& result = run.result;
     hit = cache_.publish(fingerprint, scratch / "model.pt2", result);
     std::error_code ec;
     fs::remove_all(scratch, ec);

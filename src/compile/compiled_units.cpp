@@ -19,6 +19,7 @@
 
 #include <map>
 
+#include "compile/compiler_run.h"
 #include "core/clock.h"
 #include "core/files.h"
 #include "core/process.h"
@@ -131,18 +132,6 @@ std::string dtype_name(torch::ScalarType type) {
     default:
       return c10::toString(type);
   }
-}
-
-std::string last_log_line(const fs::path& path) {
-  std::string text;
-  try {
-    text = read_file(path);
-  } catch (const UserError&) {
-    return "no log";
-  }
-  const std::string_view all = trim(text);
-  const size_t newline = all.rfind('\n');
-  return std::string(newline == std::string_view::npos ? all : all.substr(newline + 1));
 }
 
 class CompiledUnits final : public UnitWrapper {
@@ -313,44 +302,19 @@ std::unique_ptr<UnitPair> CompiledUnits::load(size_t u, const json& sig,
         units_[u].name, entry.input, python.torch_version, cache_.dir().string(), why_not));
     const auto begin = SteadyClock::now();
     const fs::path scratch = cache_.scratch_dir(forward_key);
-    json spec = {
+    const json spec = {
         {"model", model_json_},
         {"graph", "unit"},
         {"unit", units_[u].name},
         {"input", sig["input"]},
         {"parameters", sig["parameters"]},
-        {"device", device_.is_cuda() ? "cuda" : "cpu"},
-        {"precision", precision_name(precision_)},
         {"package", (scratch / "forward.pt2").string()},
         {"backward_package", (scratch / "backward.pt2").string()},
-        {"threads", at::get_num_threads()},
-        {"deterministic", at::globalContext().deterministicAlgorithms()},
     };
-    write_file_atomic(scratch / "spec.json", spec.dump(2) + "\n");
-    const std::string runner =
-        "import sys, runpy\n"
-        "sys.path.insert(0, sys.argv[1])\n"
-        "sys.argv = ['kiln_py.compile'] + sys.argv[2:]\n"
-        "runpy.run_module('kiln_py.compile', run_name='__main__', alter_sys=True)\n";
-    const fs::path log_path = scratch / "compile.log";
-    const int status = wait_process(spawn_process(
-        {python.python, "-c", runner, python.package_dir.string(), "--spec",
-         (scratch / "spec.json").string(), "--result", (scratch / "result.json").string()},
-        log_path));
-    json result;
-    try {
-      result = json::parse(read_file(scratch / "result.json"));
-    } catch (const std::exception&) {
-      throw UserError(
-          fmt::format("compiling unit {} failed (exit {}) without a result; see {} (it ends: {})",
-                      units_[u].name, status, log_path.string(), last_log_line(log_path)));
-    }
-    const std::string state = result.value("status", "error");
-    if (state == "graph_breaks") {
-      std::vector<GraphBreak> breaks;
-      for (const auto& b : result.value("graph_breaks", json::array())) {
-        breaks.push_back({b.value("reason", ""), b.value("where", "")});
-      }
+    const std::string what = "unit " + units_[u].name;
+    const CompilerRun run = run_compiler(python, scratch, spec, device_, precision_, what);
+    if (run.graph_breaks()) {
+      const std::vector<GraphBreak> breaks = run.breaks();
       report_.breaks.insert(report_.breaks.end(), breaks.begin(), breaks.end());
       if (options_.fullgraph) {
         throw TrainingError(fmt::format(
@@ -367,11 +331,8 @@ std::unique_ptr<UnitPair> CompiledUnits::load(size_t u, const json& sig,
       entry.eager = true;
       return pair;
     }
-    if (state != "ok" || status != 0) {
-      throw UserError(fmt::format("compiling unit {} failed: {} (log: {})", units_[u].name,
-                                  result.value("error", "exit " + std::to_string(status)),
-                                  log_path.string()));
-    }
+    run.check_built(what);
+    const json& result = run.result;
     backward = cache_.publish(backward_key, scratch / "backward.pt2", result);
     forward = cache_.publish(forward_key, scratch / "forward.pt2", result);
     std::error_code ec;
