@@ -3,10 +3,13 @@
 // tests as they move over) reads a rung's numbers through one declaration instead of string keys
 // (docs/report.md, "Rung files"). from_json and to_json walk one field list per struct
 // (src/report/results*.cpp), so a key is named once for both directions. The baseline and
-// checkpoint rungs fill their struct and write their file through to_json alone; the other rungs
-// still build their file and read it back through their struct before writing it (a key the
-// reader needs and the rung did not write stops the rung), and their files may hold more than
-// the struct (per-step losses, traces), which these structs ignore.
+// checkpoint, compile, profile, scale and pilot rungs fill their struct and write their file
+// through to_json alone, so a file holds exactly what its struct holds. Parts of a file laid out
+// by another component's own serializer (src/compile's CompileReport::to_json, src/profile's
+// analysis and verdict numbers, src/plan's MemoryEstimate, the session's strategy decision) are
+// typed as far as kiln reads them; the rest of such a part is carried as JSON (the members named
+// `*_more`, or nlohmann::json members that say whose layout they are) and written back unchanged.
+// The plan rung's file is the planner's document (src/plan), read back through PlanResult.
 //
 // Versions. A file's "schema_version" (absent = 1: every file kiln wrote before versions existed)
 // says which layout it follows; to_json writes kResultSchemaVersion. Version 2 added the keys
@@ -59,6 +62,15 @@ struct StepTimes {
   double median = 0, p10 = 0, p90 = 0, mean = 0;  // seconds
 };
 
+/// A timed GEMM (kiln/plan.h MatmulPeak): "matmul_peak" in baseline.json and pilot.json.
+struct MatmulPeakRecord {
+  double flops_per_second = 0;  // 2 m n k / median_seconds
+  int64_t m = 0, n = 0, k = 0;
+  std::string dtype;
+  double median_seconds = 0;
+  int64_t repeats = 0;
+};
+
 struct BaselineResult {
   static constexpr const char* kRung = "baseline";
   RungStatus status;
@@ -81,6 +93,11 @@ struct BaselineResult {
   std::optional<double> val_accuracy_final;  // present for a classifier
   int64_t skipped_steps = 0;                 // v2; non-finite steps the trainer skipped
   std::vector<double> losses;  // v2; every synced step's loss, warm-up included (also when stopped)
+  // v2: the job's largest GEMM timed on the device (src/plan measure_matmul_peak, as the pilot
+  // records it) and MFU against it: achieved_flops_per_second / matmul_peak->flops_per_second.
+  // Null in files written before the baseline timed it.
+  std::optional<MatmulPeakRecord> matmul_peak;
+  std::optional<double> mfu_of_matmul_peak;
 };
 
 // ---- compile.json (src/rungs/compile.cpp) ------------------------------------------------------
@@ -91,22 +108,74 @@ struct CompileSide {
   double peak_memory_bytes = 0;
 };
 
+/// The evaluation on both sides after the timed steps ("eval"; {} without a validation batch).
+struct CompileEval {
+  double loss_eager = 0, loss_compiled = 0, relative_difference = 0;
+  int64_t samples = 0;
+  std::optional<double> accuracy_eager, accuracy_compiled;  // a classifier's
+};
+/// One shape of the probe (compile.probe_seq_lens): one more step on both sides.
+struct CompileProbeStep {
+  bool recompiled = false, new_graph = false, eager = false;
+  double loss_eager = 0, loss_compiled = 0;
+};
+struct CompileProbe {
+  int64_t seq_len = 0;
+  CompileProbeStep train;                // the keys sit in the entry itself
+  std::optional<CompileProbeStep> eval;  // the eval graph on the same batch (AOTInductor)
+};
+/// Under DDP, one side's communication per timed step, averaged over ranks.
+struct CompileDdpSide {
+  double comm_exposed_seconds_per_step = 0, comm_busy_seconds_per_step = 0,
+         comm_overlapped_share = 0, collectives_started_in_backward_per_step = 0;
+};
+struct CompileDdp {
+  int64_t world_size = 0;
+  std::string backend;
+  std::vector<int64_t> bucket_bytes;
+  CompileDdpSide eager;
+  std::optional<CompileDdpSide> compiled;  // null: a captured step (not measurable)
+  std::optional<double> overlap_lost_seconds_per_step, overlap_lost_share_of_compiled_step;
+  std::string method;
+};
+
 struct CompileResult {
   static constexpr const char* kRung = "compile";
   RungStatus status;
   std::string backend, dynamic, device;
+  std::string precision;        // v2
+  int64_t recompile_limit = 0;  // v2
   bool fullgraph = false;
   int64_t world_size = 1;
-  // The rest are present once both sides were timed; a compile that failed before (a graph
-  // break under fullgraph) has timed == false.
-  bool timed = false;
+  // "compile" and "capture": src/compile's CompileReport::to_json (its layout), "capture" only
+  // when AOTInductor and a CUDA-graph capture both ran. v2.
+  nlohmann::json compile_report = nlohmann::json::object();
+  std::optional<nlohmann::json> capture_report;
+  // compile_seconds and cache, once the step compiled (built == true).
+  bool built = false;
   double compile_seconds = 0;
   std::string cache;  // "cold", "cached", "n/a"
+  // The rest are present once both sides were timed; a compile that failed before (a graph
+  // break under fullgraph) or ran eager (graph breaks, fullgraph = false) has timed == false.
+  bool timed = false;
   int64_t graphs = 0, warmup_steps = 0, timed_steps = 0;
+  int64_t eval_graphs = 0;  // v2
+  // v2: CompileReport::to_json's "graph_breaks" and "recompiles", its eval part's "recompiles".
+  nlohmann::json graph_breaks = nlohmann::json::array(), recompiles = nlohmann::json::array(),
+                 eval_recompiles = nlohmann::json::array();
+  std::optional<CompileEval> eval;  // v2
+  std::vector<CompileProbe> probe;  // v2
   CompileSide eager, compiled;
-  std::optional<double> speedup;  // eager median / compiled median
+  std::string peak_memory_method;  // v2
+  std::optional<double> speedup;   // eager median / compiled median (null: ran eager)
   double min_speedup = 0;
   double tolerance = 0, max_relative_loss_difference = 0, max_relative_parameter_difference = 0;
+  // v2, "numerics": where the numbers were worst, and every step's loss on each side.
+  int64_t worst_loss_step = 0;
+  std::string worst_parameter, worst_eval;
+  double worst_parameter_relative_difference = 0, max_relative_eval_loss_difference = 0;
+  std::vector<double> eager_losses, compiled_losses;
+  std::optional<CompileDdp> ddp;  // under torchrun (DDP on both sides)
 };
 
 // ---- profile.json (src/rungs/profile.cpp, src/profile/verdict.cpp) -----------------------------
@@ -119,16 +188,32 @@ struct ProfileOperator {
   std::string name;
   int64_t calls = 0;
   double self_cpu_us = 0, total_cpu_us = 0;
+  nlohmann::json more = nlohmann::json::object();  // the row's other keys (input_shapes, ...)
 };
 struct ProfileMemoryPhase {
   std::string phase, device;
   double peak_allocated_bytes = 0, growth_bytes = 0;
 };
 
+struct ProfileScheduleRecord {  // profile.schedule.*
+  int64_t skip_first = 0, wait = 0, warmup = 0, active = 0, repeat = 0;
+};
+struct ProfileOptionsRecord {  // profile.* switches
+  bool record_shapes = false, profile_memory = false, with_stack = false, with_flops = false,
+       gzip = false;
+};
+
 struct ProfileResult {
   static constexpr const char* kRung = "profile";
   RungStatus status;  // verdict: the verdict's reason
   std::string device;
+  ProfileScheduleRecord schedule;     // v2
+  ProfileOptionsRecord options;       // v2
+  std::vector<double> losses;         // v2; every synced step's loss (also when stopped)
+  std::vector<std::string> problems;  // why the capture is incomplete (written when any)
+  // The other keys of "analysis" and "verdict", as src/profile lays them out (analysis_to_json,
+  // decide_bottleneck: shares, thresholds, the GPU's timeline); the report does not read them.
+  nlohmann::json analysis_more = nlohmann::json::object(), verdict_more = nlohmann::json::object();
   std::string bottleneck;            // "compute-bound", "host-bound", ...
   std::vector<std::string> actions;  // each names the config key or rung that carries it out
   int64_t windows = 0, steps = 0;
@@ -141,14 +226,37 @@ struct ProfileResult {
 
 // ---- scale.json (src/rungs/scale.cpp) ----------------------------------------------------------
 
+/// A rank's memory for the strategy it ran (docs/scale.md, "Memory"), bytes.
+struct ScaleRankMemory {
+  std::string strategy;
+  int64_t parameters = 0, gradients = 0, optimizer_state = 0, model_state = 0;
+  int64_t gathered_parameters_peak = 0, largest_gathered_unit = 0;
+  std::optional<int64_t> activations, step_peak_above_start, peak;  // null: not measured
+  int64_t model_state_ddp = 0, model_state_fsdp = 0;                // "model_state_by_strategy"
+  std::string method;
+};
+
 struct ScaleRank {
   int64_t rank = 0;
+  int64_t local_rank = 0, samples = 0;  // v2
   double seconds = 0, samples_per_second = 0, compute_seconds = 0;
+  double cpu_seconds = 0;                              // v2
+  double step_median = 0, step_p10 = 0, step_p90 = 0;  // v2, "step_seconds"
   std::optional<double> tokens_per_second;
   // phase_seconds: summed over the measured steps
   double data_wait_seconds = 0, forward_seconds = 0, backward_seconds = 0, comm_exposed_seconds = 0,
          optimizer_seconds = 0;
   double comm_busy_seconds = 0;
+  int64_t comm_collectives = 0, comm_bytes = 0;  // v2, "comm"
+  double comm_blocked_seconds = 0;               // v2
+  double comm_overlapped_share = 0;              // v2
+  std::optional<ScaleRankMemory> memory;         // v2
+};
+
+struct ScaleBaseline {  // rank 0 alone
+  std::string method, note;
+  double samples_per_second = 0, median_step_seconds = 0;
+  int64_t steps = 0;
 };
 
 struct ScaleResult {
@@ -156,13 +264,30 @@ struct ScaleResult {
   RungStatus status;
   int64_t world_size = 0;
   std::string strategy, strategy_reason, backend, device;
+  // v2: dist.strategy = "auto"'s decision, as src/rungs/session.cpp's choice lays it out; null
+  // otherwise.
+  nlohmann::json strategy_decision;
+  int64_t threads_per_process = 0, batch_size_per_process = 0, grad_accum_steps = 0,
+          global_batch_samples = 0, seq_len = 0, warmup_steps = 0, measured_steps = 0;  // v2
+  int64_t first_bucket_cap_bytes = 0, bucket_cap_bytes = 0;  // v2, "bucket_cap_bytes"
   double global_samples_per_second = 0;
   std::optional<double> global_tokens_per_second;
   double median_step_seconds = 0, comm_exposed_share_of_step = 0;
-  std::optional<double> baseline_samples_per_second;  // null in a world of one
+  double compute_seconds_per_step = 0, comm_busy_seconds_per_step = 0,
+         comm_exposed_seconds_per_step = 0;  // v2, "global"
+  std::optional<ScaleBaseline> baseline;     // null in a world of one
   std::optional<double> scaling_efficiency, speedup;
   bool replicas_in_sync = false;
+  std::string weights_hash;    // v2; rank 0's
+  std::vector<double> losses;  // v2
   std::vector<ScaleRank> per_rank;
+  std::vector<std::pair<std::string, std::string>> table;  // v2; the rows the ranks printed
+  // Written by the process that launched the ranks (kiln ladder, kiln scale without torchrun).
+  std::optional<std::string> ranks_run_dir;
+  std::optional<int64_t> torchrun_status;  // torchrun failed before the ranks wrote scale.json
+
+  /// baseline->samples_per_second, when measured.
+  std::optional<double> baseline_samples_per_second() const;
 };
 
 // ---- checkpoint.json (src/rungs/checkpoint_drill.cpp) ------------------------------------------
@@ -190,6 +315,25 @@ struct MemoryParts {  // bytes
   double parameters = 0, gradients = 0, optimizer = 0, activations_and_logits = 0, step_peak = 0;
 };
 
+struct PilotMemoryPart {  // memory.parts[]: measured beside estimated
+  std::string part;
+  double measured_bytes = 0, estimated_bytes = 0;
+};
+
+/// The restore in a fresh process (pilot.json "restore").
+struct PilotRestore {
+  bool passed = false;
+  double seconds = 0;
+  int64_t step = 0, exit_status = 0;
+  bool loss_bitwise_equal = false;
+  std::vector<std::string> differing_tensors;
+  int64_t world_size = 1;                                   // v2
+  double tolerance = 0, recovery_seconds = 0;               // v2
+  std::optional<std::vector<int64_t>> exit_status_by_rank;  // world > 1
+  std::optional<double> loss_here, loss_restored;           // once the restore ran
+  std::optional<bool> loss_equal;
+};
+
 struct PilotResult {
   static constexpr const char* kRung = "pilot";
   RungStatus status;
@@ -197,20 +341,28 @@ struct PilotResult {
   int64_t world_size = 1, steps = 0;
   int64_t micro_batch = 0, seq_len = 0, grad_accum_steps = 0;
   std::string precision;
+  std::string compile_backend;  // v2
   double step_seconds = 0, loss = 0, eval_seconds = 0, val_loss = 0, wall_seconds = 0;
+  double flops_per_step = 0;                    // v2
+  std::optional<double> peak_flops_per_second;  // v2; null: no catalog peak for the device
   std::optional<double> mfu;
+  MatmulPeakRecord matmul_peak;   // v2
+  double mfu_of_matmul_peak = 0;  // v2
   double checkpoint_bytes = 0, save_seconds = 0, write_bytes_per_second = 0;
   std::string memory_method;
   MemoryParts estimated, measured;  // estimated.activations_and_logits = activations + logits
   double estimated_activations_bytes = 0, estimated_logits_bytes = 0;  // the estimate's two parts
+  // The estimate's other keys, as src/plan's to_json(MemoryEstimate) lays them out.
+  nlohmann::json estimate_more = nlohmann::json::object();
+  // v2, memory.measured's other parts.
+  double measured_held_gradient_bytes = 0, measured_step_peak_above_state_bytes = 0;
+  std::optional<double> measured_process_peak_rss_bytes, measured_reserved_bytes;
+  std::vector<PilotMemoryPart> memory_parts;  // v2
+  std::string memory_differs_most;            // v2
   double measured_over_estimate = 0;
+  double activation_ratio = 0;  // v2
   bool within_allowed_error = false;
-  // The restore in a fresh process.
-  bool restore_passed = false;
-  double restore_seconds = 0;
-  int64_t restore_step = 0, restore_exit_status = 0;
-  bool loss_bitwise_equal = false;
-  std::vector<std::string> differing_tensors;
+  PilotRestore restore;
 };
 
 // ---- plan.json (src/plan/planner.cpp, src/rungs/plan.cpp) --------------------------------------
@@ -303,6 +455,8 @@ KILN_RESULT_JSON(CheckpointResult)
 KILN_RESULT_JSON(PilotResult)
 KILN_RESULT_JSON(PlanResult)
 KILN_RESULT_JSON(RunIdentity)
+KILN_RESULT_JSON(ScaleRank)     // one rank's entry: the ranks exchange them
+KILN_RESULT_JSON(PilotRestore)  // rank 0's restore check: the ranks share it
 KILN_RESULT_JSON(MetricsRecord)
 #undef KILN_RESULT_JSON
 

@@ -4,21 +4,30 @@
 #pragma once
 
 #include <functional>
-#include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
+#include <variant>
 #include <vector>
 
+#include "kiln/results.h"
 #include "kiln/session.h"
 
 namespace kiln {
+
+/// What a rung wrote to <rung>.json, typed (kiln/results.h); monostate when the rung stopped with
+/// an error before writing it.
+using RungNumbers = std::variant<std::monostate, BaselineResult, CompileResult, ProfileResult,
+                                 ScaleResult, CheckpointResult, PilotResult, PlanResult>;
 
 struct RungResult {
   std::string rung;
   bool passed = false;
   std::string verdict;                                     // one line: why it passed or failed
-  nlohmann::json numbers;                                  // what <rung>.json holds
+  RungNumbers numbers;                                     // what <rung>.json holds
   std::vector<std::pair<std::string, std::string>> table;  // rows to print and report
+
+  /// The rung's status as its result holds it (nullptr for monostate).
+  const RungStatus* status() const;
 };
 
 /// Prints a rung's table to stdout.
@@ -103,7 +112,14 @@ const std::vector<Rung>& ladder_rungs();
 /// `kiln ladder --check` calls it; scripts/gpu-check runs that before its GPU ladder.
 std::vector<std::string> check_ladder(const Config& config);
 
+/// Under torchrun, after each rung: every rank's outcome of it shared, so every rank takes the same
+/// branch (stop, or the next rung's collectives). The rung passed only if it passed on every rank;
+/// the verdict is rank 0's (its file's, which only rank 0 reads back), or the first failed rank's
+/// as "rank N: ...". Collective: every rank calls it once per rung (also after a rung that threw).
+void agree_on_rung_outcome(Communicator& comm, RungResult& result);
+
 /// Runs the enabled rungs in order, stops at the first failed gate, writes <run dir>/report.md.
+/// Under torchrun every rank runs it; rank 0 reads each rung's file back and writes the reports.
 /// Calls check_ladder first. Returns the results of the rungs that ran.
 std::vector<RungResult> run_ladder(const Config& config, const SessionOptions& options);
 

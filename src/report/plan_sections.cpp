@@ -33,12 +33,12 @@ void pilot_section(const RunData& run, SectionSink& sink) {
   }
   section->chart(memory);
   const std::string restore =
-      p.restore_passed
-          ? fmt::format("step {} restored in a fresh process in {}: loss {}", p.restore_step,
-                        seconds_text(p.restore_seconds),
-                        p.loss_bitwise_equal ? "bitwise equal" : "equal within tolerance")
-          : fmt::format("FAILED (exit status {}), {} differing tensor(s)", p.restore_exit_status,
-                        p.differing_tensors.size());
+      p.restore.passed
+          ? fmt::format("step {} restored in a fresh process in {}: loss {}", p.restore.step,
+                        seconds_text(p.restore.seconds),
+                        p.restore.loss_bitwise_equal ? "bitwise equal" : "equal within tolerance")
+          : fmt::format("FAILED (exit status {}), {} differing tensor(s)", p.restore.exit_status,
+                        p.restore.differing_tensors.size());
   section->measures({
       {"step peak",
        fmt::format("{} measured, {} estimated ({:.2f}x){}", bytes_text(p.measured.step_peak),
@@ -60,7 +60,8 @@ void pilot_section(const RunData& run, SectionSink& sink) {
                            p.config_hash)},
       {"whole pilot", seconds_text(p.wall_seconds)},
   });
-  if (!p.differing_tensors.empty()) section->bullets("Differing tensors", p.differing_tensors);
+  if (!p.restore.differing_tensors.empty())
+    section->bullets("Differing tensors", p.restore.differing_tensors);
   section->details("Every number of pilot.json the report reads", flatten(nlohmann::json(p)));
 }
 

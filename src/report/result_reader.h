@@ -7,12 +7,14 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kiln/results.h"
@@ -34,6 +36,10 @@ template <class T>
 struct is_optional : std::false_type {};
 template <class T>
 struct is_optional<std::optional<T>> : std::true_type {};
+template <class T>
+struct is_pair : std::false_type {};
+template <class A, class B>
+struct is_pair<std::pair<A, B>> : std::true_type {};
 template <class T>
 struct is_vector : std::false_type {};
 template <class T>
@@ -57,6 +63,10 @@ void read_value(const json& v, const std::string& what, T& out) {
       read_value(v[k], fmt::format("{}[{}]", what, k), x);
       out.push_back(std::move(x));
     }
+  } else if constexpr (is_pair<T>::value) {  // a two-element array
+    if (!v.is_array() || v.size() != 2) fail(what, "is " + type_of(v) + ", expected a pair");
+    read_value(v[0], what + "[0]", out.first);
+    read_value(v[1], what + "[1]", out.second);
   } else if constexpr (std::is_same_v<T, json>) {
     out = v;
   } else if constexpr (std::is_same_v<T, bool>) {
@@ -87,6 +97,8 @@ json write_value(const T& value) {
     json out = json::array();
     for (const auto& x : value) out.push_back(write_value(x));
     return out;
+  } else if constexpr (is_pair<T>::value) {
+    return json::array({write_value(value.first), write_value(value.second)});
   } else {
     return json(value);
   }
@@ -127,6 +139,7 @@ class ReadIo {
   template <class T>
   void opt(const char* key, std::optional<T>& value) const {
     value.reset();
+    if (contains(key)) seen_.emplace_back(key);
     if (has(key)) read_value(value_[key], name(key), value);
   }
   /// A key added in schema version `since`: an older file may lack it (the default stays).
@@ -147,6 +160,23 @@ class ReadIo {
     ReadIo sub(at(key), name(key), version_);
     fields(sub);
   }
+  /// An object added in schema version `since`: an older file may lack it.
+  template <class F>
+  void since_object(int since, const char* key, F&& fields) const {
+    if (version_ < since && !contains(key)) return;
+    object(key, std::forward<F>(fields));
+  }
+  /// An object written only when there is something to say: absent or null is nullopt.
+  template <class X, class F>
+  void opt_object(const char* key, std::optional<X>& value, F&& fields) const {
+    value.reset();
+    if (contains(key)) seen_.emplace_back(key);
+    if (!has(key)) return;
+    ReadIo sub(value_[key], name(key), version_);
+    X x{};
+    fields(sub, x);
+    value = std::move(x);
+  }
   /// An object, or null when there is nothing to say.
   template <class X, class F>
   void nullable_object(const char* key, std::optional<X>& value, F&& fields) const {
@@ -156,6 +186,15 @@ class ReadIo {
     X x{};
     fields(sub, x);
     value = std::move(x);
+  }
+  /// The object's keys the field list did not read (another component's layout, kept whole):
+  /// call it last. Written back by WriteIo::rest beside the typed keys.
+  void rest(json& more) const {
+    more = json::object();
+    for (auto it = value_.begin(); it != value_.end(); ++it) {
+      if (it.key() == "schema_version") continue;
+      if (std::find(seen_.begin(), seen_.end(), it.key()) == seen_.end()) more[it.key()] = *it;
+    }
   }
   template <class X, class F>
   void list(const char* key, std::vector<X>& items, F&& fields) const {
@@ -173,12 +212,14 @@ class ReadIo {
  private:
   const json& at(const char* key) const {
     if (!value_.contains(key)) fail(name(key), "is missing");
+    seen_.emplace_back(key);
     return value_[key];
   }
   std::string name(const char* key) const { return path_.empty() ? key : path_ + "." + key; }
   const json& value_;
   std::string path_;
   int version_;
+  mutable std::vector<std::string> seen_;  // the keys read (rest() keeps the others)
 };
 
 // Writes a struct's field list into one JSON object: the same calls as ReadIo.
@@ -212,6 +253,18 @@ class WriteIo {
     fields(io);
     out_[key] = std::move(sub);
   }
+  template <class F>
+  void since_object(int, const char* key, F&& fields) const {
+    object(key, std::forward<F>(fields));
+  }
+  template <class X, class F>
+  void opt_object(const char* key, const std::optional<X>& value, F&& fields) const {
+    if (!value) return;
+    json sub;
+    WriteIo io(sub);
+    fields(io, const_cast<X&>(*value));  // WriteIo only reads it
+    out_[key] = std::move(sub);
+  }
   template <class X, class F>
   void nullable_object(const char* key, const std::optional<X>& value, F&& fields) const {
     if (!value) {
@@ -222,6 +275,13 @@ class WriteIo {
     WriteIo io(sub);
     fields(io, const_cast<X&>(*value));  // WriteIo only reads it
     out_[key] = std::move(sub);
+  }
+  /// The keys ReadIo::rest kept, beside the typed ones (a typed key wins).
+  void rest(const json& more) const {
+    if (!more.is_object()) return;
+    for (auto it = more.begin(); it != more.end(); ++it) {
+      if (!out_.contains(it.key())) out_[it.key()] = *it;
+    }
   }
   template <class X, class F>
   void list(const char* key, const std::vector<X>& items, F&& fields) const {
@@ -261,6 +321,18 @@ void write_fields(json& j, const T& value, Walk&& walk) {
   void to_json(json& j, const T& value) {                                \
     write_fields(j, value, [](const auto& io, T& v) { fields(io, v); }); \
   }
+
+/// "matmul_peak" (kiln/plan.h to_json(MatmulPeak)): baseline.json and pilot.json.
+template <class Io>
+void matmul_peak_fields(const Io& io, MatmulPeakRecord& m) {
+  io("flops_per_second", m.flops_per_second);
+  io("m", m.m);
+  io("n", m.n);
+  io("k", m.k);
+  io("dtype", m.dtype);
+  io("median_seconds", m.median_seconds);
+  io("repeats", m.repeats);
+}
 
 /// The status every rung file starts with. Returns whether the rung measured anything (the rest
 /// of the field list follows): on reading, a file that passed or holds `anchor`. A rung that

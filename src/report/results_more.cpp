@@ -45,6 +45,23 @@ void checkpoint_fields(const Io& io, CheckpointResult& c) {
 // ---- pilot -------------------------------------------------------------------------------------
 
 template <class Io>
+void pilot_restore_fields(const Io& restore, PilotRestore& r) {
+  restore("passed", r.passed);
+  restore("seconds", r.seconds);
+  restore("step", r.step);
+  restore("exit_status", r.exit_status);
+  restore("loss_bitwise_equal", r.loss_bitwise_equal);
+  restore("differing_tensors", r.differing_tensors);
+  restore.since(2, "world_size", r.world_size);
+  restore.since(2, "tolerance", r.tolerance);
+  restore.since(2, "recovery_seconds", r.recovery_seconds);
+  restore.opt("exit_status_by_rank", r.exit_status_by_rank);
+  restore.opt("loss_here", r.loss_here);
+  restore.opt("loss_restored", r.loss_restored);
+  restore.opt("loss_equal", r.loss_equal);
+}
+
+template <class Io>
 void pilot_fields(const Io& io, PilotResult& p) {
   if (!status_fields(io, p.status, "memory")) return;
   io("job_hash", p.job_hash);
@@ -59,12 +76,17 @@ void pilot_fields(const Io& io, PilotResult& p) {
     shape("grad_accum_steps", p.grad_accum_steps);
     shape("precision", p.precision);
   });
+  io.since(2, "compile_backend", p.compile_backend);
   io("step_seconds", p.step_seconds);
   io("loss", p.loss);
+  io.since(2, "flops_per_step", p.flops_per_step);
+  io.since(2, "peak_flops_per_second", p.peak_flops_per_second);
+  io("mfu", p.mfu);
+  io.since_object(2, "matmul_peak", [&](const Io& m) { matmul_peak_fields(m, p.matmul_peak); });
+  io.since(2, "mfu_of_matmul_peak", p.mfu_of_matmul_peak);
   io("eval_seconds", p.eval_seconds);
   io("val_loss", p.val_loss);
   io("wall_seconds", p.wall_seconds);
-  io("mfu", p.mfu);
   io.object("checkpoint", [&](const Io& ckpt) {
     ckpt("bytes", p.checkpoint_bytes);
     ckpt("save_seconds", p.save_seconds);
@@ -78,6 +100,7 @@ void pilot_fields(const Io& io, PilotResult& p) {
       est("optimizer_bytes", p.estimated.optimizer);
       est("activations_bytes", p.estimated_activations_bytes);
       est("logits_bytes", p.estimated_logits_bytes);
+      est.rest(p.estimate_more);
     });
     if constexpr (Io::kReading) {
       p.estimated.activations_and_logits = p.estimated_activations_bytes + p.estimated_logits_bytes;
@@ -89,18 +112,26 @@ void pilot_fields(const Io& io, PilotResult& p) {
       meas("optimizer_bytes", p.measured.optimizer);
       meas("activations_and_logits_bytes", p.measured.activations_and_logits);
       meas("peak_bytes", p.measured.step_peak);
+      meas.since(2, "held_gradient_bytes", p.measured_held_gradient_bytes);
+      meas.since(2, "step_peak_above_state_bytes", p.measured_step_peak_above_state_bytes);
+      meas.since(2, "process_peak_rss_bytes", p.measured_process_peak_rss_bytes);
+      meas.since(2, "reserved_bytes", p.measured_reserved_bytes);
     });
+    bool has_parts = true;
+    if constexpr (Io::kReading) has_parts = memory.version() >= 2 || memory.contains("parts");
+    if (has_parts) {
+      memory.list("parts", p.memory_parts, [](const Io& x, PilotMemoryPart& part) {
+        x("part", part.part);
+        x("measured_bytes", part.measured_bytes);
+        x("estimated_bytes", part.estimated_bytes);
+      });
+    }
+    memory.since(2, "differs_most", p.memory_differs_most);
     memory("measured_over_estimate", p.measured_over_estimate);
+    memory.since(2, "activation_ratio", p.activation_ratio);
     memory("within_allowed_error", p.within_allowed_error);
   });
-  io.object("restore", [&](const Io& restore) {
-    restore("passed", p.restore_passed);
-    restore("seconds", p.restore_seconds);
-    restore("step", p.restore_step);
-    restore("exit_status", p.restore_exit_status);
-    restore("loss_bitwise_equal", p.loss_bitwise_equal);
-    restore("differing_tensors", p.differing_tensors);
-  });
+  io.object("restore", [&](const Io& restore) { pilot_restore_fields(restore, p.restore); });
 }
 
 // ---- plan --------------------------------------------------------------------------------------
@@ -240,6 +271,7 @@ void metrics_fields(const Io& io, MetricsRecord& m) {
 
 KILN_RESULT_FIELDS(CheckpointResult, checkpoint_fields)
 KILN_RESULT_FIELDS(PilotResult, pilot_fields)
+KILN_RESULT_FIELDS(PilotRestore, pilot_restore_fields)
 KILN_RESULT_FIELDS(PlanResult, plan_fields)
 
 // The manifest and metrics records are not rung files: no schema version of their own.

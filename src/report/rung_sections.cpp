@@ -38,6 +38,14 @@ void baseline_section(const RunData& run, SectionSink& sink) {
       {"MFU", b.mfu ? fmt::format("{} of {} FLOP/s peak", percent_text(*b.mfu),
                                   short_number(b.peak_flops_per_second.value_or(NAN)))
                     : "n/a: the device has no peak in the hardware catalog"},
+      {"MFU of the measured matmul",
+       b.mfu_of_matmul_peak && b.matmul_peak
+           ? fmt::format("{} of {} FLOP/s ({} GEMM {} x {} x {}, median of {})",
+                         percent_text(*b.mfu_of_matmul_peak),
+                         short_number(b.matmul_peak->flops_per_second), b.matmul_peak->dtype,
+                         b.matmul_peak->m, b.matmul_peak->n, b.matmul_peak->k,
+                         b.matmul_peak->repeats)
+           : std::string("n/a: not timed (a baseline.json older than the timed matmul)")},
       {"achieved",
        fmt::format("{} FLOP/s ({} FLOP/sample)", short_number(b.achieved_flops_per_second),
                    short_number(b.flops_per_sample))},
@@ -190,8 +198,8 @@ void scale_section(const RunData& run, SectionSink& sink) {
       {"strategy", s.strategy + (s.strategy_reason.empty() ? "" : ": " + s.strategy_reason)},
       {"processes", fmt::format("{} ({} backend, {})", s.world_size, s.backend, s.device)},
       {"global throughput", throughput_text(global, tokens)},
-      {"one process", s.baseline_samples_per_second
-                          ? throughput_text(*s.baseline_samples_per_second, false)
+      {"one process", s.baseline_samples_per_second()
+                          ? throughput_text(*s.baseline_samples_per_second(), false)
                           : "- (a world of one)"},
       {"scaling efficiency", s.scaling_efficiency ? percent_text(*s.scaling_efficiency) : "-"},
       {"speedup", s.speedup ? fmt::format("{:.2f}x", *s.speedup) : "-"},

@@ -82,6 +82,11 @@ ScoreRow baseline_row(const RunData& run) {
   row.figures.push_back(throughput_figure(b.tokens_per_second, b.samples_per_second, "", ""));
   row.figures.push_back(b.mfu ? Figure{"mfu", "MFU " + percent_text(*b.mfu), *b.mfu}
                               : Figure{"mfu", "MFU n/a (no catalog peak for the device)", kNone});
+  if (b.mfu_of_matmul_peak) {  // against the job's GEMM timed on the device (no catalog needed)
+    row.figures.push_back({"mfu_of_matmul_peak",
+                           percent_text(*b.mfu_of_matmul_peak) + " of the measured matmul peak",
+                           *b.mfu_of_matmul_peak});
+  }
   if (b.status.passed)
     row.decision = "correct eager training: the reference the rungs above measure against";
   return row;

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <type_traits>
+#include <variant>
 
 #include "core/clock.h"
 #include "core/files.h"
@@ -33,11 +35,23 @@ RungResult finish_baseline(Session& session, const BaselineResult& out) {
   result.verdict = out.status.verdict;
   result.numbers = out;
   result.table = result_rows(out);
-  session.run->write_json("baseline.json", result.numbers);
+  session.run->write_json("baseline.json", json(out));
   return result;
 }
 
 }  // namespace
+
+const RungStatus* RungResult::status() const {
+  return std::visit(
+      [](const auto& typed) -> const RungStatus* {
+        if constexpr (std::is_same_v<std::decay_t<decltype(typed)>, std::monostate>) {
+          return nullptr;
+        } else {
+          return &typed.status;
+        }
+      },
+      numbers);
+}
 
 void print_rung(const RungResult& result) {
   size_t width = 0;
@@ -128,6 +142,18 @@ RungResult run_baseline(Session& session) {
     peak_source = fmt::format("hardware catalog ({}, {})", device_name, training_precision(config));
   }
   const double min_drop = config.get_float("baseline.min_loss_drop");
+  // The device's achievable matmul at the job's shape and precision, timed as the pilot times it
+  // (kiln/plan.h): an MFU that means something where no catalog row does. A short budget (at
+  // least 5 repetitions): the baseline is run often. Informational: a model the plan's shapes do
+  // not describe leaves it out (null), with a warning.
+  std::optional<MatmulPeak> matmul;
+  try {
+    const JobShape job = job_shape(config);
+    matmul = measure_matmul_peak(job_matmul_shape(model_shape(config), job), job.precision,
+                                 session.device.str(), 0.05);
+  } catch (const std::exception& e) {
+    log::warn("baseline: the matmul peak was not timed: " + one_line_error(e));
+  }
 
   // Parameter, gradient and optimizer-state bytes: the model state a step must hold.
   double param_bytes = 0, state_bytes = 0;
@@ -168,6 +194,12 @@ RungResult run_baseline(Session& session) {
   out.val_loss_final = final_eval.loss;
   if (final_eval.accuracy >= 0) out.val_accuracy_final = final_eval.accuracy;
   out.skipped_steps = trainer.skipped_steps();
+  if (matmul && matmul->flops_per_second > 0) {
+    out.matmul_peak = MatmulPeakRecord{
+        matmul->flops_per_second, matmul->shape.m, matmul->shape.n, matmul->shape.k, matmul->dtype,
+        matmul->median_seconds,   matmul->repeats};
+    out.mfu_of_matmul_peak = achieved_flops / matmul->flops_per_second;
+  }
 
   // The gate.
   std::vector<std::string> problems;

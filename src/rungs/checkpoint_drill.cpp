@@ -240,7 +240,7 @@ RungResult run_checkpoint_drill(const Config& config, const SessionOptions& opti
   result.rung = "checkpoint";
   result.passed = drilled.status.passed;
   result.verdict = drilled.status.verdict;
-  result.numbers = written;
+  result.numbers = drilled;
   result.table = result_rows(drilled);
   return result;
 }

@@ -19,6 +19,7 @@
 #include "kiln/models.h"
 #include "kiln/results.h"
 #include "kiln/rungs.h"
+#include "rungs/compile_parts.h"
 
 namespace kiln {
 namespace {
@@ -41,20 +42,19 @@ struct ParameterDifference {
 };
 
 // The eval loss (and correct predictions) of one batch, eager, with the model in eval mode.
-CompiledForwardBackward::EvalOutputs eager_eval(Model& model, const Batch& batch) {
+StepExecutor::EvalOutputs eager_eval(Model& model, const Batch& batch) {
   torch::NoGradGuard no_grad;
   model.eval();
   const torch::Tensor logits = model.forward(batch.inputs);
-  CompiledForwardBackward::EvalOutputs out{model.loss(logits, batch.targets), {}};
+  StepExecutor::EvalOutputs out{model.loss(logits, batch.targets), {}};
   out.correct = model.correct_predictions(logits, batch.targets);  // undefined: no accuracy
   model.train();
   return out;
 }
 
 // The same through the compiled step's eval graph (eager when the batch must run eager).
-CompiledForwardBackward::EvalOutputs compiled_eval(CompiledStep& step, Model& model,
-                                                   const Batch& batch) {
-  CompiledForwardBackward::EvalOutputs out;
+StepExecutor::EvalOutputs compiled_eval(CompiledStep& step, Model& model, const Batch& batch) {
+  StepExecutor::EvalOutputs out;
   {
     torch::NoGradGuard no_grad;
     model.eval();
@@ -126,15 +126,16 @@ class CommMeter final : public TrainerHook {
   bool in_step_ = false, seen_comm_ = false;
 };
 
-json step_time_json(const std::vector<double>& seconds, int64_t tokens_per_step,
-                    int64_t samples_per_step) {
-  const double median = percentile(seconds, 0.5);
-  return {
-      {"median_seconds", median},
-      {"p90_seconds", percentile(seconds, 0.9)},
-      {"samples_per_second", static_cast<double>(samples_per_step) / median},
-      {"tokens_per_second",
-       tokens_per_step > 0 ? json(static_cast<double>(tokens_per_step) / median) : json(nullptr)}};
+CompileSide compile_side(const std::vector<double>& seconds, int64_t tokens_per_step,
+                         int64_t samples_per_step, const PeakMemory& peak) {
+  CompileSide side;
+  side.median_seconds = percentile(seconds, 0.5);
+  side.p90_seconds = percentile(seconds, 0.9);
+  side.samples_per_second = static_cast<double>(samples_per_step) / side.median_seconds;
+  if (tokens_per_step > 0)
+    side.tokens_per_second = static_cast<double>(tokens_per_step) / side.median_seconds;
+  side.peak_memory_bytes = peak.allocated_bytes;
+  return side;
 }
 
 }  // namespace
@@ -171,7 +172,7 @@ RungResult run_compile(Session& session) {
   if (options.inductor()) {
     step = std::make_shared<CompiledStep>(compiled_config, compiled.model(),
                                           compiled.options().device);
-    compiled.set_compiled_step(step);
+    compiled.set_step_executor(step);
   }
   const auto captured = attach_captured_step(compiled, compiled_config);  // CUDA graphs
   // The report of the compiler that decides graphs and recompiles: AOTInductor's when it runs
@@ -193,24 +194,23 @@ RungResult run_compile(Session& session) {
     compiled.add_hook(compiled_comm);
   }
 
-  json numbers = {{"backend", backend_name(options.backend)},
-                  {"precision", config.get_string("train.precision")},
-                  {"dynamic", dynamic_name(options.dynamic)},
-                  {"fullgraph", options.fullgraph},
-                  {"recompile_limit", options.recompile_limit},
-                  {"device", session.device.str()},
-                  {"world_size", distributed ? session.comm->world_size() : 1}};
+  // compile.json, filled as the rung goes and written once through its typed result.
+  CompileResult out;
+  out.backend = backend_name(options.backend);
+  out.precision = config.get_string("train.precision");
+  out.dynamic = dynamic_name(options.dynamic);
+  out.fullgraph = options.fullgraph;
+  out.recompile_limit = options.recompile_limit;
+  out.device = session.device.str();
+  out.world_size = distributed ? session.comm->world_size() : 1;
   auto finish = [&](bool passed, const std::string& verdict) {
+    out.status = {kResultSchemaVersion, passed, verdict, /*measured=*/true};
+    out.compile_report = report_of().to_json();  // src/compile's layout
+    if (step && captured) out.capture_report = captured->report().to_json();
     result.passed = passed;
     result.verdict = verdict;
-    numbers["compile"] = report_of().to_json();
-    if (step && captured) numbers["capture"] = captured->report().to_json();
-    numbers["passed"] = passed;
-    numbers["verdict"] = verdict;
-    numbers["schema_version"] = kResultSchemaVersion;
-    checked_result<CompileResult>(numbers);  // the report's reader reads what the rung wrote
-    result.numbers = numbers;
-    session.run->write_json("compile.json", numbers);
+    result.numbers = out;
+    session.run->write_json("compile.json", json(out));
     return result;
   };
 
@@ -253,11 +253,11 @@ RungResult run_compile(Session& session) {
                     : !units.empty() ? std::any_of(units.begin(), units.end(),
                                                    [](const auto& u) { return !u.cache_hit; })
                                      : false;
-  numbers["compile_seconds"] = compile_seconds;
-  numbers["cache"] = any_graph ? (cold ? "cold" : "cached") : "n/a";
+  out.built = true;
+  out.compile_seconds = compile_seconds;
+  out.cache = any_graph ? (cold ? "cold" : "cached") : "n/a";
   if (report_of().fallback_to_eager) {
     result.table.emplace_back("graph breaks", describe_breaks(report_of().breaks));
-    numbers["speedup"] = nullptr;
     return finish(true,
                   fmt::format("stay eager: the step has {} graph break(s) and "
                               "compile.fullgraph = false, so it runs eager: {}",
@@ -309,25 +309,20 @@ RungResult run_compile(Session& session) {
   //     evaluates): the same validation batches, after the same steps.
   double worst_eval_difference = 0;
   std::string worst_eval_where;
-  json eval_numbers = json::object();
   if (eval_shapes) {
     const EvalStats e = eager.evaluate();
     const EvalStats c = compiled.evaluate();
     worst_eval_difference = relative_difference(c.loss, e.loss);
     worst_eval_where = fmt::format("the validation batches after step {}", eager.step());
-    eval_numbers = {{"loss_eager", e.loss},
-                    {"loss_compiled", c.loss},
-                    {"relative_difference", worst_eval_difference},
-                    {"samples", e.samples}};
+    out.eval = CompileEval{e.loss, c.loss, worst_eval_difference, e.samples, {}, {}};
     if (e.accuracy >= 0) {
-      eval_numbers["accuracy_eager"] = e.accuracy;
-      eval_numbers["accuracy_compiled"] = c.accuracy;
+      out.eval->accuracy_eager = e.accuracy;
+      out.eval->accuracy_compiled = c.accuracy;
     }
   }
 
   // 4. The shape probe: shorter sequences stand in for variable-length data. Each is one more
   //    step on both sides (same truncated batch), so numerics are checked on every graph.
-  json probe = json::array();
   const bool tokens = example.inputs.dim() == 2 && example.targets.dim() == 2;
   if (tokens) {
     Batch next = eager.data().train->get(first_indices);
@@ -345,12 +340,11 @@ RungResult run_compile(Session& session) {
         worst_loss_step = e.step;
       }
       const auto& recompiles = report_of().recompiles;
-      json entry = {{"seq_len", length},
-                    {"recompiled", recompiles.size() > recompiles_before},
-                    {"new_graph", report_of().graphs.size() > graphs_before},
-                    {"eager", recompiles.size() > recompiles_before && !recompiles.back().compiled},
-                    {"loss_eager", e.loss},
-                    {"loss_compiled", c.loss}};
+      CompileProbe entry;
+      entry.seq_len = length;
+      entry.train = {
+          recompiles.size() > recompiles_before, report_of().graphs.size() > graphs_before,
+          recompiles.size() > recompiles_before && !recompiles.back().compiled, e.loss, c.loss};
       if (step) {  // the eval graph on the same batch: eval's own recompiles
         const size_t eval_recompiles_before = step->report().eval_recompiles.size();
         const size_t eval_graphs_before = step->report().eval_graphs.size();
@@ -358,34 +352,48 @@ RungResult run_compile(Session& session) {
         const double got = compiled_eval(*step, compiled.model(), truncated).loss.item<double>();
         const auto& eval_recompiles = step->report().eval_recompiles;
         const bool recompiled = eval_recompiles.size() > eval_recompiles_before;
-        entry["eval"] = {{"recompiled", recompiled},
-                         {"new_graph", step->report().eval_graphs.size() > eval_graphs_before},
-                         {"eager", recompiled && !eval_recompiles.back().compiled},
-                         {"loss_eager", want},
-                         {"loss_compiled", got}};
+        entry.eval =
+            CompileProbeStep{recompiled, step->report().eval_graphs.size() > eval_graphs_before,
+                             recompiled && !eval_recompiles.back().compiled, want, got};
         const double eval_diff = relative_difference(got, want);
         if (!(eval_diff <= worst_eval_difference)) {
           worst_eval_difference = eval_diff;
           worst_eval_where = fmt::format("the probe's batch of length {}", length);
         }
       }
-      probe.push_back(entry);
+      out.probe.push_back(entry);
     }
   }
 
   // 5. Numerics: losses of every step and the parameters after all of them.
   const ParameterDifference parameters = parameter_difference(compiled.model(), eager.model());
-  const double parameter_diff = parameters.overall;
-  const bool losses_agree = worst_loss_difference <= options.tolerance;
-  const bool parameters_agree = parameter_diff <= options.tolerance;
-  const bool evals_agree = worst_eval_difference <= options.tolerance;
-  const double eager_median = percentile(eager_seconds, 0.5);
-  const double compiled_median = percentile(compiled_seconds, 0.5);
-  const double speedup = eager_median / compiled_median;
   const auto& report = report_of();
+  out.timed = true;
+  out.graphs = static_cast<int64_t>(report.graphs.size());  // the training step's; eval's apart
+  out.eval_graphs = step ? static_cast<int64_t>(step->report().eval_graphs.size()) : 0;
+  // src/compile's layouts of the breaks and recompiles.
+  out.graph_breaks = report.to_json()["graph_breaks"];
+  out.recompiles = report.to_json()["recompiles"];
+  out.eval_recompiles = step ? step->report().to_json()["eval"]["recompiles"] : json::array();
+  out.warmup_steps = options.warmup_steps;
+  out.timed_steps = options.steps;
+  out.eager = compile_side(eager_seconds, tokens_per_step, samples_per_step, eager_peak);
+  out.compiled = compile_side(compiled_seconds, tokens_per_step, samples_per_step, compiled_peak);
+  out.peak_memory_method = eager_peak.method;
+  out.speedup = out.eager.median_seconds / out.compiled.median_seconds;
+  out.min_speedup = options.min_speedup;
+  out.tolerance = options.tolerance;
+  out.max_relative_loss_difference = worst_loss_difference;
+  out.worst_loss_step = worst_loss_step;
+  out.max_relative_parameter_difference = parameters.overall;
+  out.worst_parameter = parameters.worst_name;
+  out.worst_parameter_relative_difference = parameters.worst_tensor;
+  out.max_relative_eval_loss_difference = worst_eval_difference;
+  out.worst_eval = worst_eval_where;
+  out.eager_losses = eager_losses;
+  out.compiled_losses = compiled_losses;
 
   // Under DDP: the overlap the compiled step loses (every rank's numbers, averaged).
-  std::string ddp_row;
   if (distributed) {
     torch::Tensor sums = torch::tensor({eager_comm->exposed_seconds, eager_comm->busy_seconds,
                                         static_cast<double>(eager_comm->launched_in_backward),
@@ -399,204 +407,48 @@ RungResult run_compile(Session& session) {
     const double world = session.comm->world_size();
     const double per = world * std::max(1.0, sums[6].item<double>() / world);  // rank-steps
     auto side = [&](int base) {
-      const double exposed = sums[base].item<double>() / per;
-      const double busy = sums[base + 1].item<double>() / per;
-      return json{
-          {"comm_exposed_seconds_per_step", exposed},
-          {"comm_busy_seconds_per_step", busy},
-          {"comm_overlapped_share", busy > 0 ? std::clamp(1.0 - exposed / busy, 0.0, 1.0) : 0.0},
-          {"collectives_started_in_backward_per_step", sums[base + 2].item<double>() / per}};
+      CompileDdpSide d;
+      d.comm_exposed_seconds_per_step = sums[base].item<double>() / per;
+      d.comm_busy_seconds_per_step = sums[base + 1].item<double>() / per;
+      d.comm_overlapped_share =
+          d.comm_busy_seconds_per_step > 0
+              ? std::clamp(1.0 - d.comm_exposed_seconds_per_step / d.comm_busy_seconds_per_step,
+                           0.0, 1.0)
+              : 0.0;
+      d.collectives_started_in_backward_per_step = sums[base + 2].item<double>() / per;
+      return d;
     };
-    const json e = side(0);
+    CompileDdp ddp;
+    ddp.world_size = session.comm->world_size();
+    ddp.backend = session.comm->backend_name();
+    ddp.bucket_bytes = compiled_ddp->bucket_bytes();
+    ddp.eager = side(0);
     // A captured step replays its bucket all-reduces inside the CUDA graph, where the host sees
     // neither their start nor their end: only the eager side is measured then.
-    const json c = captured ? json(nullptr) : side(3);
-    const double lost = captured ? 0.0
-                                 : c["comm_exposed_seconds_per_step"].get<double>() -
-                                       e["comm_exposed_seconds_per_step"].get<double>();
-    numbers["ddp"] = {
-        {"world_size", session.comm->world_size()},
-        {"backend", session.comm->backend_name()},
-        {"bucket_bytes", compiled_ddp->bucket_bytes()},
-        {"eager", e},
-        {"compiled", c},
-        {"overlap_lost_seconds_per_step", captured ? json(nullptr) : json(lost)},
-        {"overlap_lost_share_of_compiled_step",
-         captured ? json(nullptr) : json(compiled_median > 0 ? lost / compiled_median : 0.0)},
-        {"method",
-         captured
-             ? "per timed step, averaged over ranks, eager side only: the captured step's bucket "
-               "all-reduces are nodes of its CUDA graph, issued during the captured backward "
-               "as eager issues them, and invisible to the host on replay"
-             : "per timed step, averaged over ranks: comm_exposed = wall time in the comm phase "
-               "(waiting for the gradient buckets and the loss mean), comm_busy = time with a "
-               "collective in flight; the compiled step returns its gradients at once, so its "
-               "buckets start only after it (no overlap with backward)"}};
-    const std::string eager_row =
-        fmt::format("{} ranks ({}): all-reduce exposed per step eager {:.2f} ms of {:.2f} ms busy",
-                    session.comm->world_size(), session.comm->backend_name(),
-                    1e3 * e["comm_exposed_seconds_per_step"].get<double>(),
-                    1e3 * e["comm_busy_seconds_per_step"].get<double>());
-    ddp_row =
+    if (!captured) {
+      ddp.compiled = side(3);
+      const double lost =
+          ddp.compiled->comm_exposed_seconds_per_step - ddp.eager.comm_exposed_seconds_per_step;
+      ddp.overlap_lost_seconds_per_step = lost;
+      ddp.overlap_lost_share_of_compiled_step =
+          out.compiled.median_seconds > 0 ? lost / out.compiled.median_seconds : 0.0;
+    }
+    ddp.method =
         captured
-            ? fmt::format(
-                  "{}; the captured step replays its all-reduces inside the CUDA graph "
-                  "(not measured)",
-                  eager_row)
-            : fmt::format(
-                  "{} ({:.0f}% overlapped, {:.1f} bucket(s) started in backward), compiled "
-                  "{:.2f} ms of {:.2f} ms ({:.0f}% overlapped, {:.1f} in backward); overlap lost "
-                  "{:.2f} ms per step",
-                  eager_row, 100 * e["comm_overlapped_share"].get<double>(),
-                  e["collectives_started_in_backward_per_step"].get<double>(),
-                  1e3 * c["comm_exposed_seconds_per_step"].get<double>(),
-                  1e3 * c["comm_busy_seconds_per_step"].get<double>(),
-                  100 * c["comm_overlapped_share"].get<double>(),
-                  c["collectives_started_in_backward_per_step"].get<double>(), 1e3 * lost);
-    log::info("compile: DDP overlap: " + ddp_row);
+            ? "per timed step, averaged over ranks, eager side only: the captured step's bucket "
+              "all-reduces are nodes of its CUDA graph, issued during the captured backward as "
+              "eager issues them, and invisible to the host on replay"
+            : "per timed step, averaged over ranks: comm_exposed = wall time in the comm phase "
+              "(waiting for the gradient buckets and the loss mean), comm_busy = time with a "
+              "collective in flight; the compiled step returns its gradients at once, so its "
+              "buckets start only after it (no overlap with backward)";
+    log::info("compile: DDP overlap: " + compile_rung::ddp_overlap_text(ddp));
+    out.ddp = std::move(ddp);
   }
 
-  numbers["graphs"] = report.graphs.size();  // the training step's; eval's apart
-  numbers["eval_graphs"] = step ? step->report().eval_graphs.size() : 0;
-  numbers["graph_breaks"] = report.to_json()["graph_breaks"];
-  numbers["recompiles"] = report.to_json()["recompiles"];
-  numbers["eval_recompiles"] =
-      step ? step->report().to_json()["eval"]["recompiles"] : json::array();
-  numbers["eval"] = eval_numbers;
-  numbers["probe"] = probe;
-  numbers["warmup_steps"] = options.warmup_steps;
-  numbers["timed_steps"] = options.steps;
-  numbers["eager"] = step_time_json(eager_seconds, tokens_per_step, samples_per_step);
-  numbers["compiled"] = step_time_json(compiled_seconds, tokens_per_step, samples_per_step);
-  numbers["eager"]["peak_memory_bytes"] = eager_peak.allocated_bytes;
-  numbers["compiled"]["peak_memory_bytes"] = compiled_peak.allocated_bytes;
-  numbers["peak_memory_method"] = eager_peak.method;
-  numbers["speedup"] = speedup;
-  numbers["min_speedup"] = options.min_speedup;
-  numbers["numerics"] = {{"tolerance", options.tolerance},
-                         {"max_relative_loss_difference", worst_loss_difference},
-                         {"worst_loss_step", worst_loss_step},
-                         {"max_relative_parameter_difference", parameter_diff},
-                         {"worst_parameter", parameters.worst_name},
-                         {"worst_parameter_relative_difference", parameters.worst_tensor},
-                         {"max_relative_eval_loss_difference", worst_eval_difference},
-                         {"worst_eval", worst_eval_where},
-                         {"eager_losses", eager_losses},
-                         {"compiled_losses", compiled_losses}};
-
-  auto& t = result.table;
-  t.emplace_back("backend",
-                 fmt::format("{} (dynamic = {}, fullgraph = {}, precision {})",
-                             backend_name(options.backend), dynamic_name(options.dynamic),
-                             options.fullgraph, config.get_string("train.precision")));
-  auto graph_text = [](const std::vector<CompileReport::Graph>& list) {
-    std::string text;
-    for (const auto& g : list) {
-      if (!text.empty()) text += "; ";
-      text += fmt::format("{}: {}", g.shape.str(),
-                          g.cache_hit ? fmt::format("cached (load {:.2f} s)", g.load_seconds)
-                                      : fmt::format("built in {:.1f} s", g.build_seconds));
-    }
-    return text;
-  };
-  auto recompile_text = [&](const std::vector<Recompile>& list) {
-    int64_t count = 0;
-    std::string text;
-    for (const Recompile& r : list) {
-      count += r.compiled ? 1 : 0;
-      text += fmt::format("; {}{}", r.reason, r.compiled ? "" : " [eager]");
-    }
-    return fmt::format("{} (limit {}){}", count, options.recompile_limit, text);
-  };
-  t.emplace_back("compile time",
-                 fmt::format("{:.1f} s, {} cache", compile_seconds, cold ? "cold" : "warm"));
-  if (report.granularity == "unit") {
-    std::string text;
-    for (const auto& u : report.unit_graphs) {
-      text += fmt::format("{}{} {} ({})", text.empty() ? "" : "; ", u.unit, u.input,
-                          u.eager       ? "eager: graph breaks"
-                          : u.shared    ? "shares an earlier unit's pair"
-                          : u.cache_hit ? "cached pair"
-                                        : fmt::format("built in {:.1f} s", u.build_seconds));
-    }
-    t.emplace_back("graphs", fmt::format("per unit, {} call(s) compiled, root eager: {}",
-                                         report.compiled_unit_forwards,
-                                         text.empty() ? std::string("none") : text));
-  } else {
-    t.emplace_back("graphs",
-                   fmt::format("{}: {}", report.graphs.size(), graph_text(report.graphs)));
-  }
-  if (step) {
-    const auto& eval_graphs = step->report().eval_graphs;
-    t.emplace_back("eval graphs", fmt::format("{}: {}", eval_graphs.size(),
-                                              eval_graphs.empty() ? std::string("none (eager)")
-                                                                  : graph_text(eval_graphs)));
-  }
-  // Graph breaks stop the rung above (fullgraph = true) or make it run eager and return early
-  // (fullgraph = false): here the step compiled whole; the line says which setting that ran under.
-  t.emplace_back("graph breaks",
-                 !report.breaks.empty() ? describe_breaks(report.breaks)
-                 : options.fullgraph
-                     ? std::string("none (compile.fullgraph = true: a break would stop the rung)")
-                     : std::string("none found (compile.fullgraph = false: a break would have "
-                                   "run the step eager)"));
-  t.emplace_back("recompiles", recompile_text(report.recompiles));
-  if (step) t.emplace_back("eval recompiles", recompile_text(step->report().eval_recompiles));
-  auto time_row = [&](const std::vector<double>& seconds) {
-    const double median = percentile(seconds, 0.5);
-    return fmt::format(
-        "median {:.2f} ms, p90 {:.2f} ms, {}", 1e3 * median, 1e3 * percentile(seconds, 0.9),
-        tokens_per_step > 0
-            ? fmt::format("{:.0f} tokens/s", static_cast<double>(tokens_per_step) / median)
-            : fmt::format("{:.0f} samples/s", static_cast<double>(samples_per_step) / median));
-  };
-  t.emplace_back("eager step", time_row(eager_seconds));
-  t.emplace_back("compiled step", time_row(compiled_seconds));
-  t.emplace_back("speedup", fmt::format("{:.2f}x (eager median / compiled median, {} interleaved "
-                                        "steps after {} warm-up)",
-                                        speedup, options.steps, options.warmup_steps));
-  t.emplace_back("numerics",
-                 fmt::format("losses max rel diff {:.2e}, parameters {:.2e} (most in {}: {:.2e}), "
-                             "eval losses {:.2e}; tolerance {:.0e}{}",
-                             worst_loss_difference, parameter_diff, parameters.worst_name,
-                             parameters.worst_tensor, worst_eval_difference, options.tolerance,
-                             config.get_float("compile.tolerance") > 0
-                                 ? std::string(" (compile.tolerance)")
-                                 : " (" + config.get_string("train.precision") + "'s default)"));
-  if (!ddp_row.empty()) t.emplace_back("DDP overlap", ddp_row);
-  t.emplace_back("peak memory",
-                 fmt::format("eager {}, compiled {} ({})", format_bytes(eager_peak.allocated_bytes),
-                             format_bytes(compiled_peak.allocated_bytes), eager_peak.method));
-
-  if (losses_agree && parameters_agree && !evals_agree) {
-    return finish(false, fmt::format("compiled and eager eval losses differ by {:.2e} relative on "
-                                     "{} (tolerance compile.tolerance = {:.0e}); keep evaluation "
-                                     "eager and report the model",
-                                     worst_eval_difference, worst_eval_where, options.tolerance));
-  }
-  if (!losses_agree || !parameters_agree) {
-    return finish(
-        false,
-        !losses_agree
-            ? fmt::format(
-                  "compiled and eager losses differ by {:.2e} relative at step {} (tolerance "
-                  "compile.tolerance = {:.0e}); keep the step eager and report the model",
-                  worst_loss_difference, worst_loss_step, options.tolerance)
-            : fmt::format("compiled and eager parameters differ by {:.2e} relative after {} steps "
-                          "(most in {}: {:.2e}; tolerance compile.tolerance = {:.0e})",
-                          parameter_diff, eager.step(), parameters.worst_name,
-                          parameters.worst_tensor, options.tolerance));
-  }
-  if (speedup >= options.min_speedup) {
-    return finish(true, fmt::format("keep the compiled step: {:.2f}x faster than eager at equal "
-                                    "numerics (set compile.backend = \"{}\" for kiln train)",
-                                    speedup, backend_name(options.backend)));
-  }
-  return finish(
-      true, fmt::format("stay eager: the compiled step is {:.2f}x eager's speed, under "
-                        "compile.min_speedup = {:.2f} (median {:.2f} ms vs {:.2f} ms); "
-                        "profile both to see where the time goes",
-                        speedup, options.min_speedup, 1e3 * compiled_median, 1e3 * eager_median));
+  result.table = compile_rung::compile_table(out, report, step ? &step->report() : nullptr, config);
+  const auto [passed, verdict] = compile_rung::compile_verdict(out, eager.step());
+  return finish(passed, verdict);
 }
 
 }  // namespace kiln

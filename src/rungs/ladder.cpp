@@ -1,6 +1,8 @@
 #include <fmt/format.h>
 
 #include <map>
+#include <type_traits>
+#include <variant>
 
 #include "core/files.h"
 #include "core/strings.h"
@@ -18,6 +20,8 @@
 
 namespace kiln {
 namespace {
+
+using nlohmann::json;
 
 std::string report_markdown(const Config& config, const std::vector<RungResult>& results,
                             const std::vector<std::string>& skipped) {
@@ -43,34 +47,30 @@ std::string report_markdown(const Config& config, const std::vector<RungResult>&
   return out;
 }
 
-template <class T>
-RungStatus status_in_file(const std::filesystem::path& file) {
-  return read_result<T>(file).status;
-}
-
-// The rung's outcome as its <rung>.json says it, read back through the rung's typed result
-// (kiln/results.h): the ladder acts on what the report shows. A file that does not read back fails
-// the rung with the reader's one line.
+// The rung's outcome as its <rung>.json says it, read back through the rung's typed result (the
+// type the rung returned, kiln/results.h): the ladder acts on what the report shows. A file that
+// does not read back, or says otherwise than the rung returned, fails the rung with one line.
+// Only the process that wrote the file (rank 0) reads it; agree_on_outcome shares it.
 void read_back_outcome(const std::filesystem::path& run_dir, RungResult& result) {
-  using Reader = RungStatus (*)(const std::filesystem::path&);
-  static const std::map<std::string, Reader> readers = {
-      {"baseline", status_in_file<BaselineResult>},
-      {"compile", status_in_file<CompileResult>},
-      {"profile", status_in_file<ProfileResult>},
-      {"scale", status_in_file<ScaleResult>},
-      {"checkpoint", status_in_file<CheckpointResult>},
-      {"pilot", status_in_file<PilotResult>},
-      {"plan", status_in_file<PlanResult>}};
-  const auto reader = readers.find(result.rung);
   const auto file = run_dir / (result.rung + ".json");
-  if (reader == readers.end() || !std::filesystem::exists(file)) return;
+  if (std::holds_alternative<std::monostate>(result.numbers) || !std::filesystem::exists(file))
+    return;
   try {
-    const RungStatus status = reader->second(file);
+    const RungStatus status = std::visit(
+        [&](const auto& returned) -> RungStatus {
+          using T = std::decay_t<decltype(returned)>;
+          if constexpr (std::is_same_v<T, std::monostate>) {
+            return {};
+          } else {
+            return read_result<T>(file).status;
+          }
+        },
+        result.numbers);
     if (status.passed != result.passed) {
-      result.passed = false;
       result.verdict = fmt::format("{} says the rung {} but it returned {}: {}", file.string(),
                                    status.passed ? "passed" : "failed",
                                    result.passed ? "passed" : "failed", result.verdict);
+      result.passed = false;
     }
   } catch (const ResultFormatError& e) {
     result.passed = false;
@@ -79,6 +79,24 @@ void read_back_outcome(const std::filesystem::path& run_dir, RungResult& result)
 }
 
 }  // namespace
+
+// Under torchrun every rank runs the ladder; only rank 0 wrote (and read back) the rung's file.
+void agree_on_rung_outcome(Communicator& comm, RungResult& result) {
+  const json mine = {{"passed", result.passed}, {"verdict", result.verdict}};
+  const auto all = comm.all_gather_bytes(mine.dump(-1, ' ', false, json::error_handler_t::replace));
+  bool passed = true;
+  std::string verdict;
+  for (size_t rank = 0; rank < all.size(); ++rank) {
+    const json theirs = json::parse(all[rank]);
+    const bool ok = theirs.at("passed").get<bool>();
+    const std::string text = theirs.at("verdict").get<std::string>();
+    if (rank == 0) verdict = text;
+    if (!ok && passed) verdict = rank == 0 ? text : fmt::format("rank {}: {}", rank, text);
+    passed = passed && ok;
+  }
+  result.passed = passed;
+  result.verdict = verdict;
+}
 
 const std::vector<Rung>& ladder_rungs() {
   static const std::vector<Rung> rungs = {
@@ -133,8 +151,12 @@ std::vector<RungResult> run_ladder(const Config& config, const SessionOptions& o
   check_ladder(config);  // before the lock: a refused ladder leaves no run directory behind
   // Held for every rung: each rung's session in this process shares it, the processes the rungs
   // start (the drill's, the scale rung's ranks) run under it.
-  const auto lock = lock_run_directories(
-      config, options.comm ? *options.comm : *process_communicator(config), options.argv);
+  // The job's communicator (under torchrun every rank runs the ladder; each rung's session finds
+  // the same process group): who writes, and the ranks' agreement after each rung.
+  const std::shared_ptr<Communicator> comm =
+      options.comm ? options.comm : process_communicator(config);
+  const bool writer = comm->rank() == 0;
+  const auto lock = lock_run_directories(config, *comm, options.argv);
   std::vector<RungResult> results;
   std::vector<std::string> skipped;
   bool stopped = false;
@@ -150,17 +172,23 @@ std::vector<RungResult> run_ladder(const Config& config, const SessionOptions& o
     rung_options.metrics_file = "metrics-" + rung.name + ".jsonl";
     try {
       results.push_back(rung.run(config, rung_options));
-      // A single-process ladder reads the file each rung wrote back (under torchrun only rank 0
-      // has it).
-      if (!options.comm || options.comm->world_size() == 1)
-        read_back_outcome(run_directory(config), results.back());
+      if (writer) read_back_outcome(run_directory(config), results.back());
     } catch (const std::exception& e) {  // the report still shows what ran; the error is rethrown
       error = std::current_exception();
-      RungResult failed;
+      RungResult failed;  // no typed numbers: the rung stopped before its result
       failed.rung = rung.name;
       failed.verdict = "error: " + one_line_error(e);
-      failed.numbers = {{"passed", false}, {"error", failed.verdict}};
       results.push_back(std::move(failed));
+    }
+    if (comm->world_size() > 1) {
+      try {
+        agree_on_rung_outcome(*comm, results.back());
+      } catch (const std::exception& e) {  // the group is broken: stop here with what this rank saw
+        results.back().passed = false;
+        results.back().verdict +=
+            " (the ranks could not share the outcome: " + one_line_error(e) + ")";
+        if (!error) error = std::current_exception();
+      }
     }
     print_rung(results.back());
     if (!results.back().passed) {
@@ -168,7 +196,7 @@ std::vector<RungResult> run_ladder(const Config& config, const SessionOptions& o
       stopped = true;
     }
   }
-  if (!options.comm || options.comm->rank() == 0) {
+  if (writer) {
     std::filesystem::path path = run_directory(config) / "report.md";
     std::error_code ec;
     std::filesystem::create_directories(path.parent_path(), ec);

@@ -88,7 +88,7 @@ double device_peak_flops(const Config& config, const std::string& device_name,
 struct MemoryComparison {
   double ratio = 0;          // measured / estimated peak
   double working_ratio = 0;  // measured / estimated step peak above the held state
-  json parts = json::array();
+  std::vector<PilotMemoryPart> parts;
   std::string worst;       // the part whose |measured - estimated| is largest, in words
   std::string table_text;  // one line for the pilot's table
 };
@@ -116,8 +116,7 @@ MemoryComparison compare_memory(const StepMemory& measured, const MemoryEstimate
   out.working_ratio = estimated_working > 0 ? measured.step_peak_bytes / estimated_working : 0;
   double largest = -1;
   for (const Row& row : rows) {
-    out.parts.push_back(
-        {{"part", row.name}, {"measured_bytes", row.measured}, {"estimated_bytes", row.estimated}});
+    out.parts.push_back({row.name, row.measured, row.estimated});
     const double difference = std::abs(row.measured - row.estimated);
     if (difference > largest) {
       largest = difference;
@@ -301,7 +300,9 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   // 5. Restore in a fresh process, one more step there, compare. Under torchrun every rank starts
   // its own child and the children meet in a fresh world (a new port, their own store), so the
   // restore runs at the production world size as well.
-  json restore = {{"step", saved_step}, {"world_size", world}};
+  PilotRestore restore;
+  restore.step = saved_step;
+  restore.world_size = world;
   std::vector<std::string> problems;
   if (writer) write_file_atomic(pilot_dir / "config.toml", config.to_toml(/*with_docs=*/false));
   std::vector<std::pair<std::string, std::string>> child_env;
@@ -337,13 +338,13 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
       checkpoint_step_dir(ckpt.dir, saved_step).string()};
   auto restore_begin = Clock::now();
   int code = wait_process(spawn_process(args, restore_log, child_env));
-  restore["seconds"] = seconds_since(restore_begin);
+  restore.seconds = seconds_since(restore_begin);
   if (world > 1) {  // every rank's exit status, in rank order
     const auto codes = session->comm->all_gather_bytes(std::to_string(code));
-    restore["exit_status_by_rank"] = json::array();
+    restore.exit_status_by_rank.emplace();
     for (size_t r = 0; r < codes.size(); ++r) {
       const int rank_code = std::stoi(codes[r]);
-      restore["exit_status_by_rank"].push_back(rank_code);
+      restore.exit_status_by_rank->push_back(rank_code);
       if (rank_code != 0 && code == 0) code = rank_code;
       if (rank_code != 0) {
         problems.push_back(fmt::format("rank {}'s restore process exited with {} (see {})", r,
@@ -357,21 +358,21 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
     problems.push_back(
         fmt::format("the restore process exited with {} (see {})", code, restore_log.string()));
   }
-  restore["exit_status"] = code;
+  restore.exit_status = code;
   // CPU kernels are deterministic: bitwise. CUDA's atomics (e.g. the embedding's backward) are
   // not: there the continued step agrees within a relative tolerance, stated in pilot.json.
   const double tolerance = session->device.is_cuda() ? 1e-4 : 0.0;
-  restore["tolerance"] = tolerance;
+  restore.tolerance = tolerance;
   if (code == 0 && writer) {
     const auto losses = read_step_losses(pilot_dir / "restore" / "metrics.jsonl");
     auto it = losses.find(final_step);
     const bool loss_equal =
         it != losses.end() && std::abs(it->second - reference_loss) <=
                                   tolerance * std::max(std::abs(reference_loss), 1e-12);
-    restore["loss_here"] = reference_loss;
-    restore["loss_restored"] = it != losses.end() ? json(it->second) : json(nullptr);
-    restore["loss_equal"] = loss_equal;
-    restore["loss_bitwise_equal"] = it != losses.end() && it->second == reference_loss;
+    restore.loss_here = reference_loss;
+    if (it != losses.end()) restore.loss_restored = it->second;
+    restore.loss_equal = loss_equal;
+    restore.loss_bitwise_equal = it != losses.end() && it->second == reference_loss;
     const auto here = checkpoint_step_dir(ckpt.dir, final_step);
     const auto there = checkpoint_step_dir(pilot_dir / "restore" / "checkpoints", final_step);
     std::vector<std::string> names;
@@ -381,10 +382,11 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
         names.push_back(std::move(n));  // the checkpoint's own name: "model/...", "optim/..."
       }
     }
-    restore["differing_tensors"] = names;
+    restore.differing_tensors = names;
     if (!loss_equal) {
-      problems.push_back(fmt::format("the restored step {} loss differs ({} here, {} restored)",
-                                     final_step, reference_loss, restore["loss_restored"].dump()));
+      problems.push_back(fmt::format(
+          "the restored step {} loss differs ({} here, {} restored)", final_step, reference_loss,
+          restore.loss_restored ? fmt::format("{}", *restore.loss_restored) : "none"));
     }
     if (!names.empty()) {
       problems.push_back(fmt::format("restore check failed: {} tensor(s) differ after step {}: {}",
@@ -392,16 +394,16 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
     }
   }
   if (world > 1) {  // rank 0 compared; every rank reports its finding
+    // (a transport between the ranks, not a file: the restore's typed JSON and the problems)
     const json shared = json::parse(session->comm->all_gather_bytes(
-        writer ? json{{"restore", restore}, {"problems", problems}}.dump() : std::string())[0]);
-    restore = shared["restore"];
-    problems = shared["problems"].get<std::vector<std::string>>();
+        writer ? json::array({json(restore), problems}).dump() : std::string())[0]);
+    restore = shared.at(0).get<PilotRestore>();
+    problems = shared.at(1).get<std::vector<std::string>>();
   }
-  restore["passed"] = problems.empty();
+  restore.passed = problems.empty();
   // A restart as the user pays it: the child's process start, restore and first step; its final
   // save and evaluation (which `kiln train` adds) are taken out at this process's measured times.
-  restore["recovery_seconds"] =
-      std::max(0.0, restore["seconds"].get<double>() - save_seconds - eval_seconds);
+  restore.recovery_seconds = std::max(0.0, restore.seconds - save_seconds - eval_seconds);
 
   const double max_error = config.get_float("pilot.max_estimate_error");
   const bool estimate_ok = std::abs(ratio - 1.0) <= max_error;
@@ -411,60 +413,59 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
         "{:.2f}, pilot.max_estimate_error); the part that differs most: {}",
         format_bytes(measured_peak), format_bytes(estimated_peak), ratio, max_error, memory.worst));
   }
-  json numbers = {
-      {"job_hash", job_hash(config)},
-      {"config_hash", config.hash()},
-      {"device", session->device.str()},
-      {"device_name", device_name},
-      {"world_size", world},
-      {"shape",
-       {{"micro_batch", job.micro_batch},
-        {"seq_len", job.seq_len},
-        {"grad_accum_steps", job.grad_accum_steps},
-        {"precision", job.precision}}},
-      {"steps", steps},
-      {"compile_backend", config.get_string("compile.backend")},
-      {"step_seconds", measured.step_seconds},
-      {"loss", measured.loss},
-      {"flops_per_step", flops_per_step},
-      {"peak_flops_per_second", peak_flops > 0 ? json(peak_flops) : json(nullptr)},
-      {"mfu", mfu > 0 ? json(mfu) : json(nullptr)},
-      {"matmul_peak", to_json(matmul)},
-      {"mfu_of_matmul_peak", mfu_of_matmul},
-      {"eval_seconds", eval_seconds},
-      {"val_loss", eval.loss},
-      {"checkpoint",
-       {{"bytes", checkpoint_bytes},
-        {"save_seconds", save_seconds},
-        {"write_bytes_per_second", save_seconds > 0 ? checkpoint_bytes / save_seconds : 0.0}}},
-      {"memory",
-       {{"method", session->device.is_cuda()
-                       ? "CUDA max_memory_allocated over the measured step"
-                       : "peak of live tensor bytes over the measured step (kiln::MemoryMeter) "
-                         "plus the parameters and optimizer state held across steps"},
-        {"measured",
-         {{"peak_bytes", measured_peak},
-          {"parameters_bytes", step_memory.parameters_bytes},
-          {"gradients_bytes", step_memory.gradients_after_step_bytes},
-          {"optimizer_bytes", step_memory.optimizer_bytes},
-          {"held_gradient_bytes", step_memory.held_gradient_bytes},
-          {"activations_and_logits_bytes", step_memory.step_peak_bytes},
-          {"step_peak_above_state_bytes", step_memory.step_peak_bytes},
-          {"process_peak_rss_bytes", step_memory.process_peak_rss_bytes >= 0
-                                         ? json(step_memory.process_peak_rss_bytes)
-                                         : json(nullptr)},
-          {"reserved_bytes",
-           step_memory.reserved_bytes >= 0 ? json(step_memory.reserved_bytes) : json(nullptr)}}},
-        {"parts", memory.parts},
-        {"differs_most", memory.worst},
-        {"estimate", to_json(estimate)},
-        {"estimate_step_peak_bytes", estimated_peak},
-        {"measured_over_estimate", ratio},
-        {"activation_ratio", activation_ratio},
-        {"within_allowed_error", estimate_ok}}},
-      {"restore", restore},
-      {"wall_seconds", seconds_since(begin)},
-  };
+  // pilot.json, written once through its typed result.
+  PilotResult out;
+  out.job_hash = job_hash(config);
+  out.config_hash = config.hash();
+  out.device = session->device.str();
+  out.device_name = device_name;
+  out.world_size = world;
+  out.micro_batch = job.micro_batch;
+  out.seq_len = job.seq_len;
+  out.grad_accum_steps = job.grad_accum_steps;
+  out.precision = job.precision;
+  out.steps = steps;
+  out.compile_backend = config.get_string("compile.backend");
+  out.step_seconds = measured.step_seconds;
+  out.loss = measured.loss;
+  out.flops_per_step = flops_per_step;
+  if (peak_flops > 0) out.peak_flops_per_second = peak_flops;
+  if (mfu > 0) out.mfu = mfu;
+  out.matmul_peak = {matmul.flops_per_second, matmul.shape.m, matmul.shape.n,
+                     matmul.shape.k,          matmul.dtype,   matmul.median_seconds,
+                     matmul.repeats};
+  out.mfu_of_matmul_peak = mfu_of_matmul;
+  out.eval_seconds = eval_seconds;
+  out.val_loss = eval.loss;
+  out.checkpoint_bytes = checkpoint_bytes;
+  out.save_seconds = save_seconds;
+  out.write_bytes_per_second = save_seconds > 0 ? checkpoint_bytes / save_seconds : 0.0;
+  out.memory_method = session->device.is_cuda()
+                          ? "CUDA max_memory_allocated over the measured step"
+                          : "peak of live tensor bytes over the measured step (kiln::MemoryMeter) "
+                            "plus the parameters and optimizer state held across steps";
+  out.measured = {step_memory.parameters_bytes, step_memory.gradients_after_step_bytes,
+                  step_memory.optimizer_bytes, step_memory.step_peak_bytes, measured_peak};
+  out.measured_held_gradient_bytes = step_memory.held_gradient_bytes;
+  out.measured_step_peak_above_state_bytes = step_memory.step_peak_bytes;
+  if (step_memory.process_peak_rss_bytes >= 0)
+    out.measured_process_peak_rss_bytes = step_memory.process_peak_rss_bytes;
+  if (step_memory.reserved_bytes >= 0) out.measured_reserved_bytes = step_memory.reserved_bytes;
+  out.memory_parts = memory.parts;
+  out.memory_differs_most = memory.worst;
+  out.estimated = {estimate.parameters, estimate.gradients, estimate.optimizer,
+                   estimate.activations + estimate.logits, estimated_peak};
+  out.estimated_activations_bytes = estimate.activations;
+  out.estimated_logits_bytes = estimate.logits;
+  // The estimate's other keys, as src/plan lays them out (the typed keys above are written from
+  // the typed fields).
+  out.estimate_more = to_json(estimate);
+  out.estimated.step_peak = estimated_peak;
+  out.measured_over_estimate = ratio;
+  out.activation_ratio = activation_ratio;
+  out.within_allowed_error = estimate_ok;
+  out.restore = restore;
+  out.wall_seconds = seconds_since(begin);
   result.passed = problems.empty();
   result.verdict =
       result.passed ? fmt::format(
@@ -476,9 +477,8 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
                                                    tolerance > 0 ? ", equal" : ", bitwise equal"),
                           format_bytes(measured_peak), format_bytes(estimated_peak), ratio)
                     : problems.front();
-  numbers["passed"] = result.passed;
-  numbers["verdict"] = result.verdict;
-  result.numbers = numbers;
+  out.status = {kResultSchemaVersion, result.passed, result.verdict, /*measured=*/true};
+  result.numbers = out;
   auto& t = result.table;
   t.emplace_back("shape", fmt::format("micro-batch {} x seq {} x accum {} x {} process(es), {}",
                                       job.micro_batch, job.seq_len, job.grad_accum_steps, world,
@@ -505,15 +505,13 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
       fmt::format("{} in {} ({}/s)", format_bytes(checkpoint_bytes), format_duration(save_seconds),
                   format_bytes(save_seconds > 0 ? checkpoint_bytes / save_seconds : 0)));
   t.emplace_back("restore",
-                 restore["passed"].get<bool>()
+                 restore.passed
                      ? fmt::format("step {} restored in {} fresh process{}: loss and tensors {}",
                                    final_step, world, world == 1 ? "" : "es",
                                    tolerance > 0 ? fmt::format("within {:g} relative", tolerance)
                                                  : "bitwise equal")
                      : problems.front());
-  numbers["schema_version"] = kResultSchemaVersion;
-  checked_result<PilotResult>(numbers);  // the report's reader reads what the rung wrote
-  session->run->write_json("pilot.json", numbers);
+  session->run->write_json("pilot.json", json(out));
   return result;
 }
 

@@ -40,7 +40,7 @@ RungResult run_plan(const Config& config, const std::filesystem::path& pilot_dir
   result.rung = "plan";
   result.passed = typed.status.passed;
   result.verdict = typed.status.verdict;
-  result.numbers = plan;
+  result.numbers = typed;
   result.table = result_rows(typed);
   const auto dir = run_directory(config);
   std::error_code ec;

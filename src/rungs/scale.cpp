@@ -9,6 +9,7 @@
 #include <ctime>
 #include <map>
 #include <numeric>
+#include <tuple>
 
 #include "core/clock.h"
 #include "core/files.h"
@@ -173,7 +174,7 @@ int64_t bytes_of(const NamedTensors& tensors) {
 
 // Per-rank model-state bytes of both strategies for this model and world (parameters, gradients
 // and optimizer state; FSDP's shards padded as kiln pads them): the side-by-side figures.
-json model_state_both(Trainer& trainer, int world) {
+std::pair<int64_t, int64_t> model_state_both(Trainer& trainer, int world) {
   int64_t full = 0, sharded = 0;
   for (const auto& item : trainer.model().named_parameters()) {
     if (!item.value().requires_grad()) continue;
@@ -187,11 +188,11 @@ json model_state_both(Trainer& trainer, int world) {
   auto state = [&](int64_t params) {
     return static_cast<int64_t>(static_cast<double>(params) * (2.0 + optimizer_factor));
   };
-  return {{"ddp", state(full)}, {"fsdp", state(sharded)}};
+  return {state(full), state(sharded)};  // ddp, fsdp
 }
 
 // This rank's memory parts for the strategy it ran (docs/scale.md, "Memory").
-json memory_parts(Session& session, const MemoryProbe& probe) {
+ScaleRankMemory memory_parts(Session& session, const MemoryProbe& probe) {
   Trainer& trainer = *session.trainer;
   const int world = session.comm->world_size();
   const int64_t optimizer_bytes = bytes_of(trainer.optimizer().state());
@@ -208,28 +209,27 @@ json memory_parts(Session& session, const MemoryProbe& probe) {
       if (p.requires_grad()) gradients += static_cast<int64_t>(p.nbytes());
     }
   }
-  const json both = model_state_both(trainer, world);
-  return {
-      {"strategy", session.strategy},
-      {"parameters", parameters},
-      {"gradients", gradients},
-      {"optimizer_state", optimizer_bytes},
-      {"model_state", parameters + gradients + optimizer_bytes},
-      {"gathered_parameters_peak", gathered_peak},
-      {"largest_gathered_unit", largest_unit},
-      {"activations",
-       probe.measured ? json(probe.forward_live - probe.gathered_at_forward_end) : json(nullptr)},
-      {"step_peak_above_start", probe.measured ? json(probe.step_peak) : json(nullptr)},
-      {"peak", probe.measured ? json(parameters + gradients + optimizer_bytes + probe.step_peak)
-                              : json(nullptr)},
-      {"model_state_by_strategy", both},
-      {"method",
-       "parameters, gradients and optimizer state: the bytes this rank holds between steps (FSDP: "
-       "its shards, padding included); activations: live tensor bytes at the end of forward "
-       "(MemoryMeter) less the gathered parameters then alive; step_peak_above_start: MemoryMeter "
-       "over one step (gathered parameters, full gradients, activations, temporaries); peak = "
-       "model state + that"},
-  };
+  ScaleRankMemory out;
+  out.strategy = session.strategy;
+  out.parameters = parameters;
+  out.gradients = gradients;
+  out.optimizer_state = optimizer_bytes;
+  out.model_state = parameters + gradients + optimizer_bytes;
+  out.gathered_parameters_peak = gathered_peak;
+  out.largest_gathered_unit = largest_unit;
+  if (probe.measured) {
+    out.activations = probe.forward_live - probe.gathered_at_forward_end;
+    out.step_peak_above_start = probe.step_peak;
+    out.peak = parameters + gradients + optimizer_bytes + probe.step_peak;
+  }
+  std::tie(out.model_state_ddp, out.model_state_fsdp) = model_state_both(trainer, world);
+  out.method =
+      "parameters, gradients and optimizer state: the bytes this rank holds between steps (FSDP: "
+      "its shards, padding included); activations: live tensor bytes at the end of forward "
+      "(MemoryMeter) less the gathered parameters then alive; step_peak_above_start: MemoryMeter "
+      "over one step (gathered parameters, full gradients, activations, temporaries); peak = "
+      "model state + that";
+  return out;
 }
 
 // Step 2, the step loop: `warmup` steps, then `measured` steps timed per phase by a PhaseTimer and
@@ -280,17 +280,6 @@ StepMeasurement run_measured_steps(Session& session, int64_t warmup, int64_t mea
 
 // ---- launching the ranks from a single process (the ladder) -------------------------------------
 
-// The ranks' scale.json, or a UserError naming the file and the fix.
-json read_scale_json(const std::filesystem::path& path) {
-  const json numbers = json::parse(read_file(path), nullptr, /*allow_exceptions=*/false);
-  if (numbers.is_discarded() || !numbers.is_object()) {
-    throw UserError(fmt::format(
-        "{}: not a JSON object (a partial or foreign file); delete it and rerun the scale rung",
-        path.string()));
-  }
-  return numbers;
-}
-
 // Runs the rung under torchrun (launch_with_torchrun, the ranks' run in <run dir>/scale/) and
 // reads back what rank 0 wrote; <run dir>/scale.json is a copy of theirs.
 RungResult launch_scale_ranks(const Config& config, int processes) {
@@ -301,34 +290,27 @@ RungResult launch_scale_ranks(const Config& config, int processes) {
       config, TorchrunJob{"scale", processes, "scale", {ranks_json, scale_json}});
   const int status = launched.status;
   std::error_code ec;
+  ScaleResult numbers;
   if (std::filesystem::exists(ranks_json, ec)) {
-    json numbers = read_scale_json(ranks_json);
-    numbers["ranks_run_dir"] = launched.run_dir.string();
-    RungResult result = result_from_json(numbers);
+    // The ranks' file through its typed reader (a partial or foreign file is a one-line
+    // ResultFormatError naming it and how to regenerate it).
+    numbers = read_result<ScaleResult>(ranks_json);
     if (status != 0 && status != kExitGateFailed) {
-      result.passed = false;
-      result.verdict = fmt::format("torchrun exited with status {}: {}", status, result.verdict);
-      numbers["passed"] = false;
-      numbers["verdict"] = result.verdict;
-      result.numbers = numbers;
+      numbers.status.passed = false;
+      numbers.status.verdict =
+          fmt::format("torchrun exited with status {}: {}", status, numbers.status.verdict);
     }
-    checked_result<ScaleResult>(numbers);  // the report's reader reads what the rung wrote
-    write_file_atomic(scale_json, numbers.dump(2) + "\n");
-    return result;
+  } else {
+    numbers.status = {kResultSchemaVersion, false,
+                      fmt::format("torchrun exited with status {} and wrote no scale.json; see "
+                                  "the ranks' errors above and {}",
+                                  status, (launched.run_dir / "train.log").string()),
+                      /*measured=*/false};
+    numbers.torchrun_status = status;
   }
-  RungResult result;
-  result.rung = "scale";
-  result.verdict = fmt::format(
-      "torchrun exited with status {} and wrote no scale.json; see the ranks' "
-      "errors above and {}",
-      status, (launched.run_dir / "train.log").string());
-  result.numbers = {{"schema_version", kResultSchemaVersion},
-                    {"passed", false},
-                    {"verdict", result.verdict},
-                    {"torchrun_status", status},
-                    {"ranks_run_dir", launched.run_dir.string()}};
-  write_file_atomic(scale_json, result.numbers.dump(2) + "\n");
-  return result;
+  numbers.ranks_run_dir = launched.run_dir.string();
+  write_file_atomic(scale_json, json(numbers).dump(2) + "\n");
+  return result_from_file(numbers);
 }
 
 }  // namespace scale_rung
@@ -358,12 +340,12 @@ RungResult run_scale(Session& session) {
   // needs the same verdict).
   o.hashes = comm.all_gather_bytes(session.fsdp ? session.fsdp->full_weights_hash()
                                                 : weights_hash(session.trainer->model()));
-  o.per_rank = json::array();
-  for (const auto& text : comm.all_gather_bytes(rank_numbers(comm, o.steps, o.seq_len).dump()))
-    o.per_rank.push_back(json::parse(text));
+  for (const auto& text :
+       comm.all_gather_bytes(json(rank_numbers(comm, o.steps, o.seq_len)).dump()))
+    o.per_rank.push_back(json::parse(text).get<ScaleRank>());
 
   RungResult result = scale_result(session, o);
-  session.run->write_json("scale.json", result.numbers);
+  session.run->write_json("scale.json", json(std::get<ScaleResult>(result.numbers)));
   return result;
 }
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kiln/dist.h"
+#include "kiln/results.h"
 #include "kiln/rungs.h"
 #include "kiln/session.h"
 
@@ -33,7 +34,7 @@ struct StepMeasurement {
   double cpu_seconds = 0;            // process CPU time over the measured steps
   CommunicationStats before, after;  // the process group's counters around the measured steps
   std::map<Phase, double> phase_seconds;
-  json memory;  // this rank's memory parts (memory_parts)
+  ScaleRankMemory memory;  // this rank's memory parts (memory_parts)
 
   double phase(Phase p) const {
     auto it = phase_seconds.find(p);
@@ -47,7 +48,7 @@ struct ScaleOutcome {
   int64_t warmup = 0, measured = 0, seq_len = 0;
   Baseline baseline;
   StepMeasurement steps;
-  json per_rank;
+  std::vector<ScaleRank> per_rank;  // every rank's numbers, in rank order
   std::vector<std::string> hashes;  // every rank's weights hash
 
   bool in_sync() const {
@@ -56,17 +57,14 @@ struct ScaleOutcome {
   bool have_baseline() const { return baseline.measured && baseline.samples_per_second > 0; }
 };
 
-/// The process group's counters between two readings (scale.json's per_rank[].comm).
-json stats_delta(const CommunicationStats& before, const CommunicationStats& after);
-
 /// This rank's numbers (scale.json's per_rank entry).
-json rank_numbers(const Communicator& comm, const StepMeasurement& m, int64_t seq_len);
+ScaleRank rank_numbers(const Communicator& comm, const StepMeasurement& m, int64_t seq_len);
 
-/// The rung's outcome from every rank's measurements: scale.json (checked against its typed
-/// reader, kiln/results.h), the gate, the verdict and the table.
+/// The rung's outcome from every rank's measurements: its typed result (scale.json, kiln/results.h,
+/// with the gate, the verdict and the table), the same on every rank.
 RungResult scale_result(const Session& session, const ScaleOutcome& o);
 
 /// The outcome as the ranks' scale.json holds it (launched under torchrun).
-RungResult result_from_json(const json& numbers);
+RungResult result_from_file(const ScaleResult& numbers);
 
 }  // namespace kiln::scale_rung

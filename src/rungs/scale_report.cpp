@@ -24,148 +24,115 @@
 
 namespace kiln::scale_rung {
 
-json stats_delta(const CommunicationStats& before, const CommunicationStats& after) {
-  return {{"collectives", after.collectives - before.collectives},
-          {"bytes", after.bytes - before.bytes},
-          {"busy_seconds", after.busy_seconds - before.busy_seconds},
-          {"blocked_seconds", after.blocked_seconds - before.blocked_seconds}};
-}
-
-RungResult result_from_json(const json& numbers) {
+RungResult result_from_file(const ScaleResult& numbers) {
   RungResult result;
   result.rung = "scale";
-  auto passed = numbers.find("passed");
-  result.passed = passed != numbers.end() && passed->is_boolean() && passed->get<bool>();
-  auto verdict = numbers.find("verdict");
-  result.verdict = verdict != numbers.end() && verdict->is_string()
-                       ? verdict->get<std::string>()
-                       : std::string("scale.json has no verdict");
+  result.passed = numbers.status.passed;
+  result.verdict = numbers.status.verdict;
+  result.table = numbers.table;
   result.numbers = numbers;
-  auto table = numbers.find("table");
-  if (table != numbers.end() && table->is_array()) {
-    for (const auto& row : *table) {
-      if (row.is_array() && row.size() == 2 && row[0].is_string() && row[1].is_string())
-        result.table.emplace_back(row[0].get<std::string>(), row[1].get<std::string>());
-    }
-  }
   return result;
 }
 
 // ---- the report ------------------------------------------------------------------------------
 
 // This rank's numbers (scale.json's per_rank entry).
-json rank_numbers(const Communicator& comm, const StepMeasurement& m, int64_t seq_len) {
+ScaleRank rank_numbers(const Communicator& comm, const StepMeasurement& m, int64_t seq_len) {
+  ScaleRank mine;
   const double seconds = std::accumulate(m.step_seconds.begin(), m.step_seconds.end(), 0.0);
-  const double compute =
-      m.phase(Phase::kForward) + m.phase(Phase::kBackward) + m.phase(Phase::kOptimizer);
-  const json comm_delta = stats_delta(m.before, m.after);
-  const double busy = comm_delta["busy_seconds"].get<double>();
-  json mine = {
-      {"rank", comm.rank()},
-      {"local_rank", comm.local_rank()},
-      {"samples", m.samples},
-      {"seconds", seconds},
-      {"cpu_seconds", m.cpu_seconds},
-      {"samples_per_second", seconds > 0 ? static_cast<double>(m.samples) / seconds : 0.0},
-      {"step_seconds",
-       {{"median", percentile(m.step_seconds, 0.5)},
-        {"p10", percentile(m.step_seconds, 0.1)},
-        {"p90", percentile(m.step_seconds, 0.9)}}},
-      {"phase_seconds",
-       {{"data_wait", m.phase(Phase::kDataWait)},
-        {"forward", m.phase(Phase::kForward)},
-        {"backward", m.phase(Phase::kBackward)},
-        {"comm_exposed", m.phase(Phase::kComm)},
-        {"optimizer", m.phase(Phase::kOptimizer)}}},
-      {"compute_seconds", compute},
-      {"comm", comm_delta},
-      {"comm_overlapped_share",
-       busy > 0 ? std::clamp(1.0 - m.phase(Phase::kComm) / busy, 0.0, 1.0) : 0.0},
-      {"memory", m.memory},
-  };
-  if (seq_len > 0)
-    mine["tokens_per_second"] =
-        mine["samples_per_second"].get<double>() * static_cast<double>(seq_len);
+  mine.rank = comm.rank();
+  mine.local_rank = comm.local_rank();
+  mine.samples = m.samples;
+  mine.seconds = seconds;
+  mine.cpu_seconds = m.cpu_seconds;
+  mine.samples_per_second = seconds > 0 ? static_cast<double>(m.samples) / seconds : 0.0;
+  if (seq_len > 0) mine.tokens_per_second = mine.samples_per_second * static_cast<double>(seq_len);
+  mine.step_median = percentile(m.step_seconds, 0.5);
+  mine.step_p10 = percentile(m.step_seconds, 0.1);
+  mine.step_p90 = percentile(m.step_seconds, 0.9);
+  mine.data_wait_seconds = m.phase(Phase::kDataWait);
+  mine.forward_seconds = m.phase(Phase::kForward);
+  mine.backward_seconds = m.phase(Phase::kBackward);
+  mine.comm_exposed_seconds = m.phase(Phase::kComm);
+  mine.optimizer_seconds = m.phase(Phase::kOptimizer);
+  mine.compute_seconds = mine.forward_seconds + mine.backward_seconds + mine.optimizer_seconds;
+  // The process group's counters between the two readings.
+  mine.comm_collectives = m.after.collectives - m.before.collectives;
+  mine.comm_bytes = m.after.bytes - m.before.bytes;
+  mine.comm_busy_seconds = m.after.busy_seconds - m.before.busy_seconds;
+  mine.comm_blocked_seconds = m.after.blocked_seconds - m.before.blocked_seconds;
+  const double busy = mine.comm_busy_seconds;
+  mine.comm_overlapped_share =
+      busy > 0 ? std::clamp(1.0 - mine.comm_exposed_seconds / busy, 0.0, 1.0) : 0.0;
+  mine.memory = m.memory;
   return mine;
 }
 
 // scale.json's "global": the job's throughput (total samples over the slowest rank's time) and
 // the per-step compute and communication, averaged over ranks.
-json global_numbers(const json& per_rank, int world, int64_t measured, int64_t seq_len,
-                    double median_step) {
+void global_numbers(const ScaleOutcome& o, ScaleResult& out) {
   int64_t total_samples = 0;
   double slowest = 0, compute_sum = 0, busy_sum = 0, exposed_sum = 0, seconds_sum = 0;
-  for (const auto& r : per_rank) {
-    total_samples += r["samples"].get<int64_t>();
-    slowest = std::max(slowest, r["seconds"].get<double>());
-    compute_sum += r["compute_seconds"].get<double>();
-    busy_sum += r["comm"]["busy_seconds"].get<double>();
-    exposed_sum += r["phase_seconds"]["comm_exposed"].get<double>();
-    seconds_sum += r["seconds"].get<double>();
+  for (const ScaleRank& r : o.per_rank) {
+    total_samples += r.samples;
+    slowest = std::max(slowest, r.seconds);
+    compute_sum += r.compute_seconds;
+    busy_sum += r.comm_busy_seconds;
+    exposed_sum += r.comm_exposed_seconds;
+    seconds_sum += r.seconds;
   }
   const double global_sps = slowest > 0 ? static_cast<double>(total_samples) / slowest : 0;
-  const double rank_steps = static_cast<double>(world * std::max<int64_t>(1, measured));
-  return {{"samples_per_second", global_sps},
-          {"tokens_per_second",
-           seq_len > 0 ? json(global_sps * static_cast<double>(seq_len)) : json(nullptr)},
-          {"median_step_seconds", median_step},
-          {"compute_seconds_per_step", compute_sum / rank_steps},
-          {"comm_busy_seconds_per_step", busy_sum / rank_steps},
-          {"comm_exposed_seconds_per_step", exposed_sum / rank_steps},
-          {"comm_exposed_share_of_step", seconds_sum > 0 ? exposed_sum / seconds_sum : 0.0}};
-}
-
-json baseline_numbers(const Baseline& baseline) {
-  return {{"method",
-           "rank 0 alone, a fresh copy of the job with the same per-process batch, threads and "
-           "device, no communication; the other ranks idle in a barrier"},
-          {"samples_per_second", baseline.samples_per_second},
-          {"median_step_seconds", baseline.median_step_seconds},
-          {"steps", baseline.steps},
-          {"note", baseline.note}};
+  const double rank_steps = static_cast<double>(o.world * std::max<int64_t>(1, o.measured));
+  out.global_samples_per_second = global_sps;
+  if (o.seq_len > 0) out.global_tokens_per_second = global_sps * static_cast<double>(o.seq_len);
+  out.median_step_seconds = percentile(o.steps.step_seconds, 0.5);
+  out.compute_seconds_per_step = compute_sum / rank_steps;
+  out.comm_busy_seconds_per_step = busy_sum / rank_steps;
+  out.comm_exposed_seconds_per_step = exposed_sum / rank_steps;
+  out.comm_exposed_share_of_step = seconds_sum > 0 ? exposed_sum / seconds_sum : 0.0;
 }
 
 // scale.json without passed, verdict and table (see docs/scale.md).
-json scale_numbers(const Session& session, const ScaleOutcome& o) {
+ScaleResult scale_numbers(const Session& session, const ScaleOutcome& o) {
   const Config& config = session.config;
-  const json global = global_numbers(o.per_rank, o.world, o.measured, o.seq_len,
-                                     percentile(o.steps.step_seconds, 0.5));
-  const double global_sps = global["samples_per_second"].get<double>();
-  const bool have_baseline = o.have_baseline();
-  const double efficiency =
-      have_baseline ? global_sps / (o.world * o.baseline.samples_per_second) : 0;
+  ScaleResult out;
+  out.world_size = o.world;
+  out.strategy = session.strategy;
+  out.strategy_reason = session.strategy_reason;
+  out.strategy_decision = session.strategy_decision;
+  out.backend = session.comm->backend_name();
+  out.device = session.device.str();
+  out.threads_per_process = at::get_num_threads();
+  out.batch_size_per_process = config.get_int("train.batch_size");
+  out.grad_accum_steps = config.get_int("train.grad_accum_steps");
+  out.global_batch_samples = out.batch_size_per_process * out.grad_accum_steps * o.world;
+  out.seq_len = o.seq_len;
+  out.warmup_steps = o.warmup;
+  out.measured_steps = o.measured;
   const DataParallelOptions buckets = data_parallel_options(config);
-  return {
-      {"world_size", o.world},
-      {"strategy", session.strategy},
-      {"strategy_reason", session.strategy_reason},
-      {"strategy_decision", session.strategy_decision},
-      {"backend", session.comm->backend_name()},
-      {"device", session.device.str()},
-      {"threads_per_process", at::get_num_threads()},
-      {"batch_size_per_process", config.get_int("train.batch_size")},
-      {"grad_accum_steps", config.get_int("train.grad_accum_steps")},
-      {"global_batch_samples",
-       config.get_int("train.batch_size") * config.get_int("train.grad_accum_steps") * o.world},
-      {"seq_len", o.seq_len},
-      {"warmup_steps", o.warmup},
-      {"measured_steps", o.measured},
-      {"bucket_cap_bytes",
-       {{"first", buckets.first_bucket_bytes}, {"other", buckets.bucket_bytes}}},
-      {"global", global},
-      {"baseline", have_baseline ? baseline_numbers(o.baseline) : json(nullptr)},
-      {"scaling_efficiency", have_baseline ? json(efficiency) : json(nullptr)},
-      {"speedup", have_baseline ? json(global_sps / o.baseline.samples_per_second) : json(nullptr)},
-      {"replicas_in_sync", o.in_sync()},
-      {"weights_hash", o.hashes[0]},
-      {"losses", o.steps.losses},
-      {"per_rank", o.per_rank},
-  };
+  out.first_bucket_cap_bytes = buckets.first_bucket_bytes;
+  out.bucket_cap_bytes = buckets.bucket_bytes;
+  global_numbers(o, out);
+  if (o.have_baseline()) {
+    out.baseline = ScaleBaseline{
+        "rank 0 alone, a fresh copy of the job with the same per-process batch, threads and "
+        "device, no communication; the other ranks idle in a barrier",
+        o.baseline.note, o.baseline.samples_per_second, o.baseline.median_step_seconds,
+        o.baseline.steps};
+    out.scaling_efficiency =
+        out.global_samples_per_second / (o.world * o.baseline.samples_per_second);
+    out.speedup = out.global_samples_per_second / o.baseline.samples_per_second;
+  }
+  out.replicas_in_sync = o.in_sync();
+  out.weights_hash = o.hashes[0];
+  out.losses = o.steps.losses;
+  out.per_rank = o.per_rank;
+  return out;
 }
 
 // The gate: the first problem, or an empty list when it passed.
 std::vector<std::string> gate_problems(const Config& config, const ScaleOutcome& o,
-                                       const json& numbers) {
+                                       const ScaleResult& numbers) {
   const StepMeasurement& m = o.steps;
   const bool finite = m.failure.empty() && std::all_of(m.losses.begin(), m.losses.end(),
                                                        [](double l) { return std::isfinite(l); });
@@ -175,13 +142,10 @@ std::vector<std::string> gate_problems(const Config& config, const ScaleOutcome&
   if (!o.in_sync())
     problems.push_back(
         "the replicas' weights differ after training (gradients were not averaged identically)");
-  if (o.have_baseline()) {
-    const double efficiency = numbers["scaling_efficiency"].get<double>();
-    if (efficiency < min_efficiency) {
-      problems.push_back(
-          fmt::format("scaling efficiency {:.1f}% is below dist.min_scaling_efficiency {:.1f}%",
-                      100 * efficiency, 100 * min_efficiency));
-    }
+  if (numbers.scaling_efficiency && *numbers.scaling_efficiency < min_efficiency) {
+    problems.push_back(
+        fmt::format("scaling efficiency {:.1f}% is below dist.min_scaling_efficiency {:.1f}%",
+                    100 * *numbers.scaling_efficiency, 100 * min_efficiency));
   }
   return problems;
 }
@@ -195,105 +159,91 @@ struct ThroughputUnit {
         per_sample(seq_len > 0 ? static_cast<double>(seq_len) : 1.0) {}
 };
 
-std::string scale_verdict(const ScaleOutcome& o, const json& numbers,
-                          const std::vector<std::string>& problems) {
+std::string scale_verdict(const ScaleResult& numbers, const std::vector<std::string>& problems) {
   if (!problems.empty()) return problems.front();
-  const ThroughputUnit unit(o.seq_len);
-  const double global_sps = numbers["global"]["samples_per_second"].get<double>();
-  return fmt::format(
-      "{} ranks in sync, {:.0f} {}{}", o.world, global_sps * unit.per_sample, unit.name,
-      o.have_baseline() ? fmt::format(", {:.0f}% scaling efficiency",
-                                      100 * numbers["scaling_efficiency"].get<double>())
-                        : "");
+  const ThroughputUnit unit(numbers.seq_len);
+  return fmt::format("{} ranks in sync, {:.0f} {}{}", numbers.world_size,
+                     numbers.global_samples_per_second * unit.per_sample, unit.name,
+                     numbers.scaling_efficiency ? fmt::format(", {:.0f}% scaling efficiency",
+                                                              100 * *numbers.scaling_efficiency)
+                                                : "");
 }
 
-std::vector<std::pair<std::string, std::string>> scale_table(const Session& session,
-                                                             const ScaleOutcome& o,
-                                                             const json& numbers) {
-  const ThroughputUnit unit(o.seq_len);
-  const json& global = numbers["global"];
-  const double global_sps = global["samples_per_second"].get<double>();
-  std::vector<std::pair<std::string, std::string>> t;
+ResultRows scale_table(const Session& session, const ScaleResult& numbers) {
+  const ThroughputUnit unit(numbers.seq_len);
+  ResultRows t;
   t.emplace_back("processes",
-                 fmt::format("{} x {} ({}, {} thread(s) each)", o.world, session.device.str(),
-                             session.comm->backend_name(), at::get_num_threads()));
-  t.emplace_back("global throughput",
-                 fmt::format("{:.0f} {}", global_sps * unit.per_sample, unit.name));
+                 fmt::format("{} x {} ({}, {} thread(s) each)", numbers.world_size, numbers.device,
+                             numbers.backend, numbers.threads_per_process));
+  t.emplace_back(
+      "global throughput",
+      fmt::format("{:.0f} {}", numbers.global_samples_per_second * unit.per_sample, unit.name));
   std::string per_rank_line;
-  for (const auto& r : o.per_rank) {
+  for (const ScaleRank& r : numbers.per_rank) {
     per_rank_line += fmt::format("{}{:.0f}", per_rank_line.empty() ? "" : ", ",
-                                 r["samples_per_second"].get<double>() * unit.per_sample);
+                                 r.samples_per_second * unit.per_sample);
   }
   t.emplace_back("per-rank throughput", per_rank_line + " " + unit.name);
-  t.emplace_back("single process",
-                 o.have_baseline()
-                     ? fmt::format("{:.0f} {} (rank 0 alone)",
-                                   o.baseline.samples_per_second * unit.per_sample, unit.name)
-                     : std::string("not measured"));
-  t.emplace_back("scaling efficiency",
-                 o.have_baseline() ? fmt::format("{:.1f}% (speedup {:.2f}x on {} processes)",
-                                                 100 * numbers["scaling_efficiency"].get<double>(),
-                                                 numbers["speedup"].get<double>(), o.world)
-                                   : std::string("n/a"));
-  t.emplace_back("step time", fmt::format("median {:.2f} ms",
-                                          1e3 * global["median_step_seconds"].get<double>()));
-  t.emplace_back("compute vs comm",
-                 fmt::format("compute {:.2f} ms/step, all-reduce in flight {:.2f} ms/step, exposed "
-                             "{:.2f} ms/step ({:.1f}% of step)",
-                             1e3 * global["compute_seconds_per_step"].get<double>(),
-                             1e3 * global["comm_busy_seconds_per_step"].get<double>(),
-                             1e3 * global["comm_exposed_seconds_per_step"].get<double>(),
-                             100 * global["comm_exposed_share_of_step"].get<double>()));
+  t.emplace_back(
+      "single process",
+      numbers.baseline
+          ? fmt::format("{:.0f} {} (rank 0 alone)",
+                        numbers.baseline->samples_per_second * unit.per_sample, unit.name)
+          : std::string("not measured"));
+  t.emplace_back(
+      "scaling efficiency",
+      numbers.scaling_efficiency && numbers.speedup
+          ? fmt::format("{:.1f}% (speedup {:.2f}x on {} processes)",
+                        100 * *numbers.scaling_efficiency, *numbers.speedup, numbers.world_size)
+          : std::string("n/a"));
+  t.emplace_back("step time", fmt::format("median {:.2f} ms", 1e3 * numbers.median_step_seconds));
+  t.emplace_back(
+      "compute vs comm",
+      fmt::format("compute {:.2f} ms/step, all-reduce in flight {:.2f} ms/step, exposed "
+                  "{:.2f} ms/step ({:.1f}% of step)",
+                  1e3 * numbers.compute_seconds_per_step, 1e3 * numbers.comm_busy_seconds_per_step,
+                  1e3 * numbers.comm_exposed_seconds_per_step,
+                  100 * numbers.comm_exposed_share_of_step));
   // Under FSDP nothing is replicated: each rank holds its own shard, and the hashes compared
   // are of the weights every rank all-gathered from the same shards, equal by construction. So
   // the line claims no check there.
-  t.emplace_back("replicas", session.fsdp
-                                 ? "n/a (sharded: each rank holds its own shard; consolidated "
-                                   "weights " +
-                                       o.hashes[0] + ")"
-                             : o.in_sync() ? "in sync (weights " + o.hashes[0] + ")"
-                                           : std::string("DIFFER"));
-  t.emplace_back("strategy", session.strategy + " (" + session.strategy_reason + ")");
+  t.emplace_back("replicas",
+                 session.fsdp ? "n/a (sharded: each rank holds its own shard; consolidated "
+                                "weights " +
+                                    numbers.weights_hash + ")"
+                 : numbers.replicas_in_sync ? "in sync (weights " + numbers.weights_hash + ")"
+                                            : std::string("DIFFER"));
+  t.emplace_back("strategy", numbers.strategy + " (" + numbers.strategy_reason + ")");
   constexpr double kMiB = 1024.0 * 1024.0;
-  if (!o.per_rank.empty() && o.per_rank[0].contains("memory")) {
-    const json& mem = o.per_rank[0]["memory"];
-    auto mib = [&](const char* key) {
-      return mem[key].is_number() ? fmt::format("{:.2f}", mem[key].get<double>() / kMiB)
-                                  : std::string("n/a");
+  if (!numbers.per_rank.empty() && numbers.per_rank[0].memory) {
+    const ScaleRankMemory& mem = *numbers.per_rank[0].memory;
+    auto mib = [&](std::optional<int64_t> bytes) {
+      return bytes ? fmt::format("{:.2f}", static_cast<double>(*bytes) / kMiB) : std::string("n/a");
     };
     t.emplace_back(
         "memory per rank (rank 0)",
         fmt::format("peak {} MiB: parameters {} + gradients {} + optimizer {} MiB; gathered "
                     "parameters {} MiB at most; activations {} MiB",
-                    mib("peak"), mib("parameters"), mib("gradients"), mib("optimizer_state"),
-                    mib("gathered_parameters_peak"), mib("activations")));
-    const json& both = mem["model_state_by_strategy"];
+                    mib(mem.peak), mib(mem.parameters), mib(mem.gradients),
+                    mib(mem.optimizer_state), mib(mem.gathered_parameters_peak),
+                    mib(mem.activations)));
     t.emplace_back("model state per rank",
                    fmt::format("ddp {:.2f} MiB, fsdp {:.2f} MiB (+ the largest unit gathered, "
                                "{:.2f} MiB)",
-                               both["ddp"].get<double>() / kMiB, both["fsdp"].get<double>() / kMiB,
-                               mem["largest_gathered_unit"].get<double>() / kMiB));
+                               static_cast<double>(mem.model_state_ddp) / kMiB,
+                               static_cast<double>(mem.model_state_fsdp) / kMiB,
+                               static_cast<double>(mem.largest_gathered_unit) / kMiB));
   }
   return t;
 }
 
 RungResult scale_result(const Session& session, const ScaleOutcome& o) {
-  json numbers = scale_numbers(session, o);
+  ScaleResult numbers = scale_numbers(session, o);
   const std::vector<std::string> problems = gate_problems(session.config, o, numbers);
-  RungResult result;
-  result.rung = "scale";
-  result.passed = problems.empty();
-  result.verdict = scale_verdict(o, numbers, problems);
-  result.table = scale_table(session, o, numbers);
-  numbers["passed"] = result.passed;
-  numbers["verdict"] = result.verdict;
-  json table = json::array();
-  for (const auto& [k, v] : result.table) table.push_back({k, v});
-  numbers["table"] = table;
-  numbers["schema_version"] = kResultSchemaVersion;
-  checked_result<ScaleResult>(numbers);  // the report's reader reads what the rung wrote
-  result.numbers = numbers;
-  return result;
+  numbers.status.passed = problems.empty();
+  numbers.status.verdict = scale_verdict(numbers, problems);
+  numbers.table = scale_table(session, numbers);
+  return result_from_file(numbers);
 }
 
 }  // namespace kiln::scale_rung

@@ -8,11 +8,14 @@
 #include <cmath>
 #include <cstdlib>
 #include <functional>
+#include <tuple>
 
+#include "ckpt/thread_comm.h"
 #include "kiln/error.h"
 #include "kiln/pilot.h"
 #include "kiln/report.h"
 #include "kiln/results.h"
+#include "kiln/rungs.h"
 #include "support/helpers.h"
 
 namespace kiln {
@@ -86,7 +89,7 @@ TEST(Results, EveryKeyReadAndWrittenBackUnderItsName) {
   EXPECT_EQ(pilot.estimated.activations_and_logits, 566272.0 + 393216.0);
   EXPECT_EQ(pilot.job_hash, "d5079afb9c129453");
   EXPECT_FALSE(pilot.mfu.has_value());
-  EXPECT_EQ(pilot.restore_step, 2);
+  EXPECT_EQ(pilot.restore.step, 2);
   // to_json writes the rung's own keys: each value it writes is the file's, at the same path.
   const json written = pilot;
   EXPECT_EQ(written["schema_version"], kResultSchemaVersion);
@@ -372,11 +375,64 @@ std::vector<std::string> round_trip_differences(const json& file, bool exact) {
   return out;
 }
 
+// Files of today's layout (schema version 2) as the compile, profile, scale and pilot rungs wrote
+// them (tests/report/fixtures: real CPU runs; the compile file with a probe entry and a DDP part
+// added as the rung writes them under torchrun): each read through its struct and written back
+// exactly. The rungs write through these structs' to_json, so a key renamed in a struct's field
+// list (src/report/results*.cpp) is a key renamed in the rung's file: reading the fixture fails
+// on it, and a key added without the fixture fails the other way.
+TEST(Results, TodaysRungFilesReadAndWriteBackExactly) {
+  const auto fixtures = testing::source_dir() / "tests" / "report" / "fixtures";
+  auto fixture = [&](const char* name) { return json::parse(testing::slurp(fixtures / name)); };
+  const json compile = fixture("compile-v2.json"), profile = fixture("profile-v2.json"),
+             scale = fixture("scale-v2.json"), pilot = fixture("pilot-v2.json");
+  EXPECT_EQ(round_trip_differences<CompileResult>(compile, true), std::vector<std::string>{});
+  EXPECT_EQ(round_trip_differences<ProfileResult>(profile, true), std::vector<std::string>{});
+  EXPECT_EQ(round_trip_differences<ScaleResult>(scale, true), std::vector<std::string>{});
+  EXPECT_EQ(round_trip_differences<PilotResult>(pilot, true), std::vector<std::string>{});
+
+  // Typed where kiln reads them: the values under their names.
+  const auto c = compile.get<CompileResult>();
+  EXPECT_TRUE(c.built && c.timed);
+  ASSERT_EQ(c.probe.size(), 1u);
+  EXPECT_EQ(c.probe[0].seq_len, 16);
+  ASSERT_TRUE(c.probe[0].eval.has_value());
+  EXPECT_TRUE(c.probe[0].eval->eager && !c.probe[0].train.eager);
+  ASSERT_TRUE(c.ddp.has_value());
+  EXPECT_EQ(c.ddp->bucket_bytes, (std::vector<int64_t>{1048576, 26214400}));
+  EXPECT_FALSE(c.ddp->compiled.has_value());  // null: a captured step
+  EXPECT_EQ(c.worst_loss_step, compile["numerics"]["worst_loss_step"].get<int64_t>());
+  EXPECT_EQ(c.compiled_losses, compile["numerics"]["compiled_losses"].get<std::vector<double>>());
+  const auto s = scale.get<ScaleResult>();
+  ASSERT_EQ(s.per_rank.size(), 2u);
+  ASSERT_TRUE(s.per_rank[1].memory.has_value());
+  EXPECT_EQ(s.per_rank[1].memory->model_state_ddp,
+            scale["per_rank"][1]["memory"]["model_state_by_strategy"]["ddp"].get<int64_t>());
+  EXPECT_EQ(s.per_rank[0].comm_collectives, scale["per_rank"][0]["comm"]["collectives"]);
+  ASSERT_TRUE(s.baseline.has_value());
+  EXPECT_EQ(s.baseline_samples_per_second(), scale["baseline"]["samples_per_second"]);
+  EXPECT_EQ(s.table.size(), scale["table"].size());
+  EXPECT_EQ(s.table.at(0).first, scale["table"][0][0]);
+  const auto p = pilot.get<PilotResult>();
+  EXPECT_EQ(p.matmul_peak.flops_per_second, pilot["matmul_peak"]["flops_per_second"]);
+  EXPECT_EQ(p.mfu_of_matmul_peak, pilot["mfu_of_matmul_peak"]);
+  EXPECT_EQ(p.restore.recovery_seconds, pilot["restore"]["recovery_seconds"]);
+  // The parts src/profile lays out, carried whole: the top operators' input shapes too.
+  const auto f = profile.get<ProfileResult>();
+  ASSERT_FALSE(f.top_operators.empty());
+  EXPECT_EQ(json(f)["analysis"]["top_operators"][0], profile["analysis"]["top_operators"][0]);
+  EXPECT_EQ(f.schedule.active, profile["schedule"]["active"]);
+
+  // The rank entries the scale rung's ranks exchange, and the restore the pilot's ranks share.
+  EXPECT_EQ(json(scale["per_rank"][1].get<ScaleRank>()), scale["per_rank"][1]);
+  EXPECT_EQ(json(pilot["restore"].get<PilotRestore>()), pilot["restore"]);
+}
+
 // The rung files of the demo ladder that report.ladder runs (KILN_REPORT_LADDER; CTest runs this
 // suite as report.ladder_results after that fixture, tests/report/CMakeLists.txt): each read
-// through its struct and written back. The baseline and checkpoint rungs write through to_json
-// alone, so their files come back exactly (a key the rung wrote and the reader did not read
-// fails); every other rung's file holds each value its struct writes, under the same key.
+// through its struct and written back. Every rung but the plan writes through to_json alone, so
+// its file comes back exactly (a key the rung wrote and the reader did not read fails); the plan's
+// file (the planner's document) holds each value its struct writes, under the same key.
 TEST(LadderFiles, EveryRungFileReadsBackThroughItsStruct) {
   const char* ladder = std::getenv("KILN_REPORT_LADDER");
   ASSERT_NE(ladder, nullptr) << "run through CTest (report.ladder_results)";
@@ -392,13 +448,26 @@ TEST(LadderFiles, EveryRungFileReadsBackThroughItsStruct) {
   EXPECT_GT(baseline["losses"].size(), 0u);
   check("baseline.json", round_trip_differences<BaselineResult>(baseline, /*exact=*/true));
   check("checkpoint.json", round_trip_differences<CheckpointResult>(checkpoint, /*exact=*/true));
-  check("profile.json", round_trip_differences<ProfileResult>(file("profile.json"), false));
-  check("scale.json", round_trip_differences<ScaleResult>(file("scale.json"), false));
-  check("pilot.json", round_trip_differences<PilotResult>(file("pilot.json"), false));
+  check("profile.json", round_trip_differences<ProfileResult>(file("profile.json"), true));
+  check("scale.json", round_trip_differences<ScaleResult>(file("scale.json"), true));
+  check("pilot.json", round_trip_differences<PilotResult>(file("pilot.json"), true));
   check("plan.json", round_trip_differences<PlanResult>(file("plan.json"), false));
   if (std::filesystem::exists(run / "compile.json"))
-    check("compile.json", round_trip_differences<CompileResult>(file("compile.json"), false));
+    check("compile.json", round_trip_differences<CompileResult>(file("compile.json"), true));
   EXPECT_GE(checked, 6);
+
+  // The baseline's MFU against the matmul it timed: the achieved rate over the measured peak,
+  // both from the same file; the peak is 2 m n k over the median time of one matmul.
+  const auto b = baseline.get<BaselineResult>();
+  ASSERT_TRUE(b.matmul_peak.has_value() && b.mfu_of_matmul_peak.has_value());
+  const json& peak = baseline["matmul_peak"];
+  const double flops = 2.0 * peak["m"].get<double>() * peak["n"].get<double>() *
+                       peak["k"].get<double>() / peak["median_seconds"].get<double>();
+  EXPECT_NEAR(peak["flops_per_second"].get<double>(), flops, 1e-9 * flops);
+  const double mfu = baseline["achieved_flops_per_second"].get<double>() / flops;
+  EXPECT_NEAR(baseline["mfu_of_matmul_peak"].get<double>(), mfu, 1e-9 * mfu);
+  EXPECT_EQ(*b.mfu_of_matmul_peak, baseline["mfu_of_matmul_peak"].get<double>());
+  EXPECT_EQ(peak["dtype"], "float32");  // the demo trains in fp32 on the CPU
 
   // The control: a key the rung wrote under another name than the reader reads fails both ways
   // (the reader misses it, the file keeps a key nobody reads); so does a value changed in transit.
@@ -411,6 +480,37 @@ TEST(LadderFiles, EveryRungFileReadsBackThroughItsStruct) {
   extra["resume_step"] = 2;
   EXPECT_EQ(round_trip_differences<CheckpointResult>(extra, true),
             std::vector<std::string>{"/resume_step in the file, not read back"});
+}
+
+// Under torchrun only rank 0 reads a rung's file back; after each rung the ranks agree on one
+// outcome (ranks as threads): every rank takes the same branch, a failure anywhere fails the rung
+// everywhere under its rank's name, and rank 0's word (its file's) is the verdict otherwise.
+TEST(Results, LadderRanksAgreeOnEachRungsOutcome) {
+  auto outcomes = [](std::vector<std::pair<bool, std::string>> mine) {
+    std::vector<RungResult> out(mine.size());
+    testing::run_ranks(static_cast<int>(mine.size()), [&](Communicator& comm) {
+      RungResult& r = out[static_cast<size_t>(comm.rank())];
+      r.rung = "baseline";
+      std::tie(r.passed, r.verdict) = mine[static_cast<size_t>(comm.rank())];
+      agree_on_rung_outcome(comm, r);
+    });
+    return out;
+  };
+  for (const RungResult& r : outcomes({{true, "file: passed"}, {true, "mine"}, {true, "also"}})) {
+    EXPECT_TRUE(r.passed);
+    EXPECT_EQ(r.verdict, "file: passed");  // rank 0's, which read the file back
+  }
+  // Rank 0's file said failed (its read-back turned it), the others measured a pass.
+  for (const RungResult& r :
+       outcomes({{false, "baseline.json says the rung failed"}, {true, "ok"}})) {
+    EXPECT_FALSE(r.passed);
+    EXPECT_EQ(r.verdict, "baseline.json says the rung failed");
+  }
+  for (const RungResult& r :
+       outcomes({{true, "ok"}, {false, "non-finite loss"}, {false, "error: timeout"}})) {
+    EXPECT_FALSE(r.passed);
+    EXPECT_EQ(r.verdict, "rank 1: non-finite loss");
+  }
 }
 
 TEST(Results, KeysOfVersionTwoRequiredFromVersionTwo) {
