@@ -319,9 +319,9 @@ struct CompileReport {
 /// runs its eager step around the compiled units. A unit runs eager when the autocast state
 /// differs from train.precision's, over compile.recompile_limit, or after graph breaks with
 /// compile.fullgraph = false. The model's wrapper refers to this object (its cache and report):
-/// keep it alive while the model runs (the Trainer holds it after set_compiled_step). See
+/// keep it alive while the model runs (the Trainer holds it after set_step_executor). See
 /// docs/compile.md, "Per-unit compilation".
-class CompiledStep : public CompiledForwardBackward {
+class CompiledStep : public StepExecutor {
  public:
   /// Throws UserError (bad setup, see check_compile_start), TrainingError (graph breaks with
   /// compile.fullgraph = true, listing every break).
@@ -330,7 +330,7 @@ class CompiledStep : public CompiledForwardBackward {
 
   /// Throws UserError when `loss_scale` is defined and train.precision is not "fp16-mixed" (or
   /// the reverse): the package was built for the other.
-  torch::Tensor forward_backward(const Batch& batch, double scale,
+  torch::Tensor forward_backward(Trainer& trainer, const Batch& batch, double scale,
                                  const torch::Tensor& loss_scale) override;
   /// Through the eval package of the batch's shape (built or loaded on first use); undefined
   /// outputs when the batch runs eager (graph breaks with fullgraph = false, over the limit).
@@ -454,7 +454,8 @@ class CapturedGraphStep : public CapturedStep {
   /// probe to `trainer`. Throws UserError.
   CapturedGraphStep(const Config& config, Trainer& trainer, GraphRecorderFactory recorders);
   ~CapturedGraphStep() override;
-  torch::Tensor run(const std::vector<Batch>& batches, double lr, const DeviceWork& work) override;
+  torch::Tensor run_captured(const std::vector<Batch>& batches, double lr,
+                             const BatchWork& work) override;
   const CompileReport& report() const { return report_; }
   /// Steps run by replaying a capture / eagerly (warm-ups, fallback, shapes over the limit).
   int64_t replays() const { return replays_; }

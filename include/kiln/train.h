@@ -258,48 +258,71 @@ struct TrainState {
 
 // ---- the trainer -------------------------------------------------------------------------------
 
-/// A compiled forward+backward the step loop runs instead of eager autograd (kiln/compile.h
-/// builds one). Called on the training thread, inside the forward phase.
-class CompiledForwardBackward {
+/// The step executor: how one micro-batch becomes gradients (forward, loss, backward) and how a
+/// validation batch becomes a loss. The Trainer owns one: eager (autograd under train.precision's
+/// autocast, src/train/executors.cpp) until set_step_executor installs another (kiln/compile.h's
+/// CompiledStep). Every method runs on the training thread; an executor marks its own phases
+/// (PhaseScope on the trainer it is given: eager marks forward, then backward; a compiled
+/// forward+backward is one forward phase). Errors: what the model, a compiled package or a hook
+/// throws.
+class StepExecutor {
  public:
-  virtual ~CompiledForwardBackward() = default;
+  virtual ~StepExecutor() = default;
   /// Forward and backward of one micro-batch (already on the trainer's device): adds scale x each
   /// parameter's gradient to its .grad (sets it when undefined) and returns scale x the loss, a
-  /// 0-dim tensor on the device. Returns an undefined tensor when this batch must run eager (a
-  /// shape over the recompile limit); the Trainer then runs its eager forward and backward.
-  /// Autograd's gradient hooks do not fire for a compiled micro-step (DDP reduces every bucket
-  /// in on_gradients_ready instead, without overlap). `loss_scale`: under fp16-mixed the loss
-  /// scaler's scale (float32 [1] on the device), and the gradients added are those of
-  /// loss x loss_scale, as eager's backward of MixedPrecision::scale_loss(loss) (the returned loss
-  /// is not multiplied by it; the Trainer unscales the gradients); undefined otherwise.
-  virtual torch::Tensor forward_backward(const Batch& batch, double scale,
+  /// 0-dim tensor on the device. `loss_scale`: under fp16-mixed the loss scaler's scale (float32
+  /// [1] on the device), and the gradients added are those of loss x loss_scale (the returned
+  /// loss is not multiplied by it; the Trainer unscales the gradients); undefined otherwise.
+  /// An undefined result declines the batch (a compiled step over its recompile limit): the
+  /// Trainer runs that batch through its eager executor instead. A compiled micro-step fires no
+  /// autograd gradient hooks (DDP then reduces every bucket in on_gradients_ready, without
+  /// overlap).
+  virtual torch::Tensor forward_backward(Trainer& trainer, const Batch& batch, double scale,
                                          const torch::Tensor& loss_scale) = 0;
-  /// Evaluate's forward of one validation batch (already on the device), through a forward-only
-  /// graph of its own: `loss` the batch's mean loss (0-dim), `correct` for a classifier the
-  /// number of samples whose argmax is the target (0-dim int64; undefined for token models).
-  /// Undefined `loss`: this batch runs eager (the default: no eval graph). Called on the training
-  /// thread inside Phase::kEval, under NoGradGuard, with the model in eval mode.
+  /// Evaluate's forward of one validation batch (already on the device): `loss` the batch's mean
+  /// loss (0-dim), `correct` for a classifier (Model::classifier()) the number of samples whose
+  /// argmax is the target (0-dim int64; undefined otherwise). Undefined `loss` (the default), or
+  /// a classifier's undefined `correct`, declines the batch: the eager executor runs it. Called
+  /// inside Phase::kEval, under NoGradGuard, with the model in eval mode.
   struct EvalOutputs {
     torch::Tensor loss, correct;
   };
   virtual EvalOutputs evaluate(const Batch& /*batch*/) { return {}; }
 };
 
-/// A captured step (CUDA graphs, kiln/compile.h builds one) that runs the Trainer's whole device
-/// step — forward, backward, gradient hooks, clipping, the optimizer — for a step's micro-batches.
-/// Called on the training thread, after the micro-batches were fetched.
-class CapturedStep {
+/// The step runner: how a step's device work (every micro-step's forward and backward through
+/// the step executor, the gradient hooks, clipping, the optimizer) is run. The Trainer owns one:
+/// directly (the default: each micro-batch is fetched when its micro-step begins) until
+/// set_step_runner installs another (a CapturedStep). Training thread only.
+class StepRunner {
  public:
-  virtual ~CapturedStep() = default;
+  virtual ~StepRunner() = default;
+  /// Micro-batch `micro` of the step, on the device (the Trainer times the wait and counts it).
+  using Fetch = std::function<Batch(int micro)>;
+  /// The Trainer's device work, reading micro-batch k through the Fetch it is given. Returns
+  /// [loss, grad_norm, nonfinite] on the device.
+  using DeviceWork = std::function<torch::Tensor(const Fetch& fetch)>;
+  /// Runs one step of `micro_steps` micro-batches at learning rate `lr` and returns what `work`
+  /// returns (or, for a replayed capture, the captured output overwritten by the replay).
+  virtual torch::Tensor run(int micro_steps, const Fetch& fetch, double lr,
+                            const DeviceWork& work) = 0;
+};
+
+/// A captured step (CUDA graphs, kiln/compile.h builds one) that runs the Trainer's whole device
+/// work for a step's micro-batches: it fetches them all first (a replay runs the device work at
+/// once), then run_captured. Phases and hooks inside the work run only when it runs eagerly or is
+/// being captured, not on a replay.
+class CapturedStep : public StepRunner {
+ public:
+  torch::Tensor run(int micro_steps, const Fetch& fetch, double lr, const DeviceWork& work) final;
   /// The Trainer's device work for `batches`, as a function of the tensors it reads the batches
   /// from (the implementation may pass static buffers it copies `batches` into).
-  using DeviceWork = std::function<torch::Tensor(const std::vector<Batch>& batches)>;
+  using BatchWork = std::function<torch::Tensor(const std::vector<Batch>& batches)>;
   /// Runs the step: eagerly through `work` (warm-up, fallback), by capturing `work` and replaying
   /// the capture, or by replaying an earlier capture of the same shapes. `lr` is the step's
-  /// learning rate (a capture reads it from the optimizer's lr tensor). Returns what `work`
-  /// returns (for a replay, the captured output tensor, overwritten by the replay).
-  virtual torch::Tensor run(const std::vector<Batch>& batches, double lr,
-                            const DeviceWork& work) = 0;
+  /// learning rate (a capture reads it from the optimizer's lr tensor).
+  virtual torch::Tensor run_captured(const std::vector<Batch>& batches, double lr,
+                                     const BatchWork& work) = 0;
 };
 
 /// How the trained tensors lie over the ranks, and what follows from it for the Trainer: which
@@ -412,18 +435,17 @@ class Trainer {
   };
   const Datasets& data() const { return data_; }
   const TrainerOptions& options() const { return options_; }
-  /// Runs forward+backward through `compiled` from the next micro-step on (null: eager again).
-  void set_compiled_step(std::shared_ptr<CompiledForwardBackward> compiled) {
-    compiled_ = std::move(compiled);
-  }
-  bool compiled() const { return compiled_ != nullptr; }
-  /// Runs each step through `captured` from the next step on (null: no capture). The step's
-  /// micro-batches are fetched first, then the device work runs (phases and hooks inside it run
-  /// only when it runs eagerly or is being captured, not on a replay).
-  void set_captured_step(std::shared_ptr<CapturedStep> captured) {
-    captured_ = std::move(captured);
-  }
-  bool captured() const { return captured_ != nullptr; }
+  /// Runs each micro-step's forward+backward and each evaluation batch through `executor` from
+  /// the next micro-step on (null: the eager executor again).
+  void set_step_executor(std::shared_ptr<StepExecutor> executor);
+  /// Runs each step's device work through `runner` from the next step on (a CapturedStep; null:
+  /// directly again).
+  void set_step_runner(std::shared_ptr<StepRunner> runner);
+  /// The eager executor (autograd under train.precision's autocast): what a declined batch runs
+  /// through, and what an executor may delegate to.
+  StepExecutor& eager_executor() { return *eager_; }
+  /// True while neither another executor nor another runner is installed (plain eager steps).
+  bool eager_step() const { return executor_ == eager_ && runner_ == direct_; }
   /// Lays the trained tensors out as `layout` says from the next step on (kiln/dist.h's FSDP
   /// installs a sharded one): the optimizer is rebuilt over layout->optimizer_parameters(), the
   /// gradient norm and state() go through the layout. Call before the first step.
@@ -436,11 +458,10 @@ class Trainer {
   void phase_end(Phase phase);
 
  private:
-  /// The device part of a step: micro-batches through forward and backward, the gradient hooks,
-  /// the loss mean over ranks, clipping, the optimizer. Returns [loss, grad_norm, nonfinite] on
-  /// the device. A compiled or captured step replaces this function alone.
-  torch::Tensor device_step(int micro_steps, const std::function<Batch(int)>& next_batch,
-                            StepStats& stats);
+  /// The device part of a step: micro-batches through the step executor's forward and backward,
+  /// the gradient hooks, the loss mean over ranks, clipping, the optimizer. Returns [loss,
+  /// grad_norm, nonfinite] on the device. The step runner runs it (directly or captured).
+  torch::Tensor device_step(int micro_steps, const StepRunner::Fetch& fetch);
   StepStats run_step(int micro_steps, const std::function<Batch(int)>& next_batch, bool sync);
   /// Adds a micro-batch's samples and tokens (all ranks) to `stats`.
   void count_samples(const Batch& batch, StepStats& stats) const;
@@ -459,8 +480,10 @@ class Trainer {
   std::unique_ptr<Loader> loader_;
   std::unique_ptr<Sampler> val_sampler_;
   std::vector<std::shared_ptr<TrainerHook>> hooks_;
-  std::shared_ptr<CompiledForwardBackward> compiled_;
-  std::shared_ptr<CapturedStep> captured_;
+  std::shared_ptr<StepExecutor> eager_;        // the eager executor (src/train/executors.cpp)
+  std::shared_ptr<StepExecutor> executor_;     // eager_ unless set_step_executor
+  std::shared_ptr<StepRunner> direct_;         // runs the device work as it is
+  std::shared_ptr<StepRunner> runner_;         // direct_ unless set_step_runner
   std::shared_ptr<ParallelLayout> layout_;     // replicated_layout() unless set_parallel_layout
   std::unique_ptr<MixedPrecision> precision_;  // train.precision (src/train/precision.h)
   int64_t step_ = 0;

@@ -89,8 +89,8 @@ CapturedGraphStep::CapturedGraphStep(const Config& config, Trainer& trainer,
 
 CapturedGraphStep::~CapturedGraphStep() = default;
 
-torch::Tensor CapturedGraphStep::run(const std::vector<Batch>& batches, double lr,
-                                     const DeviceWork& work) {
+torch::Tensor CapturedGraphStep::run_captured(const std::vector<Batch>& batches, double lr,
+                                              const BatchWork& work) {
   using Kind = ShapeTracker::Decision::Kind;
   lr_.fill_(lr);  // outside any capture: the graph reads the tensor
   auto eager = [&] {
@@ -199,7 +199,7 @@ std::shared_ptr<CapturedGraphStep> attach_captured_step(Trainer& trainer, const 
   if (backend != B::kCudaGraphs && backend != B::kInductorCudaGraphs) return nullptr;
   auto step = std::make_shared<CapturedGraphStep>(config, trainer,
                                                   cuda_graph_recorders(trainer.options().device));
-  trainer.set_captured_step(step);
+  trainer.set_step_runner(step);
   return step;
 }
 

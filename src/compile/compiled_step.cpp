@@ -251,7 +251,7 @@ size_t CompiledStep::resolve(Kind& kind, const InputShapes& shapes) {
   return graph;
 }
 
-CompiledForwardBackward::EvalOutputs CompiledStep::evaluate(const Batch& batch) {
+StepExecutor::EvalOutputs CompiledStep::evaluate(const Batch& batch) {
   if (units_) return {};  // per unit: the eager root around the compiled units
   const size_t index = resolve(eval_, InputShapes::of(batch));
   if (index == SIZE_MAX) {
@@ -268,9 +268,10 @@ CompiledForwardBackward::EvalOutputs CompiledStep::evaluate(const Batch& batch) 
   return out;
 }
 
-torch::Tensor CompiledStep::forward_backward(const Batch& batch, double scale,
+torch::Tensor CompiledStep::forward_backward(Trainer& trainer, const Batch& batch, double scale,
                                              const torch::Tensor& loss_scale) {
   if (units_) return {};  // per unit: the Trainer's eager step runs the compiled units
+  PhaseScope phase(trainer, Phase::kForward);  // forward and backward in one compiled call
   const bool scaled = precision_ == TrainOptions::Precision::kFp16Mixed;
   if (loss_scale.defined() != scaled) {
     throw UserError(fmt::format(
@@ -465,7 +466,7 @@ std::shared_ptr<CompiledStep> attach_compiled_step(Trainer& trainer, const Confi
   std::shared_ptr<CompiledStep> step;
   if (options.inductor()) {
     step = std::make_shared<CompiledStep>(config, trainer.model(), trainer.options().device);
-    trainer.set_compiled_step(step);
+    trainer.set_step_executor(step);
     if (trainer.options().world_size > 1 && !step->per_unit()) {
       log::info(
           "compile: under DDP the package returns the gradients, so their all-reduce starts only "

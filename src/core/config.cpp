@@ -10,6 +10,7 @@
 #include <set>
 #include <sstream>
 
+#include "core/config_checks.h"
 #include "core/schema_sections.h"
 #include "core/strings.h"
 #include "kiln/error.h"
@@ -29,18 +30,27 @@ std::string where(const std::string& source, const toml::source_region& region) 
   return source + ":" + std::to_string(region.begin.line);
 }
 
+std::string choice_list(const std::vector<std::string>& choices) {
+  std::string out;
+  for (size_t k = 0; k < choices.size(); ++k) out += (k ? ", \"" : "\"") + choices[k] + "\"";
+  return out;
+}
+
+bool in_range(const KeyDef& def, double number) {
+  return std::isfinite(number) && !(def.min && number < *def.min) &&
+         !(def.max && number > *def.max);
+}
+
+}  // namespace
+
+namespace config_detail {
+
 std::string range_text(const KeyDef& def) {
   auto bound = [](std::optional<double> v, const char* none) {
     if (!v) return std::string(none);
     return format_number(*v);
   };
   return "[" + bound(def.min, "-inf") + ", " + bound(def.max, "inf") + "]";
-}
-
-std::string choice_list(const std::vector<std::string>& choices) {
-  std::string out;
-  for (size_t k = 0; k < choices.size(); ++k) out += (k ? ", \"" : "\"") + choices[k] + "\"";
-  return out;
 }
 
 std::string expectation(const KeyDef& def) {
@@ -56,12 +66,6 @@ std::string expectation(const KeyDef& def) {
   return out;
 }
 
-bool in_range(const KeyDef& def, double number) {
-  return std::isfinite(number) && !(def.min && number < *def.min) &&
-         !(def.max && number > *def.max);
-}
-
-// Checks a value against its key's range / choices. Returns an error text or "".
 std::string check_value(const KeyDef& def, const Value& value) {
   switch (def.type) {
     case ValueType::kBool:
@@ -102,6 +106,14 @@ std::string check_value(const KeyDef& def, const Value& value) {
   }
   return "";
 }
+
+}  // namespace config_detail
+
+using config_detail::check_value;
+using config_detail::expectation;
+using config_detail::range_text;
+
+namespace {
 
 std::string node_kind(const toml::node& node) {
   std::ostringstream out;
@@ -278,77 +290,12 @@ std::string value_to_toml(const Value& value) {
   return toml_quote(std::get<std::string>(value));
 }
 
-std::vector<std::string> schema_problems(const ConfigSections& sections) {
-  std::vector<std::string> out;
-  std::set<std::string> section_names, key_names;
-  for (const auto& section : sections) {
-    if (!section_names.insert(section.name).second) {
-      out.push_back("section [" + section.name + "] is declared twice");
-    }
-    for (const auto& def : section.keys) {
-      const std::string name = def.full_name();
-      if (def.section != section.name) {
-        out.push_back(name + " is declared in section [" + section.name + "]");
-      }
-      if (!key_names.insert(name).second) out.push_back(name + " is declared twice");
-      if (def.doc.empty()) out.push_back(name + " has no doc");
-      if (def.default_value.index() != static_cast<size_t>(def.type)) {
-        out.push_back(name + ": the default is not " + expectation(def));
-      } else if (std::string problem = check_value(def, def.default_value); !problem.empty()) {
-        out.push_back("default " + problem);
-      }
-      if (def.type != ValueType::kString && def.type != ValueType::kTable && !def.choices.empty()) {
-        out.push_back(name + " has choices but is not a string");
-      }
-      if (def.min && def.max && *def.min > *def.max) out.push_back(name + " has an empty range");
-    }
-    for (const auto& rule : section.rules) {
-      if (rule.description.empty() || !rule.check || rule.example.empty()) {
-        out.push_back("a rule of [" + section.name +
-                      "] lacks a description, a check or an example: " + rule.description);
-      }
-    }
-  }
-  return out;
-}
-
 const KeyDef* find_key(std::string_view full_name) {
   return find_in(config_sections(), full_name);
 }
 
 std::string closest_key(std::string_view full_name) {
   return closest_in(config_sections(), full_name);
-}
-
-std::string keys_markdown(const ConfigSections& sections) {
-  std::string out = "| key | type | default | allowed | meaning |\n|---|---|---|---|---|\n";
-  for (const auto& section : sections) {
-    for (const auto& def : section.keys) {
-      std::string allowed;
-      for (const auto& choice : def.choices) allowed += (allowed.empty() ? "" : ", ") + choice;
-      if (def.min || def.max) {
-        allowed =
-            (def.type == ValueType::kTable && !allowed.empty() ? "names " + allowed + "; values "
-                                                               : std::string()) +
-            range_text(def);
-      }
-      out += "| `" + def.full_name() + "` | " + type_name(def.type) + " | `" +
-             value_to_toml(def.default_value) + "` | " + allowed + " | " + def.doc + " |\n";
-    }
-  }
-  return out;
-}
-
-std::string rules_markdown(const ConfigSections& sections) {
-  std::string out = "| section | rule | violated by |\n|---|---|---|\n";
-  for (const auto& section : sections) {
-    for (const auto& rule : section.rules) {
-      std::string example;
-      for (const auto& a : rule.example) example += (example.empty() ? "`" : " `") + a + "`";
-      out += "| [" + section.name + "] | " + rule.description + " | " + example + " |\n";
-    }
-  }
-  return out;
 }
 
 Config Config::defaults() {

@@ -31,39 +31,6 @@
 
 namespace kiln {
 
-FsdpOptions fsdp_options(const Config& config) {
-  FsdpOptions options;
-  options.reshard_after_forward = config.get_bool("dist.reshard_after_forward");
-  options.accumulate_sharded = config.get_string("dist.fsdp_accumulate") == "sharded";
-  options.prefetch = config.get_bool("dist.fsdp_prefetch");
-  const TrainOptions::Precision precision = TrainOptions::from_config(config).precision;
-  if (precision != TrainOptions::Precision::kFp32) options.param_dtype = compute_dtype(precision);
-  return options;
-}
-
-int64_t ShardLayout::valid_rows(int rank) const {
-  return std::clamp<int64_t>(rows - rank * rows_per_rank, 0, rows_per_rank);
-}
-
-std::vector<int64_t> ShardLayout::shard_shape() const {
-  std::vector<int64_t> out = shape;
-  if (out.empty()) return {rows_per_rank};
-  out[0] = rows_per_rank;
-  return out;
-}
-
-ShardLayout shard_layout(const std::string& name, const std::vector<int64_t>& shape,
-                         int world_size) {
-  ShardLayout layout;
-  layout.name = name;
-  layout.shape = shape;
-  layout.rows = shape.empty() ? 1 : shape[0];
-  layout.row_numel = 1;
-  for (size_t d = 1; d < shape.size(); ++d) layout.row_numel *= shape[d];
-  layout.rows_per_rank = std::max<int64_t>(1, (layout.rows + world_size - 1) / world_size);
-  return layout;
-}
-
 namespace {
 
 void free_storage(const torch::Tensor& tensor) {

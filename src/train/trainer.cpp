@@ -16,6 +16,7 @@
 #include "kiln/log.h"
 #include "kiln/run.h"
 #include "kiln/train.h"
+#include "train/executors.h"
 #include "train/hooks.h"
 #include "train/precision.h"
 
@@ -70,6 +71,10 @@ Trainer::Trainer(const Config& config, std::shared_ptr<Model> model, Datasets da
     // recomputation in backward runs them again.
     model_->add_unit_wrapper(make_activation_checkpointing(*model_, model_->units()));
   }
+  eager_ = make_eager_executor(*model_, *precision_);
+  executor_ = eager_;
+  direct_ = make_direct_runner();
+  runner_ = direct_;
   layout_ = replicated_layout();
   optimizer_ = std::make_unique<Optimizer>(OptimOptions::from_config(config),
                                            layout_->optimizer_parameters(*model_));
@@ -107,6 +112,14 @@ void Trainer::set_parallel_layout(std::shared_ptr<ParallelLayout> layout) {
   layout_ = std::move(layout);
   optimizer_ =
       std::make_unique<Optimizer>(optimizer_->options(), layout_->optimizer_parameters(*model_));
+}
+
+void Trainer::set_step_executor(std::shared_ptr<StepExecutor> executor) {
+  executor_ = executor ? std::move(executor) : eager_;
+}
+
+void Trainer::set_step_runner(std::shared_ptr<StepRunner> runner) {
+  runner_ = runner ? std::move(runner) : direct_;
 }
 
 void Trainer::add_hook(std::shared_ptr<TrainerHook> hook) {
@@ -203,23 +216,16 @@ StepStats Trainer::run_step(int micro_steps, const std::function<Batch(int)>& ne
   stats.lr = learning_rate(optimizer_->options(), train_options_.steps, step_);
   for_each_hook([&](TrainerHook& h) { h.on_step_begin(*this, step_); });
   try {
-    torch::Tensor values;
-    if (captured_) {  // fetch the micro-batches first: a replay runs the device work at once
-      std::vector<Batch> batches;
-      for (int micro = 0; micro < micro_steps; ++micro) {
-        const auto wait_begin = SteadyClock::now();
-        batches.push_back(next_batch(micro));
-        stats.data_wait_seconds += seconds_since(wait_begin);
-        count_samples(batches.back(), stats);
-      }
-      values = captured_->run(batches, stats.lr, [&](const std::vector<Batch>& in) {
-        StepStats ignored;
-        return device_step(
-            micro_steps, [&](int micro) { return in[static_cast<size_t>(micro)]; }, ignored);
-      });
-    } else {
-      values = device_step(micro_steps, next_batch, stats);
-    }
+    const StepRunner::Fetch fetch = [&](int micro) {
+      const auto wait_begin = SteadyClock::now();
+      Batch batch = next_batch(micro);
+      stats.data_wait_seconds += seconds_since(wait_begin);
+      count_samples(batch, stats);
+      return batch;
+    };
+    const torch::Tensor values = runner_->run(
+        micro_steps, fetch, stats.lr,
+        [&](const StepRunner::Fetch& batches) { return device_step(micro_steps, batches); });
     if (sync || stats.step % train_options_.metrics_every == 0) sync_counters(&stats, values);
   } catch (...) {
     for_each_hook([&](TrainerHook& h) { h.on_step_failed(*this, stats.step); });
@@ -236,36 +242,18 @@ void Trainer::count_samples(const Batch& batch, StepStats& stats) const {
   stats.tokens += data_.train->tokens_per_sample() * batch.samples() * options_.world_size;
 }
 
-torch::Tensor Trainer::device_step(int micro_steps, const std::function<Batch(int)>& next_batch,
-                                   StepStats& stats) {
+torch::Tensor Trainer::device_step(int micro_steps, const StepRunner::Fetch& fetch) {
   model_->train();
   optimizer_->zero_grad();
   torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions().device(options_.device));
+  const double scale = 1.0 / static_cast<double>(micro_steps);
   for (int micro = 0; micro < micro_steps; ++micro) {
     const bool last = micro == micro_steps - 1;
     for_each_hook([&](TrainerHook& h) { h.on_micro_step_begin(*this, micro, last); });
-    const auto wait_begin = SteadyClock::now();
-    Batch batch = next_batch(micro);
-    stats.data_wait_seconds += seconds_since(wait_begin);
-    count_samples(batch, stats);
-    torch::Tensor loss;
-    if (compiled_) {  // forward and backward in one compiled call, marked as the forward phase
-      PhaseScope phase(*this, Phase::kForward);
-      loss = compiled_->forward_backward(batch, 1.0 / static_cast<double>(micro_steps),
-                                         precision_->loss_scale());
-    }
-    if (!loss.defined()) {
-      {
-        PhaseScope phase(*this, Phase::kForward);
-        const auto autocast = precision_->autocast_scope();  // train.precision
-        auto logits = model_->forward(batch.inputs);
-        loss = model_->loss(logits, batch.targets) / static_cast<double>(micro_steps);
-      }
-      {
-        PhaseScope phase(*this, Phase::kBackward);
-        precision_->scale_loss(loss).backward();
-      }
-    }
+    const Batch batch = fetch(micro);
+    const torch::Tensor& loss_scale = precision_->loss_scale();
+    torch::Tensor loss = executor_->forward_backward(*this, batch, scale, loss_scale);
+    if (!loss.defined()) loss = eager_->forward_backward(*this, batch, scale, loss_scale);
     loss_sum += loss.detach();
   }
   for_each_hook([&](TrainerHook& h) { h.on_gradients_ready(*this); });
@@ -292,7 +280,8 @@ torch::Tensor Trainer::device_step(int micro_steps, const std::function<Batch(in
   torch::Tensor finite = at::logical_and(at::isfinite(loss_sum), at::isfinite(total_norm));
   if (overflow.defined()) finite = at::logical_and(finite, overflow == 0);
   const torch::Tensor nonfinite = at::logical_not(finite).to(torch::kFloat);
-  optimizer_->step(stats.lr, nonfinite);
+  // The step's learning rate, as run_step computed it (step_ advances after the step).
+  optimizer_->step(learning_rate(optimizer_->options(), train_options_.steps, step_), nonfinite);
   if (overflow.defined()) precision_->update(overflow, loss_sum);  // grow or back off the scale
   // In place, with the step number from the device: a captured step replays these as they are.
   const torch::Tensor counted = nonfinite.to(torch::kFloat64);
@@ -373,19 +362,13 @@ EvalStats Trainer::evaluate() {
       auto inputs = batch.inputs.to(options_.device);
       auto targets = batch.targets.to(options_.device);
       samples += batch.samples();
-      if (compiled_) {  // the compiled eval graph, unless this batch must run eager
-        const auto out = compiled_->evaluate(Batch{inputs, targets});
-        if (out.loss.defined() && (out.correct.defined() || !model_->classifier())) {
-          loss_sum += out.loss.item<double>();
-          if (model_->classifier()) correct += out.correct.item<int64_t>();
-          continue;
-        }
+      const Batch on_device{inputs, targets};
+      auto out = executor_->evaluate(on_device);
+      if (!out.loss.defined() || (model_->classifier() && !out.correct.defined())) {
+        out = eager_->evaluate(on_device);  // declined by the executor
       }
-      const auto autocast = precision_->autocast_scope();  // train.precision
-      auto logits = model_->forward(inputs);
-      loss_sum += model_->loss(logits, targets).item<double>();
-      if (model_->classifier())
-        correct += model_->correct_predictions(logits, targets).item<int64_t>();
+      loss_sum += out.loss.item<double>();
+      if (model_->classifier()) correct += out.correct.item<int64_t>();
     }
     model_->train();
     if (options_.comm && options_.comm->world_size() > 1) {  // every rank evaluated its shard

@@ -93,7 +93,7 @@ TEST(CapturedStep, ReplaysTrainExactlyAsTheEagerStep) {
   Trainer eager(config, make_model(config), make_datasets(config));
   Trainer captured(config, make_model(config), make_datasets(config));
   auto step = std::make_shared<CapturedGraphStep>(config, captured, rerun_recorders());
-  captured.set_captured_step(step);
+  captured.set_step_runner(step);
   const SideBySide logs = train_side_by_side(eager, captured, 7);
   const auto& eager_log = logs.eager;
   const auto& captured_log = logs.captured;
@@ -126,7 +126,7 @@ TEST(CapturedStep, UnderDdpReplaysTrainExactlyAsEagerDdp) {
     auto eager_ddp = DataParallel::attach(eager, comm, data_parallel_options(config));
     auto captured_ddp = DataParallel::attach(captured, comm, data_parallel_options(config));
     auto step = std::make_shared<CapturedGraphStep>(config, captured, rerun_recorders());
-    captured.set_captured_step(step);
+    captured.set_step_runner(step);
     const SideBySide logs = train_side_by_side(eager, captured, 6);
     const auto r = static_cast<size_t>(rank);
     eager_losses[r] = losses_of(logs.eager->steps);
@@ -151,7 +151,7 @@ TEST(CapturedStep, EachNewShapeIsARecaptureUpToTheLimit) {
       captured_gpt(dir.path(), {"compile.recompile_limit=2", "train.grad_accum_steps=1"});
   Trainer captured(config, make_model(config), make_datasets(config));
   auto step = std::make_shared<CapturedGraphStep>(config, captured, rerun_recorders());
-  captured.set_captured_step(step);
+  captured.set_step_runner(step);
   const Batch full = captured.next_batch();
   auto cut = [&](int64_t length) {
     return Batch{full.inputs.narrow(1, 0, length).contiguous(),
@@ -178,7 +178,7 @@ TEST(CapturedStep, AHostSynchronisationIsAGraphBreakNamedByOperator) {
     config.set_from_string("compile.backend=cudagraphs");  // after the rules, as captured_gpt
     Trainer trainer(config, make_model(config), make_datasets(config));
     auto step = std::make_shared<CapturedGraphStep>(config, trainer, rerun_recorders());
-    trainer.set_captured_step(step);
+    trainer.set_step_runner(step);
     if (fullgraph) {
       try {
         trainer.train_step(/*sync=*/true);
@@ -210,7 +210,7 @@ TEST(CapturedStep, RefusedWhereItCannotRun) {
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find("run.device = \"cuda\""), std::string::npos) << e.what();
   }
-  EXPECT_FALSE(trainer.captured());
+  EXPECT_TRUE(trainer.eager_step());
   const Config slow = captured_gpt(dir.path(), {"optim.fused=false"});
   Trainer reference(slow, make_model(slow), make_datasets(slow));
   EXPECT_THROW(CapturedGraphStep(slow, reference, rerun_recorders()), UserError);

@@ -190,6 +190,108 @@ TEST(Trainer, AParallelLayoutOwnsTheOptimizedTensorsTheNormAndTheState) {
   EXPECT_THAT(layout_names, ::testing::Contains("fc2.weight"));
 }
 
+// The Trainer runs every micro-step through its StepExecutor and every step through its
+// StepRunner: an executor that delegates to eager trains bitwise as the default; one that
+// declines a batch hands it to eager; one whose forward_backward adds no gradient leaves the
+// parameters where they were (so its result, not an eager pass of the Trainer's own, is used);
+// evaluation goes through the executor's evaluate.
+TEST(Trainer, TheStepExecutorAndRunnerRunEveryStepAndADeclinedBatchRunsEager) {
+  class Executor final : public StepExecutor {
+   public:
+    enum class Mode { kDelegate, kDecline, kNoGradients };
+    explicit Executor(Mode mode) : mode_(mode) {}
+    torch::Tensor forward_backward(Trainer& trainer, const Batch& batch, double scale,
+                                   const torch::Tensor& loss_scale) override {
+      ++calls;
+      if (mode_ == Mode::kDecline) return {};
+      if (mode_ == Mode::kNoGradients) {  // zero gradients: SGD without decay stays put
+        torch::NoGradGuard no_grad;
+        for (auto& p : trainer.model().parameters()) {
+          if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+        }
+        return trainer.model().loss(trainer.model().forward(batch.inputs), batch.targets) * scale;
+      }
+      return trainer.eager_executor().forward_backward(trainer, batch, scale, loss_scale);
+    }
+    EvalOutputs evaluate(const Batch& batch) override {
+      if (mode_ == Mode::kDecline) return {};
+      return {torch::tensor(42.0), torch::tensor(batch.samples(), torch::kInt64)};
+    }
+    int calls = 0;
+
+   private:
+    Mode mode_;
+  };
+  class Runner final : public StepRunner {
+   public:
+    torch::Tensor run(int micro_steps, const Fetch& fetch, double /*lr*/,
+                      const DeviceWork& work) override {
+      ++steps;
+      micro += micro_steps;
+      return work(fetch);
+    }
+    int steps = 0, micro = 0;
+  };
+  struct Phases final : TrainerHook {
+    void on_phase_begin(Trainer&, Phase phase) override {
+      if (phase == Phase::kBackward) ++backward;
+    }
+    int backward = 0;
+  };
+  TempDir dir;
+  const Config config = mlp_config(
+      dir.path(), {"optim.name=sgd", "optim.weight_decay=0", "train.grad_accum_steps=2"});
+  struct Outcome {
+    std::vector<double> losses;
+    bool moved = false;
+    int backward_phases = 0;
+    double eval_loss = 0, eval_accuracy = 0;
+  };
+  auto run = [&](std::shared_ptr<StepExecutor> executor, std::shared_ptr<StepRunner> runner) {
+    apply_runtime_settings(config);
+    auto model = make_model(config);
+    Trainer trainer(config, model, make_datasets(config));
+    auto phases = std::make_shared<Phases>();
+    trainer.add_hook(phases);
+    trainer.set_step_executor(std::move(executor));
+    trainer.set_step_runner(std::move(runner));
+    const auto before = model->parameters()[0].detach().clone();
+    Outcome out;
+    for (int k = 0; k < 3; ++k) out.losses.push_back(trainer.train_step(/*sync=*/true).loss);
+    out.moved = !model->parameters()[0].equal(before);
+    out.backward_phases = phases->backward;
+    const EvalStats eval = trainer.evaluate();
+    out.eval_loss = eval.loss;
+    out.eval_accuracy = eval.accuracy;
+    return out;
+  };
+  const Outcome eager = run(nullptr, nullptr);
+  auto delegate = std::make_shared<Executor>(Executor::Mode::kDelegate);
+  auto runner = std::make_shared<Runner>();
+  const Outcome delegated = run(delegate, runner);
+  EXPECT_EQ(delegated.losses, eager.losses);  // bitwise
+  EXPECT_EQ(delegate->calls, 6);              // 3 steps x 2 micro-steps
+  EXPECT_EQ(runner->steps, 3);
+  EXPECT_EQ(runner->micro, 6);
+  EXPECT_EQ(delegated.eval_loss, 42.0);  // the executor's evaluate
+  EXPECT_EQ(delegated.eval_accuracy, 1.0);
+  EXPECT_NE(eager.eval_loss, 42.0);
+
+  auto decline = std::make_shared<Executor>(Executor::Mode::kDecline);
+  const Outcome declined = run(decline, nullptr);
+  EXPECT_EQ(declined.losses, eager.losses);
+  EXPECT_EQ(decline->calls, 6);
+  EXPECT_EQ(declined.backward_phases, 6);  // eager ran every declined micro-batch
+  EXPECT_EQ(declined.eval_loss, eager.eval_loss);
+
+  auto frozen = std::make_shared<Executor>(Executor::Mode::kNoGradients);
+  const Outcome no_gradients = run(frozen, nullptr);
+  EXPECT_TRUE(eager.moved);
+  EXPECT_FALSE(no_gradients.moved) << "the Trainer ran its own backward instead of the executor";
+  EXPECT_EQ(no_gradients.backward_phases, 0);
+  EXPECT_EQ(no_gradients.losses.front(), eager.losses.front());
+}
+
 TEST(Schedule, WarmupThenCosineToTheFloor) {
   Config c = Config::parse("", "x",
                            {"optim.lr=1.0", "optim.warmup_steps=10", "optim.schedule=cosine",
