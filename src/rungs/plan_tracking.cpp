@@ -52,8 +52,26 @@ void PlanTrackingHook::on_step_end(Trainer& trainer, const StepStats& stats) {
   }
 }
 
-void PlanTrackingHook::on_train_end(Trainer& trainer) {
+void PlanTrackingHook::finish(Trainer& trainer) {
   log_line(record(trainer.step(), /*final=*/true));
+}
+
+namespace {
+
+class PlanTrackingFinisher final : public TrainerHook {
+ public:
+  explicit PlanTrackingFinisher(std::shared_ptr<PlanTrackingHook> tracker)
+      : tracker_(std::move(tracker)) {}
+  void on_train_end(Trainer& trainer) override { tracker_->finish(trainer); }
+
+ private:
+  std::shared_ptr<PlanTrackingHook> tracker_;
+};
+
+}  // namespace
+
+std::shared_ptr<TrainerHook> PlanTrackingHook::finisher(std::shared_ptr<PlanTrackingHook> tracker) {
+  return std::make_shared<PlanTrackingFinisher>(std::move(tracker));
 }
 
 nlohmann::json PlanTrackingHook::record(int64_t step, bool final) {

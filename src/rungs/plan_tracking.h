@@ -4,6 +4,7 @@
 // and the log says how the run is doing against the plan. Rank 0 only.
 #pragma once
 
+#include <memory>
 #include <nlohmann/json.hpp>
 
 #include "core/clock.h"
@@ -28,9 +29,9 @@ class Run;
 ///   eta_seconds                  the steps left at this run's pace so far (elapsed / steps
 ///                                done); 0 at the end
 ///   final                        true on the record written at the end of fit()
-/// and logs one line with them at most every `log_every` steps (and at the end). `world_size`
-/// divides StepStats::tokens (all processes) into per-device figures. Runs on the training
-/// thread.
+/// and logs one line with them at most every `log_every` steps (and at the end: finish()).
+/// `world_size` divides StepStats::tokens (all processes) into per-device figures. Runs on the
+/// training thread.
 class PlanTrackingHook final : public TrainerHook {
  public:
   PlanTrackingHook(Run& run, Forecast forecast, int64_t total_steps, int64_t world_size,
@@ -40,7 +41,11 @@ class PlanTrackingHook final : public TrainerHook {
   void on_phase_begin(Trainer&, Phase phase) override;
   void on_phase_end(Trainer&, Phase phase) override;
   void on_step_end(Trainer& trainer, const StepStats& stats) override;
-  void on_train_end(Trainer& trainer) override;
+  /// Writes the final record: called by the hook finisher() returns, which the caller adds after
+  /// the checkpoint hook, so the final save (and the wait for it) is counted.
+  void finish(Trainer& trainer);
+  /// A hook whose on_train_end calls tracker->finish().
+  static std::shared_ptr<TrainerHook> finisher(std::shared_ptr<PlanTrackingHook> tracker);
 
  private:
   nlohmann::json record(int64_t step, bool final);

@@ -86,12 +86,14 @@ TrainingRunResult run_training(const Config& given, const TrainingRunOptions& op
   // The plan's forecast for this run (kiln/plan.h), and, when it forecasts the step time (a
   // pilot of this job on this device, or a catalog row), the run tracked against it: added
   // before the checkpoint hook, so a save after a step is time between steps, not inside one.
+  std::shared_ptr<PlanTrackingHook> tracking;
   auto forecast = log_plan_forecast(config, session->run->dir(), session->comm->rank());
   if (forecast && forecast->step_seconds > 0) {
-    session->trainer->add_hook(std::make_shared<PlanTrackingHook>(
+    tracking = std::make_shared<PlanTrackingHook>(
         *session->run, std::move(*forecast), config.get_int("train.steps"),
         session->comm->world_size(), config.get_int("train.metrics_every"),
-        config.get_int("run.log_every")));
+        config.get_int("run.log_every"));
+    session->trainer->add_hook(tracking);
   }
   auto checkpointing = attach_checkpointing(*session->trainer, *session->comm, session->run->dir(),
                                             options.resume);        // [checkpoint]
@@ -99,6 +101,8 @@ TrainingRunResult run_training(const Config& given, const TrainingRunOptions& op
   // SIGTERM / SIGUSR1: finish the step, commit a checkpoint, throw Preempted (exit 75).
   attach_preemption(*session->trainer, *session->comm, checkpointing);
   session->trainer->add_hook(make_tensorboard_hook(*session->run));  // beside metrics.jsonl
+  // The final plan record after the checkpoint hook's final save.
+  if (tracking) session->trainer->add_hook(PlanTrackingHook::finisher(tracking));
   TrainingRunResult result;
   result.summary = session->trainer->fit(config.get_int("train.steps"), session->run.get());
   result.run_dir = session->run->dir();
