@@ -108,14 +108,10 @@ class GptStep final : public plan_walk::StepWalk {
     walk_.free(kActivations, r * X + r * t_ * h_);
     const size_t units = groups_.size() - 1;
     for (size_t g = 0; g < units; ++g) {
-      const std::string moment = fmt::format("{}'s forward{}", block_name(g), micro_text());
-      if (fsdp_) {
-        ensure_gathered(g, moment);
-        if (job_.fsdp_prefetch && g + 1 < units) start_gather(g + 1);
-      }
+      const std::string moment = unit_forward_moment(g);
+      gather_for_forward(g, units, moment);
       block_forward(g, !job_.activation_checkpointing, moment);
-      if (fsdp_ && (job_.fsdp_reshard_after_forward || job_.activation_checkpointing))
-        free_group(g);
+      release_after_forward(g);
     }
     // ln_f, the tied head, cross-entropy in fp32.
     const std::string loss = "the loss" + micro_text();
@@ -235,15 +231,8 @@ class GptStep final : public plan_walk::StepWalk {
     walk_.free(kBackward, (mixed_ && !cast_ ? e_ : r) * X);
     const size_t units = groups_.size() - 1;
     for (size_t k = units; k-- > 0;) {
-      const std::string moment = fmt::format(
-          "{}'s {}{}", block_name(k),
-          job_.activation_checkpointing ? "recomputation and backward" : "backward", micro_text());
-      if (fsdp_) {
-        ensure_gathered(k, moment);
-        const bool prefetch = job_.fsdp_prefetch &&
-                              (job_.fsdp_reshard_after_forward || job_.activation_checkpointing);
-        if (prefetch && k > 0) start_gather(k - 1);
-      }
+      const std::string moment = unit_backward_moment(k);
+      gather_for_backward(k, moment);
       if (job_.activation_checkpointing) {  // the kept input's block, recomputed with grad
         block_forward(k, true, moment);
         if (cast_) walk_.free(kCopies, block_bias_copies(k));

@@ -198,6 +198,32 @@ class StepWalk {
       reduce_bytes_[g] = 0;
     }
   }
+  // A unit's FSDP moments around its forward and its (recomputation and) backward: gather it
+  // (prefetching the next unit in that direction) and, after the forward, free it when the
+  // forward reshards or checkpointing will regather it. No-ops without FSDP.
+  std::string unit_forward_moment(size_t g) const {
+    return fmt::format("{}'s forward{}", block_name(g), micro_text());
+  }
+  std::string unit_backward_moment(size_t k) const {
+    return fmt::format("{}'s {}{}", block_name(k),
+                       job_.activation_checkpointing ? "recomputation and backward" : "backward",
+                       micro_text());
+  }
+  void gather_for_forward(size_t g, size_t units, const std::string& moment) {
+    if (!fsdp_) return;
+    ensure_gathered(g, moment);
+    if (job_.fsdp_prefetch && g + 1 < units) start_gather(g + 1);
+  }
+  void release_after_forward(size_t g) {
+    if (fsdp_ && (job_.fsdp_reshard_after_forward || job_.activation_checkpointing)) free_group(g);
+  }
+  void gather_for_backward(size_t k, const std::string& moment) {
+    if (!fsdp_) return;
+    ensure_gathered(k, moment);
+    const bool prefetch =
+        job_.fsdp_prefetch && (job_.fsdp_reshard_after_forward || job_.activation_checkpointing);
+    if (prefetch && k > 0) start_gather(k - 1);
+  }
   void micro_step_begin() {
     if (micro_ > 0 && job_.fsdp_accumulate_sharded) finish_reduces();
     for (size_t g = 0; g + 1 < groups_.size(); ++g) free_group(g);
