@@ -106,15 +106,26 @@ def kiln_side(kiln, config, overrides, work, name, cache, warmup, steps):
         return json.load(f)
 
 
+TOKEN_MODELS = ("gpt", "llama")  # [B, T] token ids in; the rest take [B, input_dim] features
+
+
 def python_side(cfg, warmup, steps):
     torch.manual_seed(cfg["run"]["seed"])
     threads = cfg["run"]["threads"]
     if threads > 0:
         torch.set_num_threads(threads)
+    if cfg["run"]["deterministic"]:
+        # As kiln: its eager step runs under deterministic algorithms (warn only; empty tensors
+        # are then filled, as kiln's are) and its package was compiled so (compile.py).
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        import torch._inductor.config as inductor_config
+        inductor_config.deterministic = True
     batch = cfg["train"]["batch_size"]
     m = cfg["model"]
-    if m["name"] == "gpt":
-        vocab = from_config(m).transformer.wte.weight.shape[0]
+    if m["name"] in TOKEN_MODELS:
+        twin = from_config(m)
+        embedding = twin.transformer.wte if m["name"] == "gpt" else twin.model.embed_tokens
+        vocab = embedding.num_embeddings
         inputs = torch.randint(0, vocab, (batch, cfg["data"]["seq_len"]))
         targets = torch.randint(0, vocab, (batch, cfg["data"]["seq_len"]))
     else:
@@ -192,7 +203,8 @@ def main():
     result = {
         "config": args.config, "overrides": args.overrides, "model": cfg["model"],
         "batch_size": cfg["train"]["batch_size"],
-        "seq_len": cfg["data"]["seq_len"] if cfg["model"]["name"] == "gpt" else None,
+        "seq_len": cfg["data"]["seq_len"] if cfg["model"]["name"] in TOKEN_MODELS else None,
+        "deterministic": cfg["run"]["deterministic"],
         "threads": torch.get_num_threads(), "repeats": args.repeats, "warmup": args.warmup,
         "timed_steps": args.steps,
         "median_step_seconds": {"kiln_eager": kiln_eager, "kiln_inductor": kiln_compiled,

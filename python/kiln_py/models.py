@@ -203,6 +203,13 @@ class Llama(nn.Module):
             norm=RMSNorm(n_embd, norm_eps)))
         self.lm_head = None if tie_embeddings else nn.Linear(n_embd, vocab_size, bias=False)
 
+    # WithLoss holds a twin as its attribute `model`, which there shadows this twin's own `model`
+    # child: parameter paths such as "model.embed_tokens.weight" (which torch.export walks with
+    # getattr from the WithLoss) then pass through this twin, whose attributes lead on to them.
+    embed_tokens = property(lambda self: self.model.embed_tokens)
+    layers = property(lambda self: self.model.layers)
+    norm = property(lambda self: self.model.norm)
+
     def forward(self, idx):
         m = self.model
         x = m.embed_tokens(idx)

@@ -49,6 +49,13 @@ class TwinMatchesKiln(unittest.TestCase):
             total += loss.item()
         self.assertLessEqual(abs(total - kiln["loss"][0]) / abs(kiln["loss"][0]), TOLERANCE,
                              f"loss: twin {total}, kiln {kiln['loss'][0]}")
+        # kiln's compile step binds the twin's parameters by name (torch.export swaps them in
+        # through getattr from the WithLoss, as functional_call does): the same loss that way.
+        inputs, targets = batches["step0.micro0.inputs"], batches["step0.micro0.targets"]
+        with torch.no_grad():
+            self.assertEqual(
+                torch.func.functional_call(twin, dict(twin.named_parameters()), (inputs, targets)).item(),
+                twin(inputs, targets).item())
         for name, g in zip(names, grads):
             self.assertGreater(kiln_grads[name].abs().max().item(), 0, f"{name}: kiln's gradient is zero")
             diff = support.max_relative_difference(g, kiln_grads[name])
