@@ -68,22 +68,20 @@ ActualRun read_actual_run(const std::filesystem::path& dir) {
     for (int64_t number = 1; std::getline(in, line); ++number) {
       if (line.empty()) continue;
       MetricsRecord record;
-      json parsed;
       try {
-        parsed = json::parse(line);
-        record = parsed.get<MetricsRecord>();
+        record = json::parse(line).get<MetricsRecord>();
       } catch (const std::exception& e) {
         throw UserError(
             fmt::format("{}:{}: {}", (dir / "metrics.jsonl").string(), number, e.what()));
       }
       if (record.step_seconds && *record.step_seconds > 0) steps.push_back(record);
-      // kiln train's plan-tracking records (src/rungs/plan_tracking.h): the last one holds the
-      // run's wall time, checkpoint time and ETTR so far (the final one, the whole run's).
-      if (parsed.contains("plan") && parsed["plan"].is_object()) {
-        const json& plan = parsed["plan"];
-        a.wall_seconds = plan.value("elapsed_seconds", 0.0);
-        a.checkpoint_seconds = plan.value("checkpoint_seconds", 0.0);
-        a.ettr = plan.value("ettr", 0.0);
+      // kiln train's plan-tracking records (src/rungs/plan_tracking.h, a PlanProgress): the last
+      // one holds the run's wall time, checkpoint time and ETTR so far (the final one, the whole
+      // run's).
+      if (record.plan) {
+        a.wall_seconds = record.plan->elapsed_seconds;
+        a.checkpoint_seconds = record.plan->checkpoint_seconds;
+        a.ettr = record.plan->ettr;
       }
     }
   }

@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "kiln/plan.h"
@@ -38,6 +40,24 @@ MatmulShape job_matmul_shape(const ModelShape& shape, const JobShape& job) {
     out.m = job.micro_batch;
     out.k = shape.input_dim;
     out.n = shape.hidden_dim;
+  } else if (shape.n_embd <= 0) {
+    // A model of your own whose ModelMath gives no width: a square GEMM [b*s, w] x [w, w] with
+    // w = sqrt(the largest unit's parameters), so its 2 b s w^2 FLOPs are the largest unit's
+    // forward on the micro-batch (a unit of P weights does 2 P FLOPs per row); the whole model's
+    // parameters when no unit is known. With neither, nothing to time: refused, and the caller
+    // records the peak as not measured.
+    const int64_t weights = shape.math_largest_unit_parameters > 0
+                                ? shape.math_largest_unit_parameters
+                                : shape.math_parameters;
+    if (weights <= 0) {
+      throw std::invalid_argument(
+          "model " + shape.architecture +
+          ": its ModelMath gives neither a width (n_embd) nor parameters, so kiln cannot tell "
+          "which GEMM its step is made of; set ModelMath::n_embd or largest_unit_parameters");
+    }
+    out.m = job.micro_batch * job.seq_len;
+    out.k = std::llround(std::sqrt(static_cast<double>(weights)));
+    out.n = out.k;
   } else {  // gpt: [b*s, C] x [C, 4C]; llama: [b*s, C] x [C, I] (gate and up projections)
     out.m = job.micro_batch * job.seq_len;
     out.k = shape.n_embd;

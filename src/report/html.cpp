@@ -74,8 +74,9 @@ ReportHtml make_report_html(const fs::path& run_dir, const fs::path& chart_libra
   parts.scorecard = scorecard_data(run);
   parts.identity = identity_data(run);
   SectionSink sink{out.chart_library, &out.charts, &parts.sections};
-  for (auto* section : {training_section, baseline_section, compile_section, profile_section,
-                        scale_section, checkpoint_section, pilot_section, plan_section}) {
+  for (auto* section :
+       {training_section, plan_tracking_section, baseline_section, compile_section, profile_section,
+        scale_section, checkpoint_section, pilot_section, plan_section}) {
     section(run, sink);
   }
   out.missing = run.missing;

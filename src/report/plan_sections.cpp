@@ -1,8 +1,10 @@
 // The report's pilot and plan sections (docs/plan.md), from their typed results: the pilot's
 // memory by part, estimated beside measured, and its cycle; the plan's rows with the
-// recommended one marked.
+// recommended one marked; a kiln train run against the plan's forecast (its metrics file's plan
+// records, kiln/results.h PlanProgress).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "report/sections.h"
@@ -122,6 +124,132 @@ void plan_section(const RunData& run, SectionSink& sink) {
   section->bullets("Why each strategy", reasons);
   section->bullets("Assumptions", p.assumptions);
   section->details("Every number of plan.json the report reads", flatten(nlohmann::json(p)));
+}
+
+namespace {
+
+// "+12.3%": (forecast - actual) / actual, as `kiln plan --actual` writes its error column.
+std::string forecast_error_text(double forecast, double actual) {
+  if (!(actual > 0) || !std::isfinite(forecast)) return "";
+  return fmt::format(", error {:+.1f}%", 100 * (forecast - actual) / actual);
+}
+
+}  // namespace
+
+const MetricsFile* plan_tracking_metrics(const RunData& run) {
+  auto has_plan = [](const MetricsFile& m) {
+    return std::any_of(m.records.begin(), m.records.end(),
+                       [](const MetricsRecord& r) { return r.plan.has_value(); });
+  };
+  if (const MetricsFile* main = run.main_metrics(); main != nullptr && has_plan(*main)) return main;
+  for (const auto& m : run.metrics) {
+    if (has_plan(m)) return &m;
+  }
+  return nullptr;
+}
+
+void plan_tracking_section(const RunData& run, SectionSink& sink) {
+  const MetricsFile* metrics = plan_tracking_metrics(run);
+  if (metrics == nullptr) return;
+  const bool tokens = records_tokens(*metrics);
+  const std::string unit = tokens ? "tokens/s" : "samples/s";
+  Series rate{unit + " per device (since the last record)", {}, {}};
+  Series rate_forecast{"forecast", {}, {}};
+  Series ettr{"ETTR so far", {}, {}}, ettr_forecast{"forecast", {}, {}};
+  std::vector<double> vs_plan;
+  const MetricsRecord* last = nullptr;
+  const PlanProgress* last_rate = nullptr;  // the final record may have no steps since the last
+  for (const auto& r : metrics->records) {
+    if (!r.plan) continue;
+    const PlanProgress& p = *r.plan;
+    const double step = static_cast<double>(r.step);
+    last = &r;
+    if (p.tokens_per_second) last_rate = &p;
+    if (p.tokens_per_second) rate.x.push_back(step), rate.y.push_back(*p.tokens_per_second);
+    if (p.tokens_per_second_forecast)
+      rate_forecast.x.push_back(step), rate_forecast.y.push_back(*p.tokens_per_second_forecast);
+    if (p.tokens_per_second_vs_plan) vs_plan.push_back(*p.tokens_per_second_vs_plan);
+    ettr.x.push_back(step), ettr.y.push_back(p.ettr);
+    if (p.ettr_forecast)
+      ettr_forecast.x.push_back(step), ettr_forecast.y.push_back(*p.ettr_forecast);
+  }
+  const PlanProgress& end = *last->plan;
+  Section& section = sink.add("plan-tracking", "Against the plan: " + metrics->name);
+  section.intro(fmt::format(
+      "kiln train tracked this run against the plan's forecast: {} plan record(s), the last at "
+      "step {}{}.",
+      ettr.x.size(), last->step,
+      end.final ? " (the final one, after the last save)"
+                : " (no final record: the run stopped before the end of training)"));
+  Chart throughput{"plan-tracking-throughput",
+                   "Throughput per device against the forecast",
+                   false,
+                   false,
+                   false,
+                   "step",
+                   unit + " per device",
+                   "",
+                   {},
+                   {}};
+  for (const Series* s : {&rate, &rate_forecast}) {
+    if (!s->x.empty()) throughput.series.push_back(*s);
+  }
+  if (!throughput.series.empty()) section.chart(throughput);
+  Chart ettr_chart{"plan-tracking-ettr",
+                   "ETTR so far against the forecast",
+                   false,
+                   false,
+                   false,
+                   "step",
+                   "ETTR",
+                   "",
+                   {},
+                   {}};
+  for (const Series* s : {&ettr, &ettr_forecast}) {
+    if (!s->x.empty()) ettr_chart.series.push_back(*s);
+  }
+  section.chart(ettr_chart);
+  std::string rate_text = "-";
+  if (!vs_plan.empty()) {
+    std::vector<double> sorted = vs_plan;
+    std::sort(sorted.begin(), sorted.end());
+    const size_t n = sorted.size();
+    const double median = n % 2 == 1 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+    rate_text = fmt::format(
+        "{} of the forecast {} (median over the records; {} to {}); the last record's {}",
+        percent_text(median),
+        throughput_text(last_rate->tokens_per_second_forecast.value_or(NAN), tokens),
+        percent_text(sorted.front()), percent_text(sorted.back()),
+        throughput_text(*last_rate->tokens_per_second, tokens));
+  } else if (last_rate != nullptr) {
+    rate_text = throughput_text(*last_rate->tokens_per_second, tokens) + " (no step-time forecast)";
+  }
+  const std::string time_name = end.final ? "wall time" : "elapsed so far";
+  section.measures({
+      {unit + " per device", rate_text},
+      {"ETTR", end.ettr_forecast ? fmt::format("{} (forecast {}{})", percent_text(end.ettr),
+                                               percent_text(*end.ettr_forecast),
+                                               forecast_error_text(*end.ettr_forecast, end.ettr))
+                                 : percent_text(end.ettr) + " (no forecast)"},
+      {time_name,
+       end.wall_seconds_forecast && end.final
+           ? fmt::format("{} (forecast {}{})", seconds_text(end.elapsed_seconds),
+                         seconds_text(*end.wall_seconds_forecast),
+                         forecast_error_text(*end.wall_seconds_forecast, end.elapsed_seconds))
+           : seconds_text(end.elapsed_seconds) +
+                 (end.final ? "" : fmt::format(", ETA {}", seconds_text(end.eta_seconds)))},
+      {"checkpoint time",
+       fmt::format(
+           "{} ({} of the elapsed time)", seconds_text(end.checkpoint_seconds),
+           percent_text(end.elapsed_seconds > 0 ? end.checkpoint_seconds / end.elapsed_seconds
+                                                : NAN))},
+      {"steps", fmt::format("{} summed step time, {} productive", seconds_text(end.step_seconds),
+                            seconds_text(end.productive_seconds))},
+  });
+  section.paragraph(
+      "Error = (forecast - actual) / actual, as kiln plan --actual prints it (docs/plan.md, "
+      "\"Forecast against actual\") beside the run's step time, memory and checkpoint save "
+      "against the forecast.");
 }
 
 }  // namespace kiln::report

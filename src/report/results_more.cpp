@@ -255,6 +255,23 @@ void identity_fields(const Io& io, RunIdentity& m) {
 
 // ---- metrics.jsonl records ----------------------------------------------------------------------
 
+/// kiln train's progress against the plan (src/rungs/plan_tracking.h writes it through this list).
+template <class Io>
+void plan_progress_fields(const Io& io, PlanProgress& p) {
+  io.opt("tokens_per_second", p.tokens_per_second);
+  io.opt("tokens_per_second_forecast", p.tokens_per_second_forecast);
+  io.opt("tokens_per_second_vs_plan", p.tokens_per_second_vs_plan);
+  io("elapsed_seconds", p.elapsed_seconds);
+  io("step_seconds", p.step_seconds);
+  io("checkpoint_seconds", p.checkpoint_seconds);
+  io("productive_seconds", p.productive_seconds);
+  io("ettr", p.ettr);
+  io.opt("ettr_forecast", p.ettr_forecast);
+  io("eta_seconds", p.eta_seconds);
+  io.opt("wall_seconds_forecast", p.wall_seconds_forecast);
+  io("final", p.final);
+}
+
 template <class Io>
 void metrics_fields(const Io& io, MetricsRecord& m) {
   io("step", m.step);
@@ -265,6 +282,8 @@ void metrics_fields(const Io& io, MetricsRecord& m) {
   io.opt("samples_per_second", m.samples_per_second);
   io.opt("tokens_per_second", m.tokens_per_second);
   io.opt("val_loss", m.val_loss);
+  io.opt_object("plan", m.plan,
+                [](const auto& sub, PlanProgress& p) { plan_progress_fields(sub, p); });
 }
 
 }  // namespace

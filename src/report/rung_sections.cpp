@@ -45,7 +45,8 @@ void baseline_section(const RunData& run, SectionSink& sink) {
                          short_number(b.matmul_peak->flops_per_second), b.matmul_peak->dtype,
                          b.matmul_peak->m, b.matmul_peak->n, b.matmul_peak->k,
                          b.matmul_peak->repeats)
-           : std::string("n/a: not timed (a baseline.json older than the timed matmul)")},
+           : std::string("n/a: not timed (a model whose math names no GEMM: the baseline's "
+                         "log says why; or a baseline.json older than the timed matmul)")},
       {"achieved",
        fmt::format("{} FLOP/s ({} FLOP/sample)", short_number(b.achieved_flops_per_second),
                    short_number(b.flops_per_sample))},

@@ -2,6 +2,7 @@
 // matters, the decision and its config key) and the run's identity; and the training curves.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <regex>
 
@@ -342,8 +343,12 @@ void training_section(const RunData& run, SectionSink& sink) {
     val.x = {0.0, loss.x.back()};
     val.y = {baseline->val_loss_initial, baseline->val_loss_final};
   }
-  section.intro(fmt::format("{} records: {} training steps, {} evaluations",
-                            metrics->records.size(), loss.x.size(), val.x.size()));
+  // kiln train's plan records (no loss: the curves skip them) have a section of their own.
+  const auto plans = std::count_if(metrics->records.begin(), metrics->records.end(),
+                                   [](const MetricsRecord& r) { return r.plan.has_value(); });
+  section.intro(fmt::format("{} records: {} training steps, {} evaluations{}",
+                            metrics->records.size(), loss.x.size(), val.x.size(),
+                            plans > 0 ? fmt::format(", {} against the plan", plans) : ""));
   Chart losses{
       "training-loss", "Train and validation loss", false, false, true, "step", "loss", "", {}, {}};
   for (const Series* s : {&loss, &val}) {

@@ -77,6 +77,12 @@ void scale_section(const RunData& run, SectionSink& sink);
 void checkpoint_section(const RunData& run, SectionSink& sink);
 void pilot_section(const RunData& run, SectionSink& sink);
 void plan_section(const RunData& run, SectionSink& sink);
+/// A kiln train run against the plan's forecast: the first metrics file (metrics.jsonl first)
+/// with plan records (MetricsRecord::plan), null when none has any.
+const MetricsFile* plan_tracking_metrics(const RunData& run);
+/// Its section ("plan-tracking"): throughput per device and ETTR against the forecast by step,
+/// the final ETTR, wall time and checkpoint time against the forecast. None without plan records.
+void plan_tracking_section(const RunData& run, SectionSink& sink);
 
 // Formatting shared by the sections.
 std::string bytes_text(double bytes);

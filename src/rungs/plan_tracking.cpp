@@ -45,7 +45,7 @@ void PlanTrackingHook::on_step_end(Trainer& trainer, const StepStats& stats) {
   window_tokens_ += static_cast<double>(stats.tokens > 0 ? stats.tokens : stats.samples) /
                     static_cast<double>(world_size_);
   if (!stats.synced || stats.step % every_ != 0) return;
-  const nlohmann::json plan = record(trainer.step(), /*final=*/false);
+  const PlanProgress plan = record(trainer.step(), /*final=*/false);
   if (stats.step - last_logged_step_ >= log_every_) {
     log_line(plan);
     last_logged_step_ = stats.step;
@@ -74,58 +74,56 @@ std::shared_ptr<TrainerHook> PlanTrackingHook::finisher(std::shared_ptr<PlanTrac
   return std::make_shared<PlanTrackingFinisher>(std::move(tracker));
 }
 
-nlohmann::json PlanTrackingHook::record(int64_t step, bool final) {
-  nlohmann::json plan;
+PlanProgress PlanTrackingHook::record(int64_t step, bool final) {
+  PlanProgress plan;
   const double elapsed = seconds_since(begin_);
   if (window_seconds_ > 0) {
     const double rate = window_tokens_ / window_seconds_;
-    plan["tokens_per_second"] = rate;
+    plan.tokens_per_second = rate;
     if (forecast_.tokens_per_second > 0) {
-      plan["tokens_per_second_forecast"] = forecast_.tokens_per_second;
-      plan["tokens_per_second_vs_plan"] = rate / forecast_.tokens_per_second;
+      plan.tokens_per_second_forecast = forecast_.tokens_per_second;
+      plan.tokens_per_second_vs_plan = rate / forecast_.tokens_per_second;
     }
   }
-  const double productive = step_seconds_ - checkpoint_in_steps_seconds_;
-  plan["elapsed_seconds"] = elapsed;
-  plan["step_seconds"] = step_seconds_;
-  plan["checkpoint_seconds"] = checkpoint_seconds_;
-  plan["productive_seconds"] = productive;
-  plan["ettr"] = elapsed > 0 ? productive / elapsed : 0.0;
-  if (forecast_.ettr > 0) plan["ettr_forecast"] = forecast_.ettr;
+  plan.elapsed_seconds = elapsed;
+  plan.step_seconds = step_seconds_;
+  plan.checkpoint_seconds = checkpoint_seconds_;
+  plan.productive_seconds = step_seconds_ - checkpoint_in_steps_seconds_;
+  plan.ettr = elapsed > 0 ? plan.productive_seconds / elapsed : 0.0;
+  if (forecast_.ettr > 0) plan.ettr_forecast = forecast_.ettr;
   const int64_t left = std::max<int64_t>(0, total_steps_ - step);
-  plan["eta_seconds"] =
+  plan.eta_seconds =
       final || steps_done_ == 0 ? 0.0 : elapsed / static_cast<double>(steps_done_) * left;
-  if (forecast_.wall_seconds > 0) plan["wall_seconds_forecast"] = forecast_.wall_seconds;
-  plan["final"] = final;
-  run_.append_metrics({{"step", step}, {"plan", plan}});
+  if (forecast_.wall_seconds > 0) plan.wall_seconds_forecast = forecast_.wall_seconds;
+  plan.final = final;
+  MetricsRecord line;
+  line.step = step;
+  line.plan = plan;
+  run_.append_metrics(nlohmann::json(line));  // {"step": N, "plan": {...}}
   window_tokens_ = 0;
   window_seconds_ = 0;
   return plan;
 }
 
-void PlanTrackingHook::log_line(const nlohmann::json& plan) const {
+void PlanTrackingHook::log_line(const PlanProgress& plan) const {
   std::string line = "against plan:";
-  if (plan.contains("tokens_per_second_vs_plan")) {
+  if (plan.tokens_per_second_vs_plan && plan.tokens_per_second_forecast) {
     line += fmt::format(" {:.4g} tokens/s per device = {:.1f}% of the forecast {:.4g};",
-                        plan["tokens_per_second"].get<double>(),
-                        100 * plan["tokens_per_second_vs_plan"].get<double>(),
-                        plan["tokens_per_second_forecast"].get<double>());
-  } else if (plan.contains("tokens_per_second")) {
+                        plan.tokens_per_second.value_or(0), 100 * *plan.tokens_per_second_vs_plan,
+                        *plan.tokens_per_second_forecast);
+  } else if (plan.tokens_per_second) {
     line += fmt::format(" {:.4g} tokens/s per device (no step-time forecast);",
-                        plan["tokens_per_second"].get<double>());
+                        *plan.tokens_per_second);
   }
   line += fmt::format(" checkpoints {} so far; ETTR {:.1f}%",
-                      format_duration(plan["checkpoint_seconds"].get<double>()),
-                      100 * plan["ettr"].get<double>());
-  if (plan.contains("ettr_forecast"))
-    line += fmt::format(" (forecast {:.1f}%)", 100 * plan["ettr_forecast"].get<double>());
-  if (plan["final"].get<bool>()) {
-    line += fmt::format("; finished in {}", format_duration(plan["elapsed_seconds"].get<double>()));
-    if (plan.contains("wall_seconds_forecast"))
-      line += fmt::format(" (forecast {})",
-                          format_duration(plan["wall_seconds_forecast"].get<double>()));
+                      format_duration(plan.checkpoint_seconds), 100 * plan.ettr);
+  if (plan.ettr_forecast) line += fmt::format(" (forecast {:.1f}%)", 100 * *plan.ettr_forecast);
+  if (plan.final) {
+    line += fmt::format("; finished in {}", format_duration(plan.elapsed_seconds));
+    if (plan.wall_seconds_forecast)
+      line += fmt::format(" (forecast {})", format_duration(*plan.wall_seconds_forecast));
   } else {
-    line += fmt::format("; ETA {}", format_duration(plan["eta_seconds"].get<double>()));
+    line += fmt::format("; ETA {}", format_duration(plan.eta_seconds));
   }
   log::info(line);
 }

@@ -5,10 +5,10 @@
 #pragma once
 
 #include <memory>
-#include <nlohmann/json.hpp>
 
 #include "core/clock.h"
 #include "kiln/plan.h"
+#include "kiln/results.h"
 #include "kiln/train.h"
 
 namespace kiln {
@@ -16,7 +16,9 @@ namespace kiln {
 class Run;
 
 /// Every `every` steps (at synced steps: their metrics records exist beside), and once more at
-/// the end of fit(), appends {"step": N, "plan": {...}} to the run's metrics file:
+/// the end of fit(), appends {"step": N, "plan": {...}} to the run's metrics file, a
+/// MetricsRecord whose `plan` is a PlanProgress (kiln/results.h; written through its to_json, so
+/// the keys are the ones the report and `kiln plan --actual` read):
 ///   tokens_per_second            per device over the steps since the last plan record
 ///                                (tokens of those steps / world size / their step seconds)
 ///   tokens_per_second_forecast   the forecast's (absent when it has no step time)
@@ -48,8 +50,8 @@ class PlanTrackingHook final : public TrainerHook {
   static std::shared_ptr<TrainerHook> finisher(std::shared_ptr<PlanTrackingHook> tracker);
 
  private:
-  nlohmann::json record(int64_t step, bool final);
-  void log_line(const nlohmann::json& plan) const;
+  PlanProgress record(int64_t step, bool final);
+  void log_line(const PlanProgress& plan) const;
 
   Run& run_;
   Forecast forecast_;

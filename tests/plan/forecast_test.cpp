@@ -1,14 +1,20 @@
 // The forecast of one run, forecast against actual, the measured matmul peak in the plan, and
 // host memory and storage: known answers worked by hand (docs/plan.md).
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 
+#include "core/strings.h"
 #include "kiln/config.h"
 #include "kiln/error.h"
+#include "kiln/models.h"
 #include "kiln/plan.h"
+#include "kiln/report.h"
+#include "kiln/results.h"
 #include "kiln/training_run.h"
 #include "support/helpers.h"
 
@@ -281,6 +287,105 @@ TEST(PlanTracking, KilnTrainLogsTokensPerSecondAgainstThePlanInItsRecords) {
   EXPECT_EQ(plain_plans, 0);
 }
 
+// The report of a kiln train run with plan records (report.html, "Against the plan"): every
+// metrics line reads through MetricsRecord, and a plan record writes back to the same JSON (one
+// list of keys, the tracker's and the reader's); the plan records' throughput and ETTR are charted
+// by step beside the forecast, the final ETTR and wall time against the forecast with their errors;
+// the loss and throughput curves hold the step records only.
+TEST(PlanTracking, TheReportShowsTheRunAgainstTheForecast) {
+  TempDir dir;
+  const Config config = gpt_config(
+      dir.path(), {"train.steps=6", "train.metrics_every=2", "checkpoint.every_steps=3",
+                   "baseline.peak_flops_per_second=1e9", "plan.mfu=0.5", "data.num_workers=0"});
+  const TrainingRunResult result = run_training(config, TrainingRunOptions{});
+  std::ifstream in(result.run_dir / "metrics.jsonl");
+  std::vector<MetricsRecord> steps, plans;
+  for (std::string line; std::getline(in, line);) {
+    const auto raw = nlohmann::json::parse(line);
+    const auto record = raw.get<MetricsRecord>();
+    if (record.plan) {
+      EXPECT_EQ(nlohmann::json(record), raw) << line;  // nothing lost, nothing renamed
+      EXPECT_FALSE(record.loss.has_value()) << line;
+      EXPECT_DOUBLE_EQ(record.plan->ettr, raw["plan"]["ettr"].get<double>());
+      plans.push_back(record);
+    } else if (record.loss && record.step_seconds) {
+      steps.push_back(record);
+    }
+  }
+  ASSERT_EQ(steps.size(), 3u);  // steps 2, 4, 6 (train.metrics_every = 2)
+  ASSERT_EQ(plans.size(), 4u);  // the same steps and the final one
+  const PlanProgress& end = *plans.back().plan;
+  ASSERT_TRUE(end.final);
+  ASSERT_TRUE(end.ettr_forecast && end.wall_seconds_forecast);
+  // The final record follows the last step's record: no steps since, no rate of its own.
+  EXPECT_FALSE(end.tokens_per_second.has_value());
+  const std::vector<MetricsRecord> rated(plans.begin(), plans.end() - 1);
+  for (const auto& r : rated) ASSERT_TRUE(r.plan->tokens_per_second_forecast.has_value());
+
+  testing::write_text(dir / "chart.js", "window.Chart = function() {};");  // a stand-in
+  const ReportHtml page = make_report_html(result.run_dir, dir / "chart.js");
+  const std::string& html = page.html;
+  const auto at = [&](const std::string& id) {
+    return std::find(page.charts.begin(), page.charts.end(), id) - page.charts.begin();
+  };
+  ASSERT_LT(at("chart-plan-tracking-throughput"), static_cast<long>(page.charts.size()));
+  EXPECT_EQ(at("chart-plan-tracking-ettr"), at("chart-plan-tracking-throughput") + 1);
+  EXPECT_GT(at("chart-plan-tracking-throughput"), at("chart-training-throughput"));
+  const auto pct = [](double f) { return fmt::format("{:.1f}%", 100 * f); };
+  auto points = [](const std::vector<MetricsRecord>& records, auto value) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const auto& r : records) {
+      out.push_back({{"x", static_cast<double>(r.step)}, {"y", value(r)}});
+    }
+    return "\"data\":" + out.dump() + ",";
+  };
+  // The curves by step: the plan records' own figures, the forecast flat beside them.
+  EXPECT_NE(
+      html.find(points(rated, [](const MetricsRecord& r) { return *r.plan->tokens_per_second; }) +
+                "\"label\":\"tokens/s per device (since the last record)\""),
+      std::string::npos);
+  EXPECT_NE(html.find(points(
+                rated, [](const MetricsRecord& r) { return *r.plan->tokens_per_second_forecast; })),
+            std::string::npos);
+  EXPECT_NE(html.find(points(plans, [](const MetricsRecord& r) { return r.plan->ettr; }) +
+                      "\"label\":\"ETTR so far\""),
+            std::string::npos);
+  // The training curves: the six step records, no plan record.
+  EXPECT_NE(html.find(points(steps, [](const MetricsRecord& r) { return *r.loss; }) +
+                      "\"label\":\"train loss\""),
+            std::string::npos);
+  EXPECT_NE(html.find("8 records: 3 training steps, 1 evaluations, 4 against the plan"),
+            std::string::npos);
+  // The throughput per device against the forecast: the median of the records' fractions.
+  std::vector<double> fractions;
+  for (const auto& r : rated) fractions.push_back(*r.plan->tokens_per_second_vs_plan);
+  std::sort(fractions.begin(), fractions.end());
+  EXPECT_NE(html.find("<th>tokens/s per device</th><td>" + pct(fractions[1]) + " of the forecast"),
+            std::string::npos);
+  // The final figures against the forecast, errors as kiln plan --actual: (forecast - actual) /
+  // actual.
+  const auto error = [](double forecast, double actual) {
+    return fmt::format("error {:+.1f}%", 100 * (forecast - actual) / actual);
+  };
+  EXPECT_NE(
+      html.find("<th>ETTR</th><td>" + pct(end.ettr) + " (forecast " + pct(*end.ettr_forecast) +
+                ", " + error(*end.ettr_forecast, end.ettr) + ")</td>"),
+      std::string::npos);
+  EXPECT_NE(html.find("<th>wall time</th><td>" + format_duration(end.elapsed_seconds) +
+                      " (forecast " + format_duration(*end.wall_seconds_forecast) + ", " +
+                      error(*end.wall_seconds_forecast, end.elapsed_seconds) + ")</td>"),
+            std::string::npos);
+  EXPECT_NE(html.find("<th>checkpoint time</th><td>" + format_duration(end.checkpoint_seconds)),
+            std::string::npos);
+  // A run without plan records has no such section.
+  std::filesystem::remove(result.run_dir / "metrics.jsonl");
+  nlohmann::json step_only(steps[0]);
+  testing::write_text(result.run_dir / "metrics.jsonl", step_only.dump() + "\n");
+  const ReportHtml plain = make_report_html(result.run_dir, dir / "chart.js");
+  EXPECT_EQ(std::count(plain.charts.begin(), plain.charts.end(), "chart-plan-tracking-ettr"), 0);
+  EXPECT_EQ(plain.html.find("Against the plan"), std::string::npos);
+}
+
 TEST(Forecast, ThePlanUsesThePilotsMeasuredMatmulPeakAndWarnsOnTheCatalog) {
   // H100 fp32 catalog 67 TFLOP/s; the pilot measured 20 TFLOP/s: 67 / 20 = 3.35 > 1.25, warned.
   // MFU = achieved / measured = 1.425408e9 / 20e12 = 7.12704e-5.
@@ -392,6 +497,64 @@ TEST(Forecast, MatmulPeakTimesTheJobsShapeInItsPrecision) {
   EXPECT_EQ(ms.m, 5);
   EXPECT_EQ(ms.k, 7);
   EXPECT_EQ(ms.n, 33);
+}
+
+// A model of your own whose ModelMath gives no widths (n_embd 0): the timed GEMM is square,
+// [micro-batch x seq, w] x [w, w] with w = sqrt(its largest unit's parameters), the unit's
+// forward FLOPs on the micro-batch (not the 1 x 1 GEMM the widths would give); the whole model's
+// parameters without a unit; neither: refused, naming what to set.
+TEST(Forecast, AModelWithoutWidthsTimesASquareGemmOfItsLargestUnit) {
+  if (!find_model("test-plan-nowidth")) {
+    ModelSpec spec;
+    spec.name = "test-plan-nowidth";
+    spec.input = ModelInput::kFeatures;
+    spec.build = [](const Config&, at::Generator&) -> std::shared_ptr<Model> {
+      throw UserError("test-plan-nowidth is planned, never built");
+    };
+    spec.math = [](const Config& config) {
+      const int64_t w = config.get_int("model.hidden_dim");
+      ModelMath math;
+      math.parameters = 3 * w * w;
+      math.largest_unit_parameters = w * w;
+      math.flop_parameters = math.parameters;
+      return math;
+    };
+    register_model(spec);
+  }
+  Config config = Config::defaults();
+  for (const char* o :
+       {"model.name=test-plan-nowidth", "model.hidden_dim=70", "train.batch_size=5"})
+    config.set_from_string(o);
+  config.validate();
+  const ModelShape shape = model_shape(config);
+  ASSERT_EQ(shape.n_embd, 0);
+  const MatmulShape s = job_matmul_shape(shape, job_shape(config));
+  EXPECT_EQ(s.m, 5);  // features: one row per sample
+  EXPECT_EQ(s.k, 70);
+  EXPECT_EQ(s.n, 70);
+  const MatmulPeak p = measure_matmul_peak(s, "fp32", "cpu", 0.0);
+  ASSERT_GT(p.median_seconds, 0.0);
+  EXPECT_NEAR(p.flops_per_second, 2.0 * 5 * 70 * 70 / p.median_seconds, 1e-9 * p.flops_per_second);
+  // No unit: the whole model's 10,000 parameters, w = 100; a token model's rows are b x seq.
+  ModelShape whole;
+  whole.architecture = "test-plan-nowidth";
+  whole.math_parameters = 10'000;
+  JobShape tokens;
+  tokens.micro_batch = 4;
+  tokens.seq_len = 16;
+  const MatmulShape w = job_matmul_shape(whole, tokens);
+  EXPECT_EQ(w.m, 64);
+  EXPECT_EQ(w.k, 100);
+  EXPECT_EQ(w.n, 100);
+  // Nothing known: refused with the reason (the baseline records the peak as not measured).
+  whole.math_parameters = 0;
+  try {
+    job_matmul_shape(whole, tokens);
+    ADD_FAILURE() << "a model with no widths and no parameters got a GEMM";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("test-plan-nowidth"));
+    EXPECT_THAT(e.what(), HasSubstr("ModelMath::n_embd"));
+  }
 }
 
 }  // namespace

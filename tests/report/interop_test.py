@@ -307,10 +307,13 @@ class TensorBoard(unittest.TestCase):
         from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
         work = fresh("tensorboard")
+        # A peak for the CPU: kiln train has a forecast and writes plan records (docs/plan.md)
+        # into metrics.jsonl beside the step records; they are not TensorBoard scalars.
         config = write_config(work / "tb.toml", "tb", {
             "model": {"name": "mlp"},
             "data": {"num_samples": 512, "val_samples": 128, "num_workers": 0},
-            "train": {"steps": 12, "batch_size": 16, "eval_every": 5, "eval_batches": 2}})
+            "train": {"steps": 12, "batch_size": 16, "eval_every": 5, "eval_batches": 2},
+            "baseline": {"peak_flops_per_second": 1e12}})
         kiln("train", config)
         run_dir = work / "runs" / "tb"
         files = glob.glob(str(run_dir / "events.out.tfevents.*"))
@@ -341,9 +344,13 @@ class TensorBoard(unittest.TestCase):
                 got[(value.tag, event.step)] = value.simple_value
 
         expected = {}
+        plans = []
         for line in (run_dir / "metrics.jsonl").read_text().splitlines():
             record = json.loads(line)
             step = record["step"]
+            if "plan" in record:  # progress against the forecast: no loss, no scalar
+                plans.append(record)
+                continue
             if "val_loss" in record:
                 expected[("val/loss", step)] = record["val_loss"]
                 expected[("val/accuracy", step)] = record["val_accuracy"]
@@ -353,6 +360,9 @@ class TensorBoard(unittest.TestCase):
             expected[("train/data_wait_share", step)] = record["data_wait_seconds"] / record["step_seconds"]
         self.assertEqual(sum(1 for tag, _ in expected if tag == "train/loss"), 12)
         self.assertEqual(sum(1 for tag, _ in expected if tag == "val/loss"), 3)  # steps 5, 10, end
+        # Every step (train.metrics_every = 1) and the final one.
+        self.assertEqual(len(plans), 13)
+        self.assertTrue(plans[-1]["plan"]["final"])
         peaks = {k: v for k, v in got.items() if k[0] == "memory/peak_resident_bytes"}
         self.assertEqual(sorted(step for _, step in peaks), list(range(1, 13)))
         self.assertTrue(all(v > 1e6 for v in peaks.values()))
