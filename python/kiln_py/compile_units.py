@@ -15,13 +15,22 @@ Saved tensors that are inputs of the forward (a parameter, the unit's input) are
 the forward package: the result names them ("input" or "parameter:<k>") and kiln passes its own
 tensor, so FSDP's regathered parameters are what the backward reads. Before it reports success
 the pair is run once on random inputs and its gradients compared with eager autograd's.
+
+The model's root (the parameters outside every unit) is compiled the same way, as two pieces
+(ROOT_PIECES): "root.before_units" (gpt: token and position embeddings, f(token ids, *parameters)
+-> the first unit's input) and "root.after_units" (final norm, head and loss, f(hidden, targets,
+*parameters) -> the loss); their integer inputs (token ids, targets) get no gradient.
 """
 import os
 import time
 
 import torch
+import torch.nn.functional as F
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from kiln_py import models
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "int64": torch.int64}
 
 
 class UnitSpecError(ValueError):
@@ -32,8 +41,12 @@ def check_unit_spec(spec, path):
     for key in ("unit", "input", "parameters", "backward_package"):
         if key not in spec:
             raise UnitSpecError(f"{path}: a unit spec needs the key '{key}'")
+    if spec["unit"] == "root.after_units" and "targets" not in spec:
+        raise UnitSpecError(f"{path}: the root piece after the units needs the key 'targets'")
     tensors = [("input", spec["input"])] + [(f"parameters[{i}]", p)
                                              for i, p in enumerate(spec["parameters"])]
+    if "targets" in spec:
+        tensors.append(("targets", spec["targets"]))
     for where, t in tensors:
         shape = t.get("shape") if isinstance(t, dict) else None
         if (not isinstance(shape, list) or not all(isinstance(s, int) and s > 0 for s in shape)
@@ -45,26 +58,49 @@ def check_unit_spec(spec, path):
             raise UnitSpecError(f"{path}: parameters[{i}] needs its name inside the unit")
 
 
-def _random(t, device, generator):
+def _random(t, device, generator, high):
+    if DTYPES[t["dtype"]] == torch.int64:  # token ids, targets: below the vocabulary
+        return torch.randint(0, high, t["shape"], generator=generator).to(device)
     return torch.randn(t["shape"], generator=generator).to(device=device,
                                                              dtype=DTYPES[t["dtype"]])
 
 
+def leading_args(spec):
+    """How many arguments of f come before the parameters: the input, and the targets of the
+    root piece after the units."""
+    return 2 if "targets" in spec else 1
+
+
 def example_args(spec, device):
-    """The unit's input and parameters (spec order) to trace and check with: seeded random values
-    of the spec's shapes and dtypes, parameters scaled by 0.1, norm weights near one."""
+    """The piece's input (and targets) and parameters (spec order) to trace and check with: seeded
+    random values of the spec's shapes and dtypes (integers below the vocabulary), parameters
+    scaled by 0.1, norm weights near one."""
     generator = torch.Generator().manual_seed(0)
-    args = [_random(spec["input"], device, generator)]
-    args += [_random(p, device, generator) * 0.1 for p in spec["parameters"]]
-    for p, a in zip(spec["parameters"], args[1:]):
+    high = int(spec.get("model", {}).get("vocab_size", 2))
+    args = [_random(spec["input"], device, generator, high)]
+    if "targets" in spec:
+        args.append(_random(spec["targets"], device, generator, high))
+    lead = len(args)
+    args += [_random(p, device, generator, high) * 0.1 for p in spec["parameters"]]
+    for p, a in zip(spec["parameters"], args[lead:]):
         if p["name"].endswith("weight") and ("ln" in p["name"] or "norm" in p["name"]):
             a.add_(1.0)  # norm weights near one, as trained ones are
     return args
 
 
-def trace_unit(unit, names, args, autocast):
+def _leaves(args):
+    """Fresh autograd leaves of args: the floating ones require a gradient (token ids do not)."""
+    return [a.detach().requires_grad_(a.is_floating_point()) for a in args]
+
+
+def _call(unit, names, lead, args):
+    """unit(*args[:lead]) with its parameters (names) taken from args[lead:]."""
+    return torch.func.functional_call(unit, dict(zip(names, args[lead:])), tuple(args[:lead]))
+
+
+def trace_unit(unit, names, args, autocast, lead=1):
     """(forward GraphModule, its example args, backward GraphModule, its example args, eager
-    output): AOTAutograd's partition of unit(input, *parameters)."""
+    output): AOTAutograd's partition of unit(*args[:lead]) with parameters args[lead:]."""
     from functorch.compile import aot_function
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -76,16 +112,89 @@ def trace_unit(unit, names, args, autocast):
             return gm
         return compiler
 
-    def fn(x, *params):
-        return torch.func.functional_call(unit, dict(zip(names, params)), (x,))
+    def fn(*all_args):
+        return _call(unit, names, lead, all_args)
 
-    leaves = [a.detach().requires_grad_(True) for a in args]
+    leaves = _leaves(args)
     with autocast:
         compiled = aot_function(fn, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
                                 partition_fn=min_cut_rematerialization_partition)
         out = compiled(*leaves)
     out.backward(torch.ones_like(out))
     return graphs["forward"], graphs["backward"], out
+
+
+# ---- the root's pieces --------------------------------------------------------------------------
+# Each piece is a module holding only the twin's submodules it uses, under the twin's own names
+# (so its parameter names are the model's: "transformer.wte.weight"), computing what kiln's C++
+# model computes before its first unit and after its last (src/models: SplitForward).
+
+class _GptBeforeUnits(torch.nn.Module):
+    def __init__(self, twin):
+        super().__init__()
+        t = twin.transformer
+        self.transformer = torch.nn.ModuleDict(dict(wte=t.wte, wpe=t.wpe))
+
+    def forward(self, idx):
+        t = self.transformer
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return t.wte(idx) + t.wpe(pos)
+
+
+class _GptAfterUnits(torch.nn.Module):
+    def __init__(self, twin):
+        super().__init__()
+        t = twin.transformer
+        self.transformer = torch.nn.ModuleDict(dict(wte=t.wte, ln_f=t.ln_f))
+
+    def forward(self, x, targets):
+        t = self.transformer
+        return models.loss(F.linear(t.ln_f(x), t.wte.weight), targets)  # head tied to wte
+
+
+class _LlamaBeforeUnits(torch.nn.Module):
+    def __init__(self, twin):
+        super().__init__()
+        self.model = torch.nn.ModuleDict(dict(embed_tokens=twin.model.embed_tokens))
+
+    def forward(self, idx):
+        return self.model.embed_tokens(idx)
+
+
+class _LlamaAfterUnits(torch.nn.Module):
+    def __init__(self, twin):
+        super().__init__()
+        self.tied = twin.lm_head is None
+        parts = dict(norm=twin.model.norm)
+        if self.tied:
+            parts["embed_tokens"] = twin.model.embed_tokens
+        self.model = torch.nn.ModuleDict(parts)
+        self.lm_head = twin.lm_head
+
+    def forward(self, x, targets):
+        m = self.model
+        head = m.embed_tokens.weight if self.tied else self.lm_head.weight
+        return models.loss(F.linear(m.norm(x), head), targets)
+
+
+ROOT_PIECES = {("gpt", "root.before_units"): _GptBeforeUnits,
+               ("gpt", "root.after_units"): _GptAfterUnits,
+               ("llama", "root.before_units"): _LlamaBeforeUnits,
+               ("llama", "root.after_units"): _LlamaAfterUnits}
+
+
+def piece_of(model, spec):
+    """The module spec["unit"] names: a unit (the twin's submodule of that name) or a root piece."""
+    name = spec["unit"]
+    if name.startswith("root."):
+        kind = ROOT_PIECES.get((spec["model"]["name"], name))
+        if kind is None:
+            raise UnitSpecError(f"model '{spec['model']['name']}' has no root piece '{name}'")
+        return kind(model)
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        raise UnitSpecError(f"the model has no unit '{name}'")
 
 
 def split_forward(gm, primals):
@@ -138,11 +247,8 @@ def package(module, args, path, configs):
 def run_unit(spec, result, model, device, autocast, configs, found_graph_breaks):
     """Builds the unit's package pair; fills result; returns the exit status (0 or 3 on graph
     breaks). Raises on any failure of tracing, export or compile."""
-    try:
-        unit = model.get_submodule(spec["unit"])
-    except AttributeError:
-        raise UnitSpecError(f"the model has no unit '{spec['unit']}'")
-    unit = unit.to(device).train()
+    unit = piece_of(model, spec).to(device).train()
+    lead = leading_args(spec)
     names = [p["name"] for p in spec["parameters"]]
     own = dict(unit.named_parameters())
     for p in spec["parameters"]:
@@ -160,15 +266,15 @@ def run_unit(spec, result, model, device, autocast, configs, found_graph_breaks)
             super().__init__()
             self.unit = unit
 
-        def forward(self, x):
+        def forward(self, *inputs):
             with autocast():
-                return self.unit(x)
+                return self.unit(*inputs)
 
-    if found_graph_breaks(Call(), (args[0],), result, where=f" in unit {spec['unit']}"):
+    if found_graph_breaks(Call(), tuple(args[:lead]), result, where=f" in unit {spec['unit']}"):
         return 3
 
     begin = time.perf_counter()
-    (fw, fw_args), (bw, bw_args), eager_out = trace_unit(unit, names, args, autocast())
+    (fw, fw_args), (bw, bw_args), eager_out = trace_unit(unit, names, args, autocast(), lead)
     sources, forward_outputs = split_forward(fw, len(args))
     bw_outputs = list(next(n for n in bw.graph.nodes if n.op == "output").args[0])
     defined = [k for k, g in enumerate(bw_outputs) if g is not None]
@@ -184,7 +290,7 @@ def run_unit(spec, result, model, device, autocast, configs, found_graph_breaks)
 
     begin = time.perf_counter()
     check_pair(forward_path, backward_path, sources, defined, unit, names, args, autocast,
-               device, notes)
+               device, notes, lead)
     seconds["check"] = time.perf_counter() - begin
 
     result["package"] = forward_path
@@ -194,13 +300,13 @@ def run_unit(spec, result, model, device, autocast, configs, found_graph_breaks)
     result["tangents"] = len(bw_args) - len(sources)
     result["gradients"] = defined  # output k of the backward: the gradient of argument defined[k]
     result["output"] = {"shape": list(eager_out.shape), "dtype": str(eager_out.dtype)[6:]}
-    result["inputs"] = ["input"] + [f"parameter:{n}" for n in names]
+    result["inputs"] = ["input"] + ["targets"] * (lead - 1) + [f"parameter:{n}" for n in names]
     result["status"] = "ok"
     return 0
 
 
 def check_pair(forward_path, backward_path, sources, defined, unit, names, args, autocast, device,
-               notes):
+               notes, lead=1):
     """Runs the built pair as kiln will (saved tensors routed by `sources`) and compares output
     and gradients with eager autograd under the same autocast. Raises on a mismatch."""
     from torch._inductor import aoti_load_package
@@ -213,22 +319,23 @@ def check_pair(forward_path, backward_path, sources, defined, unit, names, args,
     tangent = torch.ones_like(outs[0])
     with torch.no_grad():
         grads = backward.loader.run(saved + [tangent])
-    compare_with_eager(outs[0], grads, defined, unit, names, args, autocast, device, notes)
+    compare_with_eager(outs[0], grads, defined, unit, names, args, autocast, device, notes,
+                       lead=lead)
 
 
 def compare_with_eager(output, grads, defined, unit, names, args, autocast, device, notes,
-                       tolerance=None):
+                       tolerance=None, lead=1):
     """The pair's output and gradients (grads[k]: the gradient of argument defined[k]) against
     eager autograd's on the same arguments under the same autocast; with low-precision arguments,
     a difference over the tolerance (None: the arguments' and autocast's, below) is judged against
     float32. Raises on a mismatch."""
-    out, eager_grads = _autograd(unit, names, args, autocast())
+    out, eager_grads = _autograd(unit, names, args, autocast(), lead)
     # A plumbing error (saved tensors out of order, a gradient on the wrong argument) is off by
     # the whole value; rounding differs by far less: fp32 1e-4; autocast with fp32 parameters
     # 3e-2; bf16/fp16 parameters (FSDP's param_dtype) 1e-1 (reductions such as a bias gradient
     # over B*T positions round in the low precision: 4.7e-2 measured on gpt's ln_1.bias at
     # 8 x 32 positions, 0.12 at 8 x 64 x 128).
-    low = any(a.dtype != torch.float32 for a in args)
+    low = any(a.is_floating_point() and a.dtype != torch.float32 for a in args)
     if tolerance is not None:
         pass
     elif low:
@@ -248,8 +355,9 @@ def compare_with_eager(output, grads, defined, unit, names, args, autocast, devi
             # same computation in float32 (from the same low-precision inputs). Rounding leaves
             # the compiled pair about as far from it as eager; a plumbing error is off by O(1).
             if reference is None:
-                reference = _autograd(unit, names, [a.float() for a in args], torch.autocast(
-                    device.type, enabled=False))
+                reference = _autograd(unit, names, [a.float() if a.is_floating_point() else a
+                                                    for a in args],
+                                      torch.autocast(device.type, enabled=False), lead)
             exact = reference[0] if k is None else reference[1][k]
             compiled_error, eager_error = _relative(got, exact), _relative(want, exact)
             notes.append(f"{what}: {error:.3g} from eager; against float32, compiled "
@@ -267,11 +375,12 @@ def compare_with_eager(output, grads, defined, unit, names, args, autocast, devi
     notes.append(f"unit pair checked against eager autograd: worst relative error {worst:.2e}")
 
 
-def _autograd(unit, names, args, autocast):
-    """Eager autograd's output and gradients of unit(args[0]) with parameters args[1:]."""
-    leaves = [a.detach().requires_grad_(True) for a in args]
+def _autograd(unit, names, args, autocast, lead=1):
+    """Eager autograd's output and gradients of unit(*args[:lead]) with parameters args[lead:]
+    (None for an integer argument)."""
+    leaves = _leaves(args)
     with autocast:
-        out = torch.func.functional_call(unit, dict(zip(names, leaves[1:])), (leaves[0],))
+        out = _call(unit, names, lead, leaves)
     out.backward(torch.ones_like(out))
     return out, [leaf.grad for leaf in leaves]
 

@@ -6,6 +6,7 @@
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 
 #include "compile/compiled_units.h"
@@ -21,6 +22,7 @@
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/models.h"
+#include "train/precision.h"
 
 namespace kiln {
 
@@ -136,24 +138,28 @@ json CompileReport::to_json() const {
   json break_list = json::array();
   for (const GraphBreak& b : breaks)
     break_list.push_back({{"reason", b.reason}, {"where", b.where}});
-  json unit_list = json::array();
+  json unit_list = json::array(), root_list = json::array();
   for (const UnitGraph& g : unit_graphs) {
-    unit_list.push_back(
-        {{"unit", g.unit},
-         {"input", g.input},
-         {"cache_hit", g.cache_hit},
-         {"shared", g.shared},
-         {"cache_note", g.cache_note},
-         {"build_seconds", g.build_seconds},
-         {"load_seconds", g.load_seconds},
-         {"eager", g.eager},
-         {"graphs",
-          json::array({json{{"graph", "unit_forward"}, {"package", g.forward_package}},
-                       json{{"graph", "unit_backward"}, {"package", g.backward_package}}})}});
+    const bool root = g.unit.starts_with("root.");  // the root's pieces (compile.root)
+    (root ? root_list : unit_list)
+        .push_back(
+            {{root ? "piece" : "unit", g.unit},
+             {"input", g.input},
+             {"cache_hit", g.cache_hit},
+             {"shared", g.shared},
+             {"cache_note", g.cache_note},
+             {"build_seconds", g.build_seconds},
+             {"load_seconds", g.load_seconds},
+             {"eager", g.eager},
+             {"graphs", json::array({json{{"graph", root ? "root_forward" : "unit_forward"},
+                                          {"package", g.forward_package}},
+                                     json{{"graph", root ? "root_backward" : "unit_backward"},
+                                          {"package", g.backward_package}}})}});
   }
   return {{"backend", backend},
           {"granularity", granularity},
           {"units", unit_list},
+          {"root", root_list},
           {"unit_recompiles", unit_recompiles},
           {"eager_unit_calls", eager_unit_calls},
           {"compiled_unit_forwards", compiled_unit_forwards},
@@ -207,7 +213,8 @@ CompiledStep::CompiledStep(const Config& config, Model& model, torch::Device dev
                       model.architecture()));
     }
     // Innermost: activation checkpointing and FSDP (added before) wrap the compiled units.
-    units_ = make_compiled_units(options_, precision_, model, device, cache_, model_json_, report_);
+    units_ = make_compiled_units(options_, precision_, config.get_bool("compile.root"), model,
+                                 device, cache_, model_json_, report_);
     model.add_unit_wrapper(units_);
   }
   report_.backend = backend_name(options_.backend);
@@ -268,9 +275,42 @@ StepExecutor::EvalOutputs CompiledStep::evaluate(const Batch& batch) {
   return out;
 }
 
+// Per unit with a compiled root: the eager executor's step (forward and loss under the
+// precision's autocast, backward on loss x the fp16 scale), with the model's forward split into
+// the root's compiled pieces around its wrapped units. Without one: declined, so the Trainer's
+// eager step runs the compiled units inside the model's forward.
+namespace {
+torch::Tensor split_root_forward_backward(CompiledUnitWrapper& units,
+                                          TrainOptions::Precision precision, torch::Device device,
+                                          Trainer& trainer, const Batch& batch, double scale,
+                                          const torch::Tensor& loss_scale) {
+  if (!units.compiles_root()) return {};
+  const double micro_steps = std::round(1.0 / scale);  // as the eager executor divides
+  torch::Tensor loss;
+  {
+    PhaseScope phase(trainer, Phase::kForward);
+    std::unique_ptr<AutocastGuard> autocast;
+    if (precision != TrainOptions::Precision::kFp32) {
+      const at::ScalarType dtype =
+          precision == TrainOptions::Precision::kBf16Mixed ? at::kBFloat16 : at::kHalf;
+      autocast = std::make_unique<AutocastGuard>(AutocastState{device.type(), true, dtype, true});
+    }
+    loss = units.root_loss(batch.inputs, batch.targets) / micro_steps;
+  }
+  {
+    PhaseScope phase(trainer, Phase::kBackward);
+    (loss_scale.defined() ? loss * loss_scale.reshape({}) : loss).backward();
+  }
+  return loss;
+}
+}  // namespace
+
 torch::Tensor CompiledStep::forward_backward(Trainer& trainer, const Batch& batch, double scale,
                                              const torch::Tensor& loss_scale) {
-  if (units_) return {};  // per unit: the Trainer's eager step runs the compiled units
+  if (units_) {
+    return split_root_forward_backward(static_cast<CompiledUnitWrapper&>(*units_), precision_,
+                                       device_, trainer, batch, scale, loss_scale);
+  }
   PhaseScope phase(trainer, Phase::kForward);  // forward and backward in one compiled call
   const bool scaled = precision_ == TrainOptions::Precision::kFp16Mixed;
   if (loss_scale.defined() != scaled) {

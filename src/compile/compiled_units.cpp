@@ -9,6 +9,12 @@
 // gradient hooks fire as in eager. The forward package returns the output and the saved tensors
 // the backward package takes; saved tensors that are inputs (a parameter, the unit's input) are
 // kiln's own tensors, saved by autograd (FSDP regathers a freed parameter before the backward).
+//
+// With compile.root, the model's root runs the same way, as two pieces around the units
+// (src/models/split_forward.h): "root.before_units" (gpt: token and position embeddings, from
+// the token ids) and "root.after_units" (final norm, head and loss, from the last unit's output
+// and the targets), each a forward and backward package pair in the same autograd function, the
+// units (and their wrappers) running between them from root_loss().
 #include "compile/compiled_units.h"
 
 #include <ATen/Parallel.h>
@@ -17,6 +23,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
+#include <algorithm>
 #include <map>
 
 #include "compile/compiler_run.h"
@@ -27,6 +34,7 @@
 #include "kiln/build_info.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
+#include "models/split_forward.h"
 
 namespace kiln {
 
@@ -38,11 +46,12 @@ namespace compiled_units_impl {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The package pair of one unit structure and input signature.
+// The package pair of one unit structure (or root piece) and input signature.
 struct UnitPair {
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> forward, backward;
-  // Each saved tensor the backward takes, in order: an argument of the unit (0 the input,
-  // 1 + j parameter j) or an output of the forward package (0 is the unit's output).
+  // Each saved tensor the backward takes, in order: an argument of the piece (its input, the
+  // targets of the root piece after the units, then its parameters) or an output of the forward
+  // package (0 is the piece's output).
   struct Saved {
     bool argument = false;
     size_t index = 0;
@@ -60,10 +69,14 @@ struct NoAutocastInPackage {
       c10::DispatchKeySet({c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA})};
 };
 
-std::vector<torch::Tensor> run_forward(const UnitPair& pair, const torch::Tensor& input,
-                                       at::TensorList parameters) {
-  std::vector<torch::Tensor> args = {input.contiguous()};
-  args.insert(args.end(), parameters.begin(), parameters.end());
+// `arguments`: the piece's input (and targets), then its parameters.
+std::vector<torch::Tensor> run_forward(const UnitPair& pair, at::TensorList arguments,
+                                       size_t leading) {
+  std::vector<torch::Tensor> args;
+  args.reserve(arguments.size());
+  for (size_t k = 0; k < arguments.size(); ++k) {
+    args.push_back(k < leading ? arguments[k].contiguous() : arguments[k]);
+  }
   NoAutocastInPackage no_autocast;
   std::vector<torch::Tensor> outs = pair.forward->run(args);
   if (outs.size() != pair.forward_outputs) {
@@ -79,24 +92,20 @@ struct PairHolder : torch::CustomClassHolder {
 
 class CompiledUnitFunction : public torch::autograd::Function<CompiledUnitFunction> {
  public:
+  // `arguments`: the piece's `leading` inputs (a unit's input; token ids; hidden and targets),
+  // then its parameters. Integer arguments get no gradient.
   static torch::Tensor forward(AutogradContext* ctx, c10::intrusive_ptr<PairHolder> holder,
-                               const torch::Tensor& input, at::TensorList parameters) {
+                               at::TensorList arguments, int64_t leading) {
     const UnitPair& pair = *holder->pair;
-    std::vector<torch::Tensor> outs = run_forward(pair, input, parameters);
+    std::vector<torch::Tensor> outs = run_forward(pair, arguments, static_cast<size_t>(leading));
     variable_list saved;
     saved.reserve(pair.saved.size());
     for (const UnitPair::Saved& s : pair.saved) {
-      if (!s.argument) {
-        saved.push_back(outs[s.index]);
-      } else if (s.index == 0) {
-        saved.push_back(input);
-      } else {
-        saved.push_back(parameters[s.index - 1]);
-      }
+      saved.push_back(s.argument ? arguments[s.index] : outs[s.index]);
     }
     ctx->save_for_backward(saved);
     ctx->saved_data["pair"] = c10::IValue::make_capsule(holder);
-    ctx->saved_data["parameters"] = static_cast<int64_t>(parameters.size());
+    ctx->saved_data["arguments"] = static_cast<int64_t>(arguments.size());
     return outs[0];
   }
 
@@ -112,8 +121,9 @@ class CompiledUnitFunction : public torch::autograd::Function<CompiledUnitFuncti
       NoAutocastInPackage no_autocast;
       grads = pair.backward->run(args);
     }
-    const auto parameters = static_cast<size_t>(ctx->saved_data["parameters"].toInt());
-    variable_list out(2 + parameters);  // [0]: the pair capsule, [1]: input, [2..]: parameters
+    const auto arguments = static_cast<size_t>(ctx->saved_data["arguments"].toInt());
+    // One per forward input: [0] the pair capsule, [1 + k] argument k, last `leading`.
+    variable_list out(2 + arguments);
     for (size_t k = 0; k < grads.size() && k < pair.gradients.size(); ++k) {
       out[1 + pair.gradients[k]] = grads[k];
     }
@@ -129,15 +139,29 @@ std::string dtype_name(torch::ScalarType type) {
       return "bfloat16";
     case torch::kHalf:
       return "float16";
+    case torch::kLong:
+      return "int64";
     default:
       return c10::toString(type);
   }
 }
 
-class CompiledUnits final : public UnitWrapper {
+json tensor_signature(const torch::Tensor& t) {
+  return {{"shape", t.sizes().vec()}, {"dtype", dtype_name(t.scalar_type())}};
+}
+
+// What runs through one pair: a unit, or one of the root's two pieces.
+struct Piece {
+  std::string name;                       // "transformer.h.0", "root.before_units", ...
+  bool root = false;                      // names its parameters in full, not inside the unit
+  std::vector<torch::Tensor> parameters;  // the model's own tensors
+  std::vector<std::string> names;         // inside the unit (a root piece: full names)
+};
+
+class CompiledUnits final : public CompiledUnitWrapper {
  public:
-  CompiledUnits(const CompileOptions& options, TrainOptions::Precision precision, Model& model,
-                torch::Device device, const PackageCache& cache, json model_json,
+  CompiledUnits(const CompileOptions& options, TrainOptions::Precision precision, bool compile_root,
+                Model& model, torch::Device device, const PackageCache& cache, json model_json,
                 CompileReport& report)
       : options_(options),
         precision_(precision),
@@ -145,45 +169,77 @@ class CompiledUnits final : public UnitWrapper {
         cache_(cache),
         model_json_(std::move(model_json)),
         report_(report),
-        units_(model.units()) {
+        model_(model),
+        split_(compile_root ? split_forward_of(model) : nullptr) {
     std::map<std::string, torch::Tensor> by_name;
     for (const auto& item : model.named_parameters()) by_name.emplace(item.key(), item.value());
-    for (const ModelUnit& unit : units_) {
-      auto& list = parameters_.emplace_back();
-      auto& names = relative_names_.emplace_back();
-      for (const std::string& name : unit.parameters) {
-        auto it = by_name.find(name);
+    auto add = [&](const std::string& name, bool root, const std::vector<std::string>& params) {
+      Piece& piece = pieces_.emplace_back();
+      piece.name = name;
+      piece.root = root;
+      for (const std::string& param : params) {
+        auto it = by_name.find(param);
         if (it == by_name.end()) {
-          throw std::logic_error(
-              fmt::format("model unit {} names parameter {}, which the model "
-                          "does not have",
-                          unit.name, name));
+          throw std::logic_error(fmt::format(
+              "model piece {} names parameter {}, which the model does not have", name, param));
         }
-        list.push_back(it->second);
-        names.push_back(name.starts_with(unit.name + ".") ? name.substr(unit.name.size() + 1)
-                                                          : name);
+        piece.parameters.push_back(it->second);
+        piece.names.push_back(!root && param.starts_with(name + ".") ? param.substr(name.size() + 1)
+                                                                     : param);
       }
+    };
+    for (const ModelUnit& unit : model.units()) add(unit.name, false, unit.parameters);
+    units_ = pieces_.size();
+    if (split_) {
+      add("root.before_units", true, split_->before_units_parameters());
+      add("root.after_units", true, split_->after_units_parameters());
     }
-    per_unit_.resize(units_.size());
+    per_piece_.resize(pieces_.size());
   }
 
   torch::Tensor run(int unit, const UnitForward& forward, const torch::Tensor& input) override {
     const auto u = static_cast<size_t>(unit);
-    if (u >= units_.size() || !autocast_matches(input)) return forward(input);
-    const UnitPair* pair = resolve(u, input);
+    if (u >= units_ || !autocast_matches(input)) return forward(input);
+    const UnitPair* pair = resolve(u, {input});
     if (pair == nullptr || pair->eager) {
       ++report_.eager_unit_calls;
       return forward(input);
     }
-    const at::TensorList parameters(parameters_[u]);
     ++report_.compiled_unit_forwards;
-    if (!torch::GradMode::is_enabled()) return run_forward(*pair, input, parameters)[0];
-    auto holder = c10::make_intrusive<PairHolder>();
-    holder->pair = pair;
-    return CompiledUnitFunction::apply(holder, input, parameters);
+    return call(u, *pair, {input});
+  }
+
+  bool compiles_root() const override { return split_ != nullptr; }
+
+  torch::Tensor root_loss(const torch::Tensor& inputs, const torch::Tensor& targets) override {
+    if (!split_) throw std::logic_error("root_loss without a compiled root");
+    const size_t before = units_, after = units_ + 1;
+    const bool compiled = autocast_matches(inputs) && within_block_size(inputs);
+    const UnitPair* pair = compiled ? resolve(before, {inputs}) : nullptr;
+    torch::Tensor hidden = pair == nullptr || pair->eager ? split_->before_units(inputs)
+                                                          : call(before, *pair, {inputs});
+    hidden = split_->through_units(hidden);
+    pair = compiled ? resolve(after, {hidden, targets}) : nullptr;
+    if (pair == nullptr || pair->eager) return model_.loss(split_->after_units(hidden), targets);
+    return call(after, *pair, {hidden, targets});
   }
 
  private:
+  // The piece's output: through the autograd function (its backward runs the backward package)
+  // when a gradient is being recorded, else the forward package alone.
+  torch::Tensor call(size_t p, const UnitPair& pair, std::vector<torch::Tensor> arguments) {
+    const auto leading = static_cast<int64_t>(arguments.size());
+    // Contiguous as the package reads them, and as the backward gets them when they are saved.
+    for (torch::Tensor& t : arguments) t = t.contiguous();
+    arguments.insert(arguments.end(), pieces_[p].parameters.begin(), pieces_[p].parameters.end());
+    if (!torch::GradMode::is_enabled()) {
+      return run_forward(pair, arguments, static_cast<size_t>(leading))[0];
+    }
+    auto holder = c10::make_intrusive<PairHolder>();
+    holder->pair = &pair;
+    return CompiledUnitFunction::apply(holder, at::TensorList(arguments), leading);
+  }
+
   // The packages trace train.precision's autocast: run them only under that state.
   bool autocast_matches(const torch::Tensor& input) const {
     const c10::DeviceType type = input.device().type();
@@ -199,17 +255,25 @@ class CompiledUnits final : public UnitWrapper {
     return false;
   }
 
-  // The unit's structure and this call's signature: what a package pair depends on.
-  json signature(size_t u, const torch::Tensor& input) const {
+  // A sequence over the model's block size runs the eager piece, which refuses it.
+  bool within_block_size(const torch::Tensor& inputs) const {
+    const int64_t block = model_json_.value("block_size", int64_t{0});
+    return block == 0 || inputs.dim() < 2 || inputs.size(1) <= block;
+  }
+
+  // The piece's structure and this call's signature: what a package pair depends on.
+  json signature(size_t p, const std::vector<torch::Tensor>& leading) const {
+    const Piece& piece = pieces_[p];
     json parameters = json::array();
-    for (size_t k = 0; k < parameters_[u].size(); ++k) {
-      const torch::Tensor& p = parameters_[u][k];
-      parameters.push_back({{"name", relative_names_[u][k]},
-                            {"shape", p.sizes().vec()},
-                            {"dtype", dtype_name(p.scalar_type())}});
+    for (size_t k = 0; k < piece.parameters.size(); ++k) {
+      json t = tensor_signature(piece.parameters[k]);
+      t["name"] = piece.names[k];
+      parameters.push_back(t);
     }
-    return {{"input", {{"shape", input.sizes().vec()}, {"dtype", dtype_name(input.scalar_type())}}},
-            {"parameters", parameters}};
+    json sig = {{"input", tensor_signature(leading[0])}, {"parameters", parameters}};
+    if (leading.size() > 1) sig["targets"] = tensor_signature(leading[1]);
+    if (piece.root) sig["piece"] = piece.name;
+    return sig;
   }
 
   Fingerprint fingerprint(const CompilerPython& python, const json& sig, const char* graph) const {
@@ -228,24 +292,30 @@ class CompiledUnits final : public UnitWrapper {
     }};
   }
 
-  const UnitPair* resolve(size_t u, const torch::Tensor& input) {
-    const json sig = signature(u, input);
+  const UnitPair* resolve(size_t p, const std::vector<torch::Tensor>& leading) {
+    const json sig = signature(p, leading);
     const std::string key = sig.dump();
-    auto& seen = per_unit_[u];
+    auto& seen = per_piece_[p];
     if (auto it = seen.find(key); it != seen.end()) return it->second;
     const bool shared = pairs_.count(key) > 0;
-    if (!shared && static_cast<int>(pairs_.size()) >= options_.recompile_limit) {
+    // The limit counts the units' pairs together (they share them) and each root piece's own.
+    size_t built = unit_pairs_;
+    if (pieces_[p].root) {
+      built = static_cast<size_t>(std::count_if(seen.begin(), seen.end(),
+                                                [](const auto& s) { return s.second != nullptr; }));
+    }
+    if (!shared && static_cast<int64_t>(built) >= options_.recompile_limit) {
       log::warn(
-          fmt::format("compile: unit {} with input {}: over compile.recompile_limit = {}, "
-                      "runs eager",
-                      units_[u].name, describe_input(input), options_.recompile_limit));
+          fmt::format("compile: {} with input {}: over compile.recompile_limit = {}, runs "
+                      "eager",
+                      what(p), describe_input(leading[0]), options_.recompile_limit));
       seen[key] = nullptr;
       return nullptr;
     }
     if (!seen.empty()) ++report_.unit_recompiles;
     CompileReport::UnitGraph entry;
-    entry.unit = units_[u].name;
-    entry.input = describe_input(input);
+    entry.unit = pieces_[p].name;
+    entry.input = describe_input(leading[0]);
     if (shared) {
       entry.shared = true;
       entry.cache_hit = true;
@@ -253,12 +323,17 @@ class CompiledUnits final : public UnitWrapper {
       entry.backward_package = pair_packages_[key].second;
       entry.eager = pairs_[key]->eager;
     } else {
-      pairs_[key] = load(u, sig, entry);
+      pairs_[key] = load(p, sig, leading.size(), entry);
       pair_packages_[key] = {entry.forward_package, entry.backward_package};
+      if (!pieces_[p].root) ++unit_pairs_;
     }
     report_.unit_graphs.push_back(entry);
     seen[key] = pairs_[key].get();
     return seen[key];
+  }
+
+  std::string what(size_t p) const {
+    return (pieces_[p].root ? "root piece " : "unit ") + pieces_[p].name;
   }
 
   static std::string describe_input(const torch::Tensor& input) {
@@ -267,7 +342,8 @@ class CompiledUnits final : public UnitWrapper {
     return dtype_name(input.scalar_type()) + " [" + dims + "]";
   }
 
-  std::unique_ptr<UnitPair> load(size_t u, const json& sig, CompileReport::UnitGraph& entry);
+  std::unique_ptr<UnitPair> load(size_t p, const json& sig, size_t leading,
+                                 CompileReport::UnitGraph& entry);
 
   CompileOptions options_;
   TrainOptions::Precision precision_;
@@ -275,16 +351,19 @@ class CompiledUnits final : public UnitWrapper {
   PackageCache cache_;
   json model_json_;
   CompileReport& report_;
-  std::vector<ModelUnit> units_;
-  std::vector<std::vector<torch::Tensor>> parameters_;      // per unit: the model's own tensors
-  std::vector<std::vector<std::string>> relative_names_;    // per unit: names inside the unit
+  Model& model_;
+  SplitForward* split_;        // null: the root runs eager (compile.root = false, or no split)
+  std::vector<Piece> pieces_;  // the units in order, then the root's two pieces (with split_)
+  size_t units_ = 0;
+  size_t unit_pairs_ = 0;                                   // pairs built or loaded for units
   std::map<std::string, std::unique_ptr<UnitPair>> pairs_;  // by signature
   std::map<std::string, std::pair<std::string, std::string>> pair_packages_;
-  std::vector<std::map<std::string, const UnitPair*>> per_unit_;  // null: runs eager
+  std::vector<std::map<std::string, const UnitPair*>> per_piece_;  // null: runs eager
 };
 
-std::unique_ptr<UnitPair> CompiledUnits::load(size_t u, const json& sig,
+std::unique_ptr<UnitPair> CompiledUnits::load(size_t p, const json& sig, size_t leading,
                                               CompileReport::UnitGraph& entry) {
+  const Piece& piece = pieces_[p];
   const CompilerPython& python = CompilerPython::probe(options_.python);
   const Fingerprint forward_key = fingerprint(python, sig, "unit-forward");
   const Fingerprint backward_key = fingerprint(python, sig, "unit-backward");
@@ -296,42 +375,42 @@ std::unique_ptr<UnitPair> CompiledUnits::load(size_t u, const json& sig,
   entry.cache_hit = forward && backward;
   if (!entry.cache_hit) {
     entry.cache_note = why_not;
-    log::info(fmt::format(
-        "compile: building unit {}'s forward and backward for input {} with "
-        "AOTInductor ({}; cache {}: {})",
-        units_[u].name, entry.input, python.torch_version, cache_.dir().string(), why_not));
+    log::info(
+        fmt::format("compile: building {}'s forward and backward for input {} with "
+                    "AOTInductor ({}; cache {}: {})",
+                    what(p), entry.input, python.torch_version, cache_.dir().string(), why_not));
     const auto begin = SteadyClock::now();
     const fs::path scratch = cache_.scratch_dir(forward_key);
-    const json spec = {
+    json spec = {
         {"model", model_json_},
         {"graph", "unit"},
-        {"unit", units_[u].name},
+        {"unit", piece.name},
         {"input", sig["input"]},
         {"parameters", sig["parameters"]},
         {"package", (scratch / "forward.pt2").string()},
         {"backward_package", (scratch / "backward.pt2").string()},
     };
-    const std::string what = "unit " + units_[u].name;
-    const CompilerRun run = run_compiler(python, scratch, spec, device_, precision_, what);
+    if (sig.contains("targets")) spec["targets"] = sig["targets"];
+    const CompilerRun run = run_compiler(python, scratch, spec, device_, precision_, what(p));
     if (run.graph_breaks()) {
       const std::vector<GraphBreak> breaks = run.breaks();
       report_.breaks.insert(report_.breaks.end(), breaks.begin(), breaks.end());
       if (options_.fullgraph) {
         throw TrainingError(fmt::format(
-            "compile.fullgraph = true and unit {} has {} graph break(s): {}; remove them from "
-            "the model, or set compile.fullgraph = false to run that unit eager",
-            units_[u].name, breaks.size(), describe_breaks(breaks)));
+            "compile.fullgraph = true and {} has {} graph break(s): {}; remove them from "
+            "the model, or set compile.fullgraph = false to run it eager",
+            what(p), breaks.size(), describe_breaks(breaks)));
       }
       log::warn(
-          fmt::format("compile: unit {} has {} graph break(s), so it runs eager "
+          fmt::format("compile: {} has {} graph break(s), so it runs eager "
                       "(compile.fullgraph = false): {}",
-                      units_[u].name, breaks.size(), describe_breaks(breaks)));
+                      what(p), breaks.size(), describe_breaks(breaks)));
       auto pair = std::make_unique<UnitPair>();
       pair->eager = true;
       entry.eager = true;
       return pair;
     }
-    run.check_built(what);
+    run.check_built(what(p));
     const json& result = run.result;
     backward = cache_.publish(backward_key, scratch / "backward.pt2", result);
     forward = cache_.publish(forward_key, scratch / "forward.pt2", result);
@@ -347,9 +426,10 @@ std::unique_ptr<UnitPair> CompiledUnits::load(size_t u, const json& sig,
       forward->package.string(), "model", false, 1, device_index);
   pair->backward = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
       backward->package.string(), "model", false, 1, device_index);
-  // The pair's calling convention from its build record, checked against this unit.
-  const size_t arguments = 1 + parameters_[u].size();
+  // The pair's calling convention from its build record, checked against this piece.
+  const size_t arguments = leading + piece.parameters.size();
   try {
+    if (report.at("inputs").size() != arguments) throw std::out_of_range("inputs");
     pair->forward_outputs = report.at("forward_outputs").get<size_t>();
     for (const json& s : report.at("saved")) {
       const bool argument = s.contains("input");
@@ -371,7 +451,7 @@ std::unique_ptr<UnitPair> CompiledUnits::load(size_t u, const json& sig,
   entry.forward_package = forward->package.string();
   entry.backward_package = backward->package.string();
   log::info(fmt::format(
-      "compile: unit {} for input {}: {} (load {:.2f} s)", units_[u].name, entry.input,
+      "compile: {} for input {}: {} (load {:.2f} s)", what(p), entry.input,
       entry.cache_hit ? "cached packages" : fmt::format("built in {:.1f} s", entry.build_seconds),
       entry.load_seconds));
   return pair;
@@ -379,12 +459,12 @@ std::unique_ptr<UnitPair> CompiledUnits::load(size_t u, const json& sig,
 
 }  // namespace compiled_units_impl
 
-std::shared_ptr<UnitWrapper> make_compiled_units(const CompileOptions& options,
-                                                 TrainOptions::Precision precision, Model& model,
-                                                 torch::Device device, const PackageCache& cache,
-                                                 const json& model_json, CompileReport& report) {
-  return std::make_shared<compiled_units_impl::CompiledUnits>(options, precision, model, device,
-                                                              cache, model_json, report);
+std::shared_ptr<CompiledUnitWrapper> make_compiled_units(
+    const CompileOptions& options, TrainOptions::Precision precision, bool compile_root,
+    Model& model, torch::Device device, const PackageCache& cache, const json& model_json,
+    CompileReport& report) {
+  return std::make_shared<compiled_units_impl::CompiledUnits>(
+      options, precision, compile_root, model, device, cache, model_json, report);
 }
 
 }  // namespace kiln

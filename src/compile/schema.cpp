@@ -164,8 +164,12 @@ ConfigSection compile_section() {
           string_key("compile", "granularity", "auto", {"auto", "step", "unit"},
                      "what one AOTInductor graph covers: the whole step, or each model unit "
                      "(transformer block) as a forward and a backward package inside the unit "
-                     "wrappers (the root stays eager); auto = unit with activation checkpointing "
-                     "or dist.strategy = fsdp, else step"),
+                     "wrappers (the root too: compile.root); auto = unit with activation "
+                     "checkpointing or dist.strategy = fsdp, else step"),
+          bool_key("compile", "root", true,
+                   "per-unit compilation: the root's pieces around the units (gpt: embeddings; "
+                   "final norm, head and loss) compiled as forward and backward packages too "
+                   "(false: they run eager; models without a split root run them eager)"),
           string_key("compile", "dynamic", "auto", {"auto", "dynamic", "static"},
                      "shapes as torch.compile's dynamic=None|True|False: specialise first and "
                      "make a changed dimension dynamic at the first recompile; symbolic batch "

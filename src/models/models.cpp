@@ -17,6 +17,7 @@
 #include "kiln/error.h"
 #include "kiln/hf.h"
 #include "models/internal.h"
+#include "models/split_forward.h"
 
 namespace kiln {
 namespace {
@@ -128,7 +129,7 @@ class Block final : public nn::Module {
   nn::Linear c_fc_{nullptr}, c_proj_{nullptr};
 };
 
-class Gpt final : public Model {
+class Gpt final : public Model, public SplitForward {
  public:
   Gpt(const GptConfig& config, at::Generator& generator) : config_(config) {
     auto transformer = register_module("transformer", std::make_shared<nn::Module>());
@@ -146,20 +147,36 @@ class Gpt final : public Model {
   }
 
   torch::Tensor forward(const torch::Tensor& idx) override {
+    return after_units(through_units(before_units(idx)));
+  }
+
+  // SplitForward: the root around the blocks (compile.root compiles the two pieces).
+  std::vector<std::string> before_units_parameters() const override {
+    return {"transformer.wte.weight", "transformer.wpe.weight"};
+  }
+  std::vector<std::string> after_units_parameters() const override {
+    return {"transformer.ln_f.weight", "transformer.ln_f.bias", "transformer.wte.weight"};
+  }
+  torch::Tensor before_units(const torch::Tensor& idx) override {
     const int64_t T = idx.size(1);
     if (T > config_.block_size) {
       throw UserError("sequence length " + std::to_string(T) + " exceeds model.block_size " +
                       std::to_string(config_.block_size));
     }
     auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
-    auto x = wte_->forward(idx) + wpe_->forward(pos);  // [B, T, C]
+    return wte_->forward(idx) + wpe_->forward(pos);  // [B, T, C]
+  }
+  torch::Tensor through_units(const torch::Tensor& hidden) override {
+    torch::Tensor x = hidden;
     for (size_t i = 0; i < blocks_.size(); ++i) {
       x = run_unit(
           static_cast<int>(i),
           [block = blocks_[i].get()](const torch::Tensor& in) { return block->forward(in); }, x);
     }
-    x = ln_f_->forward(x);
-    return F::linear(x, wte_->weight);  // [B, T, V], head tied to the token embedding
+    return x;
+  }
+  torch::Tensor after_units(const torch::Tensor& hidden) override {
+    return F::linear(ln_f_->forward(hidden), wte_->weight);  // [B, T, V], head tied to wte
   }
 
   std::string architecture() const override { return "gpt"; }

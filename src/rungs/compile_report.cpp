@@ -71,15 +71,17 @@ ResultRows compile_table(const CompileResult& r, const CompileReport& report,
                                              r.cache == "cold" ? "cold" : "warm"));
   if (report.granularity == "unit") {
     std::string text;
+    bool root = false;  // the root's pieces compiled (compile.root), listed with the units
     for (const auto& u : report.unit_graphs) {
+      root = root || u.unit.starts_with("root.");
       text += fmt::format("{}{} {} ({})", text.empty() ? "" : "; ", u.unit, u.input,
                           u.eager       ? "eager: graph breaks"
                           : u.shared    ? "shares an earlier unit's pair"
                           : u.cache_hit ? "cached pair"
                                         : fmt::format("built in {:.1f} s", u.build_seconds));
     }
-    t.emplace_back("graphs", fmt::format("per unit, {} call(s) compiled, root eager: {}",
-                                         report.compiled_unit_forwards,
+    t.emplace_back("graphs", fmt::format("per unit, {} call(s) compiled, root {}: {}",
+                                         report.compiled_unit_forwards, root ? "compiled" : "eager",
                                          text.empty() ? std::string("none") : text));
   } else {
     t.emplace_back("graphs",

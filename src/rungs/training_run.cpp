@@ -123,16 +123,21 @@ std::string training_summary_text(const TrainingRunResult& result) {
   if (s.skipped_steps > 0) out += fmt::format("skipped {} non-finite steps\n", s.skipped_steps);
   if (result.compile_report) {
     const CompileReport& report = *result.compile_report;
-    if (report.granularity == "unit") {  // per-unit packages; the root runs eager
-      size_t pairs = 0;
-      for (const auto& u : report.unit_graphs) pairs += u.shared ? 0 : 1;
+    if (report.granularity == "unit") {  // per-unit packages, the root's pieces (compile.root)
+      size_t pairs = 0, root_entries = 0, root_pieces = 0;
+      for (const auto& u : report.unit_graphs) {
+        pairs += u.shared ? 0 : 1;
+        root_entries += u.unit.starts_with("root.") ? 1 : 0;
+        root_pieces += u.unit.starts_with("root.") && !u.eager ? 1 : 0;
+      }
       out += fmt::format(
           "compiled units: {}, {} unit(s) (per input shape) on {} forward/backward package "
           "pair(s), {} "
           "compiled unit forward(s), {} eager unit call(s), {} unit recompile(s); the root "
-          "(embeddings, head, loss) eager\n",
-          report.backend, report.unit_graphs.size(), pairs, report.compiled_unit_forwards,
-          report.eager_unit_calls, report.unit_recompiles);
+          "(embeddings, head, loss) {}\n",
+          report.backend, report.unit_graphs.size() - root_entries, pairs,
+          report.compiled_unit_forwards, report.eager_unit_calls, report.unit_recompiles,
+          root_pieces ? fmt::format("compiled ({} piece(s))", root_pieces) : "eager");
     } else {
       out += fmt::format(
           "compiled step: {}, {} graph(s), {} recompile(s); eval: {} graph(s), {} recompile(s){}\n",

@@ -192,6 +192,83 @@ class MixedPrecisionExport(unittest.TestCase):
         self.assertEqual(inputs, 2)  # eval takes no scale
 
 
+class RootPieces(unittest.TestCase):
+    """The root's two pieces (compile.root: "root.before_units", "root.after_units") around the
+    twin's blocks are the twin's loss, and each piece's AOTAutograd partition, with its saved
+    tensors routed as kiln routes them (compile_units.split_forward's sources; integer inputs,
+    token ids and targets, saved but given no gradient), gives eager autograd's gradients. The
+    partitioned graphs run as fx modules: no AOTInductor build (the C++ test builds the
+    packages)."""
+
+    GPT = {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16,
+           "vocab_size": 64}
+    LLAMA = {"name": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32,
+             "intermediate_size": 64, "block_size": 16, "vocab_size": 64, "rope_theta": 10000.0,
+             "norm_eps": 1e-5, "tie_embeddings": False}
+
+    def pieces(self, spec):
+        model = models.build(spec)
+        before = cu.piece_of(model, {"unit": "root.before_units", "model": spec})
+        after = cu.piece_of(model, {"unit": "root.after_units", "model": spec})
+        return model, before, after
+
+    def test_the_pieces_around_the_blocks_are_the_twins_loss(self):
+        for spec, blocks in ((self.GPT, lambda m: m.transformer.h),
+                             (self.LLAMA, lambda m: m.model.layers)):
+            with self.subTest(model=spec["name"]):
+                model, before, after = self.pieces(spec)
+                torch.manual_seed(0)
+                idx, targets = torch.randint(0, 64, (3, 16)), torch.randint(0, 64, (3, 16))
+                hidden = before(idx)
+                for block in blocks(model):
+                    hidden = block(hidden)
+                want = models.WithLoss(model)(idx, targets)
+                self.assertAlmostEqual(after(hidden, targets).item(), want.item(), delta=1e-6)
+                # Each piece holds only the parameters it reads, under the twin's names.
+                names = {n for n, _ in model.named_parameters()}
+                self.assertTrue({n for n, _ in after.named_parameters()} <= names)
+                self.assertTrue({n for n, _ in before.named_parameters()} <= names)
+
+    def partition_gradients(self, piece, spec):
+        """(the partitioned piece's output and gradients, eager autograd's)."""
+        lead = cu.leading_args(spec)
+        names = [p["name"] for p in spec["parameters"]]
+        args = cu.example_args(spec, torch.device("cpu"))
+        autocast = torch.autocast("cpu", enabled=False)
+        (fw, _), (bw, _), _ = cu.trace_unit(piece, names, args, autocast, lead)
+        sources, _ = cu.split_forward(fw, len(args))
+        with torch.no_grad():
+            outs = fw(*args)
+            saved = [args[s["input"]] if "input" in s else outs[s["output"]] for s in sources]
+            grads = bw(*saved, torch.ones_like(outs[0]))
+        want_out, want_grads = cu._autograd(piece, names, args, autocast, lead)
+        return outs[0], list(grads), want_out, want_grads, lead
+
+    def test_each_piece_partitioned_gives_autograds_gradients(self):
+        model, before, after = self.pieces(self.GPT)
+        f32 = lambda shape: {"shape": shape, "dtype": "float32"}  # noqa: E731
+        specs = (
+            (before, {"model": self.GPT, "unit": "root.before_units",
+                      "input": {"shape": [3, 16], "dtype": "int64"},
+                      "parameters": [dict(f32([64, 32]), name="transformer.wte.weight"),
+                                     dict(f32([16, 32]), name="transformer.wpe.weight")]}),
+            (after, {"model": self.GPT, "unit": "root.after_units", "input": f32([3, 16, 32]),
+                     "targets": {"shape": [3, 16], "dtype": "int64"},
+                     "parameters": [dict(f32([32]), name="transformer.ln_f.weight"),
+                                    dict(f32([32]), name="transformer.ln_f.bias"),
+                                    dict(f32([64, 32]), name="transformer.wte.weight")]}))
+        for piece, spec in specs:
+            with self.subTest(piece=spec["unit"]):
+                out, grads, want_out, want_grads, lead = self.partition_gradients(piece, spec)
+                self.assertLessEqual(cu._relative(out, want_out), 1e-6)
+                self.assertEqual(len(grads), len(want_grads))
+                for k, (got, want) in enumerate(zip(grads, want_grads)):
+                    if k < lead and spec["input" if k == 0 else "targets"]["dtype"] == "int64":
+                        self.assertIsNone(got)  # token ids, targets: no gradient
+                        self.assertIsNone(want)
+                    else:
+                        self.assertLessEqual(cu._relative(got, want), 1e-5, f"argument {k}")
+
 class UnitPairCheck(unittest.TestCase):
     """compile_units' check of a built unit pair against eager autograd, with bfloat16 parameters
     (FSDP's param_dtype) on gpt tiny's block at 8 x 64 positions. Eager bf16 rounds its own way:
