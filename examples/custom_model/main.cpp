@@ -196,6 +196,14 @@ void register_shells_and_resmlp() {
     math.parameters = w * (d + 1) + k * block + c * (w + 1);
     math.largest_unit_parameters = std::max(block, w * (d + 1) + c * (w + 1));
     math.flop_parameters = math.parameters;
+    // What autograd saves per sample, for the memory estimate (the pilot's gate): a block keeps
+    // its input (LayerNorm's, with its mean and rstd), fc1's input, GELU's input and fc2's
+    // input: W + 2 + W + 2W + 2W; outside the blocks, embed's input D, the head's input W and
+    // the loss's log-softmax and logits, 2C. Under checkpointing a block keeps its input W.
+    math.unit_activation_elements_per_sample = static_cast<double>(6 * w + 2);
+    math.unit_input_elements_per_sample = static_cast<double>(w);
+    math.activation_elements_per_sample = static_cast<double>(d + k * (6 * w + 2) + w + 2 * c);
+    math.units = k;
     return math;
   };
   // A key of its own, in the [model] section (registered before the first config is read).

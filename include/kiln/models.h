@@ -140,6 +140,17 @@ struct ModelMath {
   int64_t n_layer = 0, attention_width = 0;
   /// Token models, for memory models: widths and vocabulary (0 where the model has none).
   int64_t n_embd = 0, n_head = 0, n_kv_head = 0, intermediate_size = 0, vocab_size = 0;
+  /// A model of your own, for the memory estimate (the pilot's gate, kiln plan): the values
+  /// autograd saves for backward per sample (per data.seq_len tokens for token models), in
+  /// elements of the compute dtype (4 bytes in fp32, 2 under bf16/fp16-mixed). All 0: unknown,
+  /// and the estimate counts the held state and gradients only. gpt, llama and mlp ignore them
+  /// (kiln walks their steps).
+  double activation_elements_per_sample = 0;  // the whole forward's, the loss's included
+  /// Activation checkpointing (train.activation_checkpointing = "block"): the largest unit's saved
+  /// values (recomputed in backward, so only one unit's are live), what a checkpointed unit keeps
+  /// instead (its input), and how many units Model::units() returns.
+  double unit_activation_elements_per_sample = 0, unit_input_elements_per_sample = 0;
+  int64_t units = 0;
   /// Training FLOPs (forward + backward) per token at `seq_len`: 6N + 12 * L * width * T.
   double train_flops_per_token(int64_t seq_len) const {
     const double attention = 12.0 * static_cast<double>(n_layer) *

@@ -84,6 +84,10 @@ struct ModelShape {
   /// model's is whatever it registered). 0 for gpt and mlp, counted from the shape.
   int64_t math_parameters = 0, math_largest_unit_parameters = 0, math_flop_parameters = 0,
           math_attention_layers = 0, math_attention_width = 0;
+  /// Its ModelMath activation figures (elements per sample; 0: unknown) and unit count.
+  double math_activation_elements = 0, math_unit_activation_elements = 0,
+         math_unit_input_elements = 0;
+  int64_t math_units = 0;
 };
 
 /// The config's model shape (model.name, model.preset and its overrides; any other registered

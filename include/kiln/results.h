@@ -434,10 +434,28 @@ struct RunIdentity {
 // ---- metrics.jsonl: one record per line ---------------------------------------------------------
 
 /// A step record (loss, lr, timing, throughput) or an evaluation record (val_loss).
+/// kiln train's progress against the plan's forecast (src/rungs/plan_tracking.h): a metrics.jsonl
+/// record {"step": N, "plan": {...}} every metrics_every steps and one at the end (final). The
+/// forecast fields are present when a plan for the same job hash forecast them.
+struct PlanProgress {
+  std::optional<double> tokens_per_second;  // over the steps since the last record
+  std::optional<double> tokens_per_second_forecast, tokens_per_second_vs_plan;
+  double elapsed_seconds = 0;     // since training began (restore and compile included)
+  double step_seconds = 0;        // summed step times (checkpoints inside steps included)
+  double checkpoint_seconds = 0;  // time the saves cost the training loop so far
+  double productive_seconds = 0;  // step_seconds less the checkpoint time inside steps
+  double ettr = 0;                // productive / elapsed
+  std::optional<double> ettr_forecast;
+  double eta_seconds = 0;  // 0 in the final record
+  std::optional<double> wall_seconds_forecast;
+  bool final = false;
+};
+
 struct MetricsRecord {
   int64_t step = 0;
   std::optional<double> loss, lr, step_seconds, data_wait_seconds, samples_per_second,
       tokens_per_second, val_loss;
+  std::optional<PlanProgress> plan;  // a plan-tracking record (no loss)
 };
 
 // ---- JSON ---------------------------------------------------------------------------------------

@@ -284,24 +284,102 @@ MemoryEstimate mlp_estimate(const ModelShape& s, const JobShape& job) {
 }
 
 // A model kiln knows only by its registered math (ModelSpec::math): the held state and the
-// gradients exactly (parameters x bytes), nothing for its activations, which only its forward
-// knows. The pilot's measurement is the figure to plan such a model on.
+// gradients exactly (parameters x bytes); its activations from the figures the math gives
+// (ModelMath::activation_elements_per_sample and the unit ones), else none. The step is walked
+// as U equal units (the largest unit's parameters each, the rest the root group) and the values
+// saved outside the units (O = activations - U x unit's), all live until the backward: the
+// backward runs the units last to first, each adding its gradients while the units before it
+// still hold their saved values (with checkpointing: their inputs, and the one unit being
+// recomputed), so the peak is the forward's end or the first unit's backward.
 MemoryEstimate registered_model_estimate(const ModelShape& s, const JobShape& job) {
   MemoryEstimate m;
   const double n = static_cast<double>(analytic_parameter_count(s));
   const bool fsdp = job.strategy == "fsdp" && job.world_size > 1;
   const double share = fsdp ? 1.0 / static_cast<double>(job.world_size) : 1.0;
+  const std::string compute = compute_precision(job.precision);
+  const bool mixed = compute == "bf16" || compute == "fp16";
+  const double e = mixed ? 2.0 : 4.0, b = static_cast<double>(job.micro_batch);
   m.parameters = 4.0 * n * share;
   m.optimizer = (state_bytes_per_parameter(job) - 8.0) * n * share;
-  m.gradients = 4.0 * n * share;
   m.communication = job.strategy == "ddp" && job.world_size > 1 ? 4.0 * n : 0.0;
   m.gradients_held = job.grad_accum_steps > 1;
-  m.gradients_after_step = m.gradients;
-  m.peak_bytes = m.parameters + m.optimizer + m.gradients + m.communication;
-  m.peak_at = fmt::format(
-      "the held state and gradients only (model.name = \"{}\" registers no activation model)",
-      s.architecture);
+  m.gradients_after_step = 4.0 * n * share;
   m.everything_bytes = n * state_bytes_per_parameter(job);
+  const double held = m.parameters + m.optimizer + m.communication;
+  // Gradients across micro-batches: the full ones accumulate (FSDP too, unless it accumulates
+  // sharded), beside FSDP's gradient shards.
+  const bool full_held = m.gradients_held && !(fsdp && job.fsdp_accumulate_sharded);
+  const double held_gradients = (full_held ? 4.0 * n : 0.0) + (fsdp ? 4.0 * n * share : 0.0);
+
+  const double all = s.math_activation_elements;
+  if (all <= 0) {  // no activation figures: the held state and the gradients
+    m.gradients = 4.0 * n * share;
+    m.peak_bytes = held + m.gradients;
+    m.peak_at = fmt::format(
+        "the held state and gradients only (model.name = \"{}\" gives no "
+        "ModelMath::activation_elements_per_sample)",
+        s.architecture);
+    return m;
+  }
+  const double units = static_cast<double>(std::max<int64_t>(s.math_units, 0));
+  const double unit_params =
+      units > 0 ? std::min(static_cast<double>(s.math_largest_unit_parameters), n / units) : 0.0;
+  const double root_params = n - units * unit_params;
+  const double unit_saved =
+      std::min(s.math_unit_activation_elements, units > 0 ? all / units : 0.0);
+  const double outside = all - units * unit_saved;
+  const bool checkpointed = job.activation_checkpointing && units > 0 && unit_saved > 0;
+  const double unit_kept = checkpointed ? s.math_unit_input_elements : unit_saved;
+  // Autocast's weight copies (the multiplying parameters' share of a group, in the compute dtype),
+  // held while the values saved with them live. FSDP mixed precision gathers bf16 itself.
+  const double cast = mixed && !fsdp ? e * static_cast<double>(s.math_flop_parameters) / n : 0.0;
+  // FSDP: the gathered unit and the prefetched next one, in the gather dtype.
+  const double gathered =
+      fsdp ? (mixed ? 2.0 : 4.0) * unit_params * (job.fsdp_prefetch ? 2.0 : 1.0) : 0.0;
+
+  // The forward's end: every unit's kept values, the values outside the units, the copies.
+  const double forward_acts = b * e * (outside + units * unit_kept);
+  const double forward_copies = cast * n;
+  double peak = held + held_gradients + forward_acts + forward_copies + gathered;
+  m.activations = forward_acts;
+  m.autocast_copies = forward_copies;
+  m.gradients = held_gradients;
+  m.communication += gathered;
+  m.peak_at = "the forward's end";
+  // Unit k's backward (k = U-1 .. 0) in the last micro-batch: units 0..k still hold their values
+  // (unit k its whole saved set, recomputed under checkpointing), the root's gradients and those
+  // of units k..U-1 exist (accumulating or under FSDP: the held ones, plus unit k's fresh
+  // gradients before they are added or reduce-scattered), and one unit-input-sized gradient flows
+  // between units.
+  for (int64_t k = static_cast<int64_t>(units) - 1; k >= 0; --k) {
+    const double before = static_cast<double>(k);
+    const double acts = b * e * (outside + before * unit_kept + unit_saved);
+    const double copies = cast * (root_params + (before + 1.0) * unit_params);
+    const double grads = held_gradients > 0 ? held_gradients + 4.0 * unit_params
+                                            : 4.0 * (root_params + (units - before) * unit_params);
+    const double flowing = b * e * s.math_unit_input_elements;
+    const double live = held + acts + copies + grads + flowing + gathered;
+    if (live > peak) {
+      peak = live;
+      m.activations = acts;
+      m.autocast_copies = copies;
+      m.gradients = grads;
+      m.backward_extra = flowing;
+      m.peak_at =
+          fmt::format("unit {}'s {}", k, checkpointed ? "recomputation and backward" : "backward");
+    }
+  }
+  // No units: the whole backward at once, every gradient beside every saved value.
+  if (units == 0) {
+    const double grads = std::max(held_gradients, 4.0 * n * share);
+    const double live = held + forward_acts + forward_copies + grads + gathered;
+    if (live > peak) {
+      peak = live;
+      m.gradients = grads;
+      m.peak_at = "the backward";
+    }
+  }
+  m.peak_bytes = peak;
   return m;
 }
 

@@ -45,6 +45,10 @@ ModelShape model_shape(const Config& config) {
   shape.math_flop_parameters = math.flop_parameters;
   shape.math_attention_layers = math.n_layer;
   shape.math_attention_width = math.attention_width;
+  shape.math_activation_elements = math.activation_elements_per_sample;
+  shape.math_unit_activation_elements = math.unit_activation_elements_per_sample;
+  shape.math_unit_input_elements = math.unit_input_elements_per_sample;
+  shape.math_units = math.units;
   shape.n_layer = math.n_layer;
   shape.n_head = math.n_head;
   shape.n_kv_head = math.n_kv_head;

@@ -113,6 +113,12 @@ class CustomModel(unittest.TestCase):
         self.assertTrue(numbers["checkpoint"]["optimizer_state_bitwise_equal"])
         self.assertTrue(numbers["pilot"]["restore"]["loss_bitwise_equal"])
         self.assertEqual(numbers["pilot"]["restore"]["differing_tensors"], [])
+        # The memory estimate from the program's ModelSpec::math activation figures, with
+        # activation checkpointing (shells.toml): within 10% of the measured peak, at the
+        # pilot's default gate.
+        memory = numbers["pilot"]["memory"]
+        self.assertAlmostEqual(memory["measured_over_estimate"], 1.0, delta=0.1, msg=memory)
+        self.assertIn("unit 0's recomputation and backward", memory["estimate"]["peak_at"])
 
     def test_an_unknown_dataset_lists_the_registered_one(self):
         result = self.run_program("train", ARGS.config, "--set", "data.name=nonexistent",

@@ -5,6 +5,10 @@
 #include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -13,6 +17,7 @@
 #include "ckpt/thread_comm.h"
 #include "kiln/dist.h"
 #include "kiln/memory.h"
+#include "kiln/models.h"
 #include "kiln/plan.h"
 #include "kiln/rungs.h"
 #include "kiln/session.h"
@@ -170,6 +175,122 @@ TEST(PilotMemory, EstimateWithinTenPercentInEveryCell) {
 // query heads over 2 key/value heads (grouped-query attention), SwiGLU width 352, untied head.
 TEST(PilotMemory, LlamaEstimateWithinTenPercentInEveryCell) {
   expect_memory_table({"model.name=llama", "model.preset=llama-tiny", "model.n_layer=2"});
+}
+
+// ---- a model of your own: the estimate from ModelSpec::math's activation figures ----------------
+
+// x + fc2(gelu(fc1(norm(x)))) blocks between an input projection and a head (as
+// examples/custom_model): [B, D] -> [B, W] -> 2 residual blocks -> [B, C].
+class MemoryTestBlockImpl : public torch::nn::Module {
+ public:
+  explicit MemoryTestBlockImpl(int64_t w) {
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({w})));
+    fc1 = register_module("fc1", torch::nn::Linear(w, 2 * w));
+    fc2 = register_module("fc2", torch::nn::Linear(2 * w, w));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return x + fc2->forward(torch::gelu(fc1->forward(norm->forward(x))));
+  }
+  torch::nn::LayerNorm norm{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(MemoryTestBlock);
+
+constexpr int64_t kMemoryTestBlocks = 2;
+
+class MemoryTestModel final : public Model {
+ public:
+  MemoryTestModel(int64_t d, int64_t w, int64_t c) {
+    embed_ = register_module("embed", torch::nn::Linear(d, w));
+    blocks_ = register_module("blocks", torch::nn::ModuleList());
+    for (int64_t k = 0; k < kMemoryTestBlocks; ++k) blocks_->push_back(MemoryTestBlock(w));
+    head_ = register_module("head", torch::nn::Linear(w, c));
+  }
+  torch::Tensor forward(const torch::Tensor& inputs) override {
+    auto hidden = embed_->forward(inputs);
+    for (size_t k = 0; k < blocks_->size(); ++k) {
+      auto block = blocks_->ptr<MemoryTestBlockImpl>(k);
+      hidden = run_unit(
+          static_cast<int>(k), [block](const torch::Tensor& x) { return block->forward(x); },
+          hidden);
+    }
+    return head_->forward(hidden);
+  }
+  std::string architecture() const override { return "test-memory-resmlp"; }
+  nlohmann::json describe() const override { return {{"blocks", blocks_->size()}}; }
+  double train_flops_per_sample(int64_t) const override {
+    return 6.0 * static_cast<double>(parameter_count(*this));
+  }
+  std::vector<ModelUnit> units() const override {
+    std::vector<ModelUnit> out;
+    for (size_t k = 0; k < blocks_->size(); ++k) {
+      ModelUnit unit{"blocks." + std::to_string(k), {}};
+      for (const auto& item : blocks_->ptr(k)->named_parameters())
+        unit.parameters.push_back(unit.name + "." + item.key());
+      out.push_back(std::move(unit));
+    }
+    return out;
+  }
+
+ private:
+  torch::nn::Linear embed_{nullptr}, head_{nullptr};
+  torch::nn::ModuleList blocks_{nullptr};
+};
+
+// Registered with its math (the example's figures: a block saves W + 2 + W + 2W + 2W values per
+// sample and keeps W under checkpointing; outside the blocks D, W and 2C). `with_activations`
+// false: the registration gives none (the negative control below).
+void register_memory_test_model(const std::string& name, bool with_activations) {
+  if (find_model(name)) return;  // once per process (gtest repeats)
+  ModelSpec spec;
+  spec.name = name;
+  spec.input = ModelInput::kFeatures;
+  spec.build = [](const Config& config, at::Generator&) -> std::shared_ptr<Model> {
+    return std::make_shared<MemoryTestModel>(config.get_int("model.input_dim"),
+                                             config.get_int("model.hidden_dim"),
+                                             config.get_int("model.num_classes"));
+  };
+  spec.math = [with_activations](const Config& config) {
+    const int64_t d = config.get_int("model.input_dim"), w = config.get_int("model.hidden_dim"),
+                  c = config.get_int("model.num_classes"), k = kMemoryTestBlocks;
+    ModelMath math;
+    const int64_t block = 4 * w * w + 5 * w;
+    math.parameters = w * (d + 1) + k * block + c * (w + 1);
+    math.largest_unit_parameters = block;
+    math.flop_parameters = math.parameters;
+    if (with_activations) {
+      math.unit_activation_elements_per_sample = static_cast<double>(6 * w + 2);
+      math.unit_input_elements_per_sample = static_cast<double>(w);
+      math.activation_elements_per_sample = static_cast<double>(d + k * (6 * w + 2) + w + 2 * c);
+      math.units = k;
+    }
+    return math;
+  };
+  register_model(std::move(spec));
+}
+
+std::vector<std::string> memory_test_model_cell(const std::string& name) {
+  return {"model.name=" + name,   "model.input_dim=32",  "model.hidden_dim=128",
+          "model.num_classes=8",  "data.name=synthetic", "data.num_samples=2048",
+          "data.val_samples=512", "train.batch_size=256"};
+}
+
+// The table for a model registered with activation figures (ModelMath): every cell within
+// 0.9-1.1, as for the built-in models.
+TEST(PilotMemory, AUserModelsEstimateFromItsMathWithinTenPercentInEveryCell) {
+  register_memory_test_model("test-memory-resmlp", true);
+  expect_memory_table(memory_test_model_cell("test-memory-resmlp"));
+}
+
+// Negative control: the same model registered without activation figures is estimated from its
+// held state and gradients only, well under the measured peak (and says so).
+TEST(PilotMemory, AUserModelWithoutActivationFiguresIsUnderestimated) {
+  register_memory_test_model("test-memory-resmlp-bare", false);
+  TempDir dir;
+  const Config config = memory_cell_config(dir, memory_test_model_cell("test-memory-resmlp-bare"));
+  const MemoryEstimate estimate = estimate_memory(model_shape(config), job_shape(config));
+  EXPECT_THAT(estimate.peak_at, HasSubstr("gives no ModelMath::activation_elements_per_sample"));
+  EXPECT_GT(memory_ratios(config, 1).front(), 1.3);
 }
 
 std::string tiny_pilot_args(const TempDir& dir, const std::string& extra = "") {
