@@ -3,6 +3,7 @@
 // B = batch, T = time, C = channels, H = query heads, K = key/value heads, D = head size,
 // I = MLP width, V = vocabulary.
 #include <fmt/format.h>
+#include <torch/autograd.h>
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/linear.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -10,6 +11,8 @@
 #include <torch/nn/modules/linear.h>
 
 #include <cmath>
+#include <numeric>
+#include <optional>
 
 #include "kiln/config.h"
 #include "kiln/error.h"
@@ -27,17 +30,50 @@ nn::Linear linear(int64_t in, int64_t out) {
   return nn::Linear(nn::LinearOptions(in, out).bias(false));
 }
 
-// x / sqrt(mean(x^2) + eps) * weight, the mean over the last dimension in fp32 (as Hugging Face's
-// LlamaRMSNorm: normalised in fp32, cast back to the input's dtype, then scaled).
+// RMSNorm as one autograd node: the forward is Hugging Face's LlamaRMSNorm op for op (normalised
+// in fp32, cast back to the input's dtype, then scaled: the same bits), the backward written out
+// (d weight = sum of d out * normed; d x = rstd * (d normed - normed * mean(d normed * normed)))
+// instead of autograd's chain through pow, mean, add, rsqrt and two products: about half the
+// passes over [B, T, C]; d x may differ from autograd's chain in the last bits.
+struct RmsNormFunction final : public torch::autograd::Function<RmsNormFunction> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, double eps) {
+    const auto h = x.to(torch::kFloat);
+    const auto rstd = torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);  // [..., 1]
+    const auto normed = h * rstd;                                               // fp32
+    const auto cast = normed.to(x.scalar_type());  // normed itself in fp32
+    ctx->save_for_backward({normed, cast, rstd, weight});
+    return weight * cast;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &normed = saved[0], &cast = saved[1], &rstd = saved[2], &weight = saved[3];
+    const auto& grad = grads[0];
+    torch::Tensor grad_x, grad_weight;
+    if (ctx->needs_input_grad(1)) {  // summed over every dimension but the last
+      std::vector<int64_t> dims(static_cast<size_t>(grad.dim() - 1));
+      std::iota(dims.begin(), dims.end(), 0);
+      grad_weight = (grad * cast).sum(dims).to(weight.scalar_type());
+    }
+    if (ctx->needs_input_grad(0)) {
+      // Through the casts as autograd would: to the input's dtype (cast's), then to fp32.
+      // grad_normed is a fresh tensor (the product's), so the rest runs in place on it.
+      auto grad_normed = (grad * weight).to(cast.scalar_type()).to(torch::kFloat);
+      const auto mean = (grad_normed * normed).mean(-1, /*keepdim=*/true);
+      grad_x = grad_normed.sub_(normed * mean).mul_(rstd).to(cast.scalar_type());
+    }
+    return {grad_x, grad_weight, torch::Tensor()};
+  }
+};
+
 class RmsNorm final : public nn::Module {
  public:
   RmsNorm(int64_t width, double eps) : eps_(eps) {
     weight_ = register_parameter("weight", torch::ones({width}));
   }
   torch::Tensor forward(const torch::Tensor& x) const {
-    auto h = x.to(torch::kFloat);
-    h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps_);
-    return weight_ * h.to(x.scalar_type());
+    return RmsNormFunction::apply(x, weight_, eps_);
   }
 
  private:
@@ -45,61 +81,67 @@ class RmsNorm final : public nn::Module {
   torch::Tensor weight_;
 };
 
-// The rotary tables for positions 0..T-1: cos and sin, [T, D], each frequency used for both
-// halves of a head (Hugging Face's default rope: inv_freq = 1 / theta^(2i / D)).
-std::pair<torch::Tensor, torch::Tensor> rotary_tables(int64_t T, int64_t D, double theta,
-                                                      const torch::Device& device) {
+// The rotary tables for positions 0..T-1, [T, D] fp32, computed once per forward and shared by
+// every layer: cos, and sin with its first half negated, so that rotate_half(x) * sin (Hugging
+// Face's rotate-half convention, x = (x1, x2) -> (-x2, x1)) is swap_halves(x) * sin_signed, bit
+// for bit (negation is exact) and one pass fewer. Each frequency serves both halves of a head
+// (Hugging Face's default rope: inv_freq = 1 / theta^(2i / D)).
+struct RotaryTables {
+  torch::Tensor cos, sin_signed;
+};
+
+RotaryTables rotary_tables(int64_t T, int64_t D, double theta, const torch::Device& device) {
+  torch::NoGradGuard no_grad;
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat).device(device);
   auto exponent = torch::arange(0, D, 2, torch::TensorOptions().dtype(torch::kLong).device(device))
                       .to(torch::kFloat) /
                   static_cast<double>(D);
   auto inv_freq = 1.0 / torch::pow(theta, exponent);           // [D/2]
   auto freqs = torch::arange(T, f32).unsqueeze(1) * inv_freq;  // [T, D/2]
-  auto angles = torch::cat({freqs, freqs}, -1);                // [T, D]
-  return {angles.cos(), angles.sin()};
+  auto sin = freqs.sin();
+  return {torch::cat({freqs, freqs}, -1).cos(), torch::cat({-sin, sin}, -1)};
 }
 
-// (x1, x2) -> (-x2, x1) over the halves of the last dimension.
-torch::Tensor rotate_half(const torch::Tensor& x) {
+// x cos + rotate_half(x) sin over the last dimension (D), the tables cast to x's dtype. The
+// product with sin is added in place into x cos (a fresh tensor no backward saved): one buffer
+// fewer.
+torch::Tensor apply_rotary(const torch::Tensor& x, const RotaryTables& tables) {
   const int64_t half = x.size(-1) / 2;
-  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  auto rotated = x * tables.cos.to(x.scalar_type());
+  rotated.add_(torch::cat({x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1) *
+               tables.sin_signed.to(x.scalar_type()));
+  return rotated;
 }
 
 class Attention final : public nn::Module {
  public:
   explicit Attention(const LlamaConfig& c)
-      : n_head_(c.n_head), n_kv_head_(c.n_kv_head), head_dim_(c.head_dim()), theta_(c.rope_theta) {
+      : n_head_(c.n_head), n_kv_head_(c.n_kv_head), head_dim_(c.head_dim()) {
     q_proj_ = register_module("q_proj", linear(c.n_embd, c.n_head * head_dim_));
     k_proj_ = register_module("k_proj", linear(c.n_embd, c.n_kv_head * head_dim_));
     v_proj_ = register_module("v_proj", linear(c.n_embd, c.n_kv_head * head_dim_));
     o_proj_ = register_module("o_proj", linear(c.n_head * head_dim_, c.n_embd));
   }
-  torch::Tensor forward(const torch::Tensor& x) {
+  torch::Tensor forward(const torch::Tensor& x, const RotaryTables& rotary) {
     const int64_t B = x.size(0), T = x.size(1);
     auto heads = [&](const torch::Tensor& t, int64_t n) {
       return t.view({B, T, n, head_dim_}).transpose(1, 2);  // [B, n, T, D]
     };
-    auto q = heads(q_proj_->forward(x), n_head_);
-    auto k = heads(k_proj_->forward(x), n_kv_head_);
+    auto q = apply_rotary(heads(q_proj_->forward(x), n_head_), rotary);     // [B, H, T, D]
+    auto k = apply_rotary(heads(k_proj_->forward(x), n_kv_head_), rotary);  // [B, K, T, D]
     auto v = heads(v_proj_->forward(x), n_kv_head_);
-    auto [cos, sin] = rotary_tables(T, head_dim_, theta_, x.device());
-    cos = cos.to(q.scalar_type());
-    sin = sin.to(q.scalar_type());
-    q = q * cos + rotate_half(q) * sin;
-    k = k * cos + rotate_half(k) * sin;
-    if (n_kv_head_ != n_head_) {  // each key/value head serves H/K consecutive query heads
-      k = k.repeat_interleave(n_head_ / n_kv_head_, 1);
-      v = v.repeat_interleave(n_head_ / n_kv_head_, 1);
-    }
-    auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
-                                              /*is_causal=*/true);  // [B, H, T, D]
+    // Grouped-query attention inside SDPA (enable_gqa): each key/value head serves H/K
+    // consecutive query heads, as repeat_interleave to H heads would, without the copies.
+    auto y =
+        at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                         /*is_causal=*/true, /*scale=*/std::nullopt,
+                                         /*enable_gqa=*/n_kv_head_ != n_head_);  // [B, H, T, D]
     return o_proj_->forward(y.transpose(1, 2).contiguous().view({B, T, n_head_ * head_dim_}));
   }
   torch::Tensor o_proj_weight() const { return o_proj_->weight; }
 
  private:
   int64_t n_head_, n_kv_head_, head_dim_;
-  double theta_;
   nn::Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, o_proj_{nullptr};
 };
 
@@ -129,8 +171,8 @@ class DecoderLayer final : public nn::Module {
     post_attention_layernorm_ = register_module("post_attention_layernorm",
                                                 std::make_shared<RmsNorm>(c.n_embd, c.norm_eps));
   }
-  torch::Tensor forward(torch::Tensor x) {
-    x = x + self_attn_->forward(input_layernorm_->forward(x));
+  torch::Tensor forward(torch::Tensor x, const RotaryTables& rotary) {
+    x = x + self_attn_->forward(input_layernorm_->forward(x), rotary);
     return x + mlp_->forward(post_attention_layernorm_->forward(x));
   }
   // The two residual projections, whose init is scaled by 1/sqrt(2 * n_layer).
@@ -170,10 +212,15 @@ class Llama final : public Model {
                                   config_.block_size));
     }
     auto x = embed_tokens_->forward(idx);  // [B, T, C]
+    const RotaryTables rotary =
+        rotary_tables(idx.size(1), config_.head_dim(), config_.rope_theta, idx.device());
     for (size_t i = 0; i < blocks_.size(); ++i) {
       x = run_unit(
           static_cast<int>(i),
-          [layer = blocks_[i].get()](const torch::Tensor& in) { return layer->forward(in); }, x);
+          [layer = blocks_[i].get(), rotary](const torch::Tensor& in) {
+            return layer->forward(in, rotary);
+          },
+          x);
     }
     x = norm_->forward(x);
     return F::linear(x, lm_head_ ? lm_head_->weight : embed_tokens_->weight);  // [B, T, V]

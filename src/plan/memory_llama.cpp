@@ -1,7 +1,7 @@
 // The memory model's walk of a llama step (src/models/llama.cpp; docs/plan.md, "Memory"): as the
-// gpt's (memory_model.cpp), with RMSNorm computed in fp32, grouped-query attention (the key and
-// value heads repeated to the query heads before attention), rotary embeddings applied to the
-// queries and keys, a SwiGLU MLP of width I, no biases and no position embedding.
+// gpt's (memory_model.cpp), with RMSNorm computed in fp32 (one autograd node), grouped-query
+// attention (SDPA's enable_gqa: the key and value heads are not repeated), rotary embeddings
+// applied to the queries and keys, a SwiGLU MLP of width I, no biases and no position embedding.
 //
 // Units as step_walk.h; besides: q = b t (H D) = X query elements, kv = b t (K D) key (and value)
 // elements, m = b t I MLP elements. Autocast casts an activation again for every linear that
@@ -45,7 +45,6 @@ class LlamaStep final : public StepWalk {
     const double d = h_ / heads_;
     kv_ = tok_ * static_cast<double>(s.n_kv_head) * d;
     m_ = tok_ * static_cast<double>(s.intermediate_size);
-    gqa_ = s.n_kv_head != s.n_head;
   }
 
  private:
@@ -92,22 +91,17 @@ class LlamaStep final : public StepWalk {
     }
     const double normed_inputs = cast_ ? 3.0 * e * X : r * X;
     walk_.add(kActivations, e * X + 2.0 * e * kv, moment);  // q, k, v
-    // Rotary: q cos + rotate_half(q) sin, the halves negated and concatenated on the way.
-    walk_.add(kBackward, 2.5 * e * X, moment);
-    walk_.free(kBackward, 1.5 * e * X);
-    walk_.add(kActivations, e * X, moment);  // rotated q
-    walk_.free(kBackward, e * X);
-    walk_.free(kActivations, e * X);  // q
-    walk_.add(kBackward, 2.5 * e * kv, moment);
-    walk_.free(kBackward, 1.5 * e * kv);
+    // Rotary: q cos, plus (in place) the swapped halves times the signed sin.
+    walk_.add(kActivations, e * X, moment);     // rotated q
+    walk_.add(kBackward, 2.0 * e * X, moment);  // the swapped halves, their product
+    walk_.free(kBackward, 2.0 * e * X);
+    walk_.free(kActivations, e * X);          // q
     walk_.add(kActivations, e * kv, moment);  // rotated k
-    walk_.free(kBackward, e * kv);
+    walk_.add(kBackward, 2.0 * e * kv, moment);
+    walk_.free(kBackward, 2.0 * e * kv);
     walk_.free(kActivations, e * kv);  // k
-    if (gqa_) {  // k and v repeated to the query heads; the unrepeated ones dropped
-      walk_.add(kActivations, 2.0 * e * X, moment);
-      walk_.free(kActivations, 2.0 * e * kv);
-    }
-    const double attention_inputs = gqa_ ? 3.0 * e * X : e * X + 2.0 * e * kv;
+    // Attention reads the key/value heads as they are (grouped inside SDPA).
+    const double attention_inputs = e * X + 2.0 * e * kv;
     walk_.add(kActivations, e * X + lse, moment);  // attention output (saved), log-sum-exp
     if (cast_) walk_.add(kCopies, weight_copy(g, kO), moment);
     walk_.add(kActivations, e * X, moment);  // o_proj's output
@@ -130,6 +124,11 @@ class LlamaStep final : public StepWalk {
     if (!saving) {
       walk_.free(kActivations, norm_saved() + (cast_ ? 2.0 * e * X : r * X) + 4.0 * e * m);
       walk_.free(kActivations, r * X);  // x2
+    } else {
+      // The norms save their normed values, not their inputs: x2 goes, and so does the layer's
+      // input, unless activation checkpointing keeps it (until the layer's backward).
+      walk_.free(kActivations, r * X);
+      if (!job_.activation_checkpointing) walk_.free(kActivations, r * X);
     }
   }
 
@@ -161,8 +160,7 @@ class LlamaStep final : public StepWalk {
     walk_.add(kBackward, r * X, moment);  // d n, summed (fp32 under autocast)
     walk_.free(kBackward, 2.0 * e * X);
     norm_backward(g, kNorm2, moment);
-    walk_.free(kActivations, r * X);  // x2, the norm's input
-    walk_.free(kBackward, r * X);     // d n
+    walk_.free(kBackward, r * X);  // d n
     // Summed into the residual gradient: in place, except inside checkpointing's recomputed
     // graph, where the outer gradient is still referenced.
     if (ac) walk_.add(kBackward, r * X, moment);
@@ -173,13 +171,9 @@ class LlamaStep final : public StepWalk {
     gradients(g, {kO}, moment);
     walk_.free(kCopies, weight_copy(g, kO));
     if (cast_) walk_.free(kBackward, e * X);
-    walk_.add(kBackward, 3.0 * e * X, moment);  // d q, d k, d v (query heads)
+    walk_.add(kBackward, e * X + 2.0 * e * kv, moment);  // d q, d k, d v (their own heads)
     walk_.free(kBackward, e * X);
-    walk_.free(kActivations, e * X + lse + (gqa_ ? 2.0 * e * X : 2.0 * e * kv));
-    if (gqa_) {  // summed back to the key/value heads
-      walk_.add(kBackward, 2.0 * e * kv, moment);
-      walk_.free(kBackward, 2.0 * e * X);
-    }
+    walk_.free(kActivations, e * X + lse + e * X + 2.0 * e * kv);  // output, lse, q, k, v
     // Rotary's backward for d q and d k.
     walk_.add(kBackward, 2.0 * e * X + 2.0 * e * kv, moment);
     walk_.free(kBackward, 2.0 * e * X + 2.0 * e * kv);
@@ -192,9 +186,9 @@ class LlamaStep final : public StepWalk {
     walk_.add(kBackward, r * X, moment);  // d n, summed
     walk_.free(kBackward, 3.0 * e * X);
     norm_backward(g, kNorm1, moment);
-    walk_.free(kActivations, r * X);  // the layer's input (the layer before's output, or x0)
-    walk_.free(kBackward, r * X);     // d n
-    walk_.free(kBackward, r * X);     // summed in place into the residual gradient
+    if (ac) walk_.free(kActivations, r * X);  // the layer's input, kept by the checkpoint
+    walk_.free(kBackward, r * X);             // d n
+    walk_.free(kBackward, r * X);             // summed in place into the residual gradient
     if (ac) {
       walk_.free(kActivations, r * X);  // the recomputed output
       walk_.free(kBackward, r * X);     // the outer gradient of the layer's output
@@ -223,6 +217,7 @@ class LlamaStep final : public StepWalk {
     // The final norm, the head, cross-entropy in fp32.
     const std::string loss = "the loss" + micro_text();
     norm_forward(loss);
+    walk_.free(kActivations, r * X);  // the last layer's output (the norm keeps its normed value)
     const size_t head = s_.tie_embeddings ? 0 : 2;
     if (cast_) walk_.add(kCopies, weight_copy(root(), head), loss);
     if (cast_) walk_.add(kActivations, e_ * X, loss);  // the normed output cast for the head
@@ -263,7 +258,6 @@ class LlamaStep final : public StepWalk {
     // The final norm: d of the last layer's output.
     norm_backward(rg, 1, head_moment);
     walk_.free(kBackward, (mixed_ && !cast_ ? e_ : r) * X);
-    walk_.free(kActivations, r * X);  // the last layer's output
     const size_t units = groups_.size() - 1;
     for (size_t k = units; k-- > 0;) {
       const std::string moment = unit_backward_moment(k);
@@ -288,7 +282,6 @@ class LlamaStep final : public StepWalk {
   }
 
   double kv_ = 0, m_ = 0;
-  bool gqa_ = false;
 };
 
 }  // namespace
