@@ -9,15 +9,20 @@ Per repeat:
 1. `kiln pilot CONFIG` (the production shape; one measured optimizer step, its timed matmul at
    the job's shape: pilot.json's matmul_peak).
 2. `kiln train CONFIG` for --steps steps with plan.pilot = that pilot (it logs the forecast at
-   its start), then `kiln plan CONFIG --actual TRAIN_RUN`: the forecast step time against the
-   median of metrics.jsonl's steps (the first tenth left out).
+   its start and tracks itself against it: metrics.jsonl's plan records), saving every
+   --save-every steps, then `kiln plan CONFIG --actual TRAIN_RUN`: the forecast step time
+   against the median of metrics.jsonl's steps (the first tenth left out), the forecast wall
+   time and ETTR against the final plan record's; and the checkpoint time: the forecast save x
+   the run's saves against the final plan record's checkpoint_seconds (time in the checkpoint
+   phase).
 3. `kiln baseline CONFIG` with baseline.steps = --steps, then `kiln plan CONFIG --actual
    BASELINE_RUN`: the forecast step against the baseline's median.
 4. A second `kiln pilot CONFIG` (another process), then `kiln plan CONFIG --pilot FIRST --actual
    SECOND`: the forecast peak memory against the second pilot's metered peak (tensor bytes, what
    the forecast counts; kiln train records no peak and a CPU baseline's is the process RSS).
-Every command gets the same --set list (one job hash). The result keeps every repeat and the
-median of forecast / actual for each quantity; |forecast - actual| / actual is |ratio - 1|.
+Every command gets the same --set list (one job hash). The result keeps every repeat (with the
+load average after it) and the median of forecast / actual for each quantity;
+|forecast - actual| / actual is |ratio - 1|.
 """
 import argparse
 import json
@@ -57,11 +62,15 @@ def main():
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--result")
     args = p.parse_args()
     args.work = tempfile.mkdtemp(prefix="kiln-bench-plan-")
     args.set = args.set + [f"train.steps={args.steps}", f"baseline.steps={args.steps}",
-                           "train.eval_every=0"]
+                           "train.eval_every=0", f"checkpoint.every_steps={args.save_every}"]
+    # The forecast's saves (src/plan/forecast.cpp): every --save-every steps, and the final one
+    # (checkpoint.save_final) when the last step is not a multiple.
+    saves = args.steps // args.save_every + (1 if args.steps % args.save_every else 0)
 
     repeats = []
     for k in range(args.repeats):
@@ -78,6 +87,10 @@ def main():
         on_base = json.load(open(os.path.join(base, "plan-vs-actual.json")))
         on_second = json.load(open(os.path.join(second, "plan-vs-actual.json")))
         pilot_json = json.load(open(os.path.join(pilot, "pilot.json")))
+        final = [json.loads(line)["plan"] for line in open(os.path.join(train, "metrics.jsonl"))
+                 if '"plan"' in line][-1]
+        forecast_save = next(r["forecast"] for r in on_train["rows"]
+                             if r["quantity"] == "checkpoint save")
         row = {
             "matmul_peak_flops_per_second": pilot_json["matmul_peak"]["flops_per_second"],
             "pilot_mfu_of_matmul_peak": pilot_json["mfu_of_matmul_peak"],
@@ -90,12 +103,21 @@ def main():
             "ratio_step_baseline": ratios(on_base)["step time"],
             "ratio_peak_memory_second_pilot": ratios(on_second)["peak memory"],
             "ratio_save_second_pilot": ratios(on_second)["checkpoint save"],
+            "train_final_plan_record": final,
+            "train_saves": saves,
+            "ratio_checkpoint_time_train": forecast_save * saves / final["checkpoint_seconds"],
+            "ratio_wall_train": ratios(on_train)["wall time"],
+            "ratio_ettr_train": ratios(on_train)["ETTR"],
+            "load_average": os.getloadavg(),
         }
         repeats.append(row)
         print(f"repeat {k + 1}: step forecast/actual {row['ratio_step_train']:.3f} (train), "
               f"{row['ratio_step_baseline']:.3f} (baseline); peak memory "
               f"{row['ratio_peak_memory_second_pilot']:.3f}, save "
-              f"{row['ratio_save_second_pilot']:.3f} (second pilot); most wrong on train: "
+              f"{row['ratio_save_second_pilot']:.3f} (second pilot); checkpoint time "
+              f"{row['ratio_checkpoint_time_train']:.3f}, wall {row['ratio_wall_train']:.3f}, "
+              f"ETTR {row['ratio_ettr_train']:.3f} (train); load {row['load_average'][0]:.1f}; "
+              f"most wrong on train: "
               f"{on_train['most_wrong']['text']}", flush=True)
 
     def median(key):
@@ -112,6 +134,9 @@ def main():
         "median_ratio_peak_memory_forecast_over_second_pilot":
             median("ratio_peak_memory_second_pilot"),
         "median_ratio_save_forecast_over_second_pilot": median("ratio_save_second_pilot"),
+        "median_ratio_checkpoint_time_forecast_over_train": median("ratio_checkpoint_time_train"),
+        "median_ratio_wall_forecast_over_train": median("ratio_wall_train"),
+        "median_ratio_ettr_forecast_over_train": median("ratio_ettr_train"),
         "machine": platform.platform(),
         "cpus": os.cpu_count(),
         "load_average": os.getloadavg(),
