@@ -23,8 +23,8 @@ struct MemoryPeak {
   torch::Device device = torch::kCPU;
   /// Maximum, over the scope, of (bytes allocated in the scope) - (of those, bytes freed in it):
   /// the peak of live bytes above what was live at start, as long as no tensor allocated before
-  /// the scope is freed before the peak (c10 does not report the size of such a free on the CPU,
-  /// so it is not subtracted; on CUDA it is).
+  /// the scope is freed before the peak. On the CPU such a free is not subtracted (c10's size of
+  /// an older block can be stale, so only blocks the scope saw allocated count); on CUDA it is.
   int64_t peak_bytes = 0;
   /// The same sum when the meter stopped (bytes allocated in the scope and still live).
   int64_t end_bytes = 0;

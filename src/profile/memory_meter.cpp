@@ -12,6 +12,7 @@
 #include <map>
 #include <mutex>
 #include <stdexcept>
+#include <unordered_map>
 #include <utility>
 
 #include "kiln/memory.h"
@@ -30,9 +31,29 @@ class MemoryMeter::Reporter final : public profiler_impl::ProfilerStateBase {
                          size_t total_reserved, c10::Device device) override {
     {
       std::lock_guard lock(mutex_);
+      int64_t counted = alloc_size;
+      if (device.is_cpu()) {
+        // c10's CPU reporter keeps one global pointer -> size table, updated only while some
+        // thread profiles memory: a block freed while nobody profiled leaves its entry behind,
+        // and a later block at the same address, allocated unprofiled, is then "freed" in our
+        // scope with the stale size. So on the CPU a free counts only for a block this scope saw
+        // allocated, with the size it was allocated with (the header's contract: frees of
+        // blocks from before the scope are not subtracted).
+        if (alloc_size > 0) {
+          cpu_blocks_[ptr] = alloc_size;
+        } else {
+          auto it = cpu_blocks_.find(ptr);
+          if (it == cpu_blocks_.end()) {
+            counted = 0;
+          } else {
+            counted = -it->second;
+            cpu_blocks_.erase(it);
+          }
+        }
+      }
       MemoryPeak& peak = devices_[{static_cast<int>(device.type()), device.index()}];
       peak.device = device;
-      peak.end_bytes += alloc_size;
+      peak.end_bytes += counted;
       peak.peak_bytes = std::max(peak.peak_bytes, peak.end_bytes);
       peak.allocator_peak_bytes =
           std::max(peak.allocator_peak_bytes, static_cast<int64_t>(total_allocated));
@@ -55,6 +76,7 @@ class MemoryMeter::Reporter final : public profiler_impl::ProfilerStateBase {
  private:
   Reporter* outer_;  // an enclosing meter on the same thread (outlives this one: LIFO)
   mutable std::mutex mutex_;
+  std::unordered_map<void*, int64_t> cpu_blocks_;  // CPU blocks allocated in this scope, live
   std::map<std::pair<int, int>, MemoryPeak> devices_;  // by (device type, index); CPU is type 0
 };
 
