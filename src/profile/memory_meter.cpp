@@ -76,7 +76,7 @@ class MemoryMeter::Reporter final : public profiler_impl::ProfilerStateBase {
  private:
   Reporter* outer_;  // an enclosing meter on the same thread (outlives this one: LIFO)
   mutable std::mutex mutex_;
-  std::unordered_map<void*, int64_t> cpu_blocks_;  // CPU blocks allocated in this scope, live
+  std::unordered_map<void*, int64_t> cpu_blocks_;      // CPU blocks allocated in this scope, live
   std::map<std::pair<int, int>, MemoryPeak> devices_;  // by (device type, index); CPU is type 0
 };
 
