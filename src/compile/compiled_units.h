@@ -17,10 +17,10 @@ namespace kiln {
 class CompiledUnitWrapper : public UnitWrapper {
  public:
   /// Whether root_loss runs the root compiled: compile.root = true and a model whose forward
-  /// splits around its units (src/models/split_forward.h: gpt).
+  /// splits around its units (src/models/split_forward.h: gpt, llama).
   virtual bool compiles_root() const = 0;
   /// One micro-batch's loss (0-dim) with the root compiled: the piece before the units
-  /// ("root.before_units": gpt's embeddings) and the piece after them ("root.after_units": final
+  /// ("root.before_units": the embeddings) and the piece after them ("root.after_units": final
   /// norm, head and loss) each run as a forward package inside an autograd function whose
   /// backward runs the piece's backward package, and the units run between them through the
   /// model's unit wrappers as in forward(). Called under the precision's autocast, like

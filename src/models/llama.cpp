@@ -19,6 +19,7 @@
 #include "kiln/hf.h"
 #include "kiln/models.h"
 #include "models/internal.h"
+#include "models/split_forward.h"
 
 namespace kiln {
 namespace {
@@ -186,7 +187,7 @@ class DecoderLayer final : public nn::Module {
   std::shared_ptr<RmsNorm> input_layernorm_, post_attention_layernorm_;
 };
 
-class Llama final : public Model {
+class Llama final : public Model, public SplitForward {
  public:
   Llama(const LlamaConfig& config, at::Generator& generator) : config_(config) {
     auto model = register_module("model", std::make_shared<nn::Module>());
@@ -207,13 +208,30 @@ class Llama final : public Model {
   }
 
   torch::Tensor forward(const torch::Tensor& idx) override {
+    return after_units(through_units(before_units(idx)));
+  }
+
+  // SplitForward: the root around the layers (compile.root compiles the two pieces). The rotary
+  // tables depend on the sequence length only, so through_units builds them from its input.
+  std::vector<std::string> before_units_parameters() const override {
+    return {"model.embed_tokens.weight"};
+  }
+  std::vector<std::string> after_units_parameters() const override {
+    return {"model.norm.weight", lm_head_ ? "lm_head.weight" : "model.embed_tokens.weight"};
+  }
+  torch::Tensor before_units(const torch::Tensor& idx) override {
     if (idx.size(1) > config_.block_size) {
       throw UserError(fmt::format("sequence length {} exceeds model.block_size {}", idx.size(1),
                                   config_.block_size));
     }
-    auto x = embed_tokens_->forward(idx);  // [B, T, C]
+    return embed_tokens_->forward(idx);  // [B, T, C]
+  }
+  torch::Tensor through_units(const torch::Tensor& hidden) override {
+    // Shared by every layer, and owned by each layer's closure: activation checkpointing
+    // recomputes a layer in backward, after this returns.
     const RotaryTables rotary =
-        rotary_tables(idx.size(1), config_.head_dim(), config_.rope_theta, idx.device());
+        rotary_tables(hidden.size(1), config_.head_dim(), config_.rope_theta, hidden.device());
+    torch::Tensor x = hidden;
     for (size_t i = 0; i < blocks_.size(); ++i) {
       x = run_unit(
           static_cast<int>(i),
@@ -222,8 +240,11 @@ class Llama final : public Model {
           },
           x);
     }
-    x = norm_->forward(x);
-    return F::linear(x, lm_head_ ? lm_head_->weight : embed_tokens_->weight);  // [B, T, V]
+    return x;
+  }
+  torch::Tensor after_units(const torch::Tensor& hidden) override {
+    const auto& head = lm_head_ ? lm_head_->weight : embed_tokens_->weight;
+    return F::linear(norm_->forward(hidden), head);  // [B, T, V]
   }
 
   std::string architecture() const override { return "llama"; }

@@ -5,13 +5,17 @@
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
 
+#include <functional>
+#include <map>
 #include <set>
 
 #include "kiln/data.h"
 #include "kiln/error.h"
 #include "kiln/hf.h"
 #include "kiln/train.h"
+#include "models/split_forward.h"
 #include "support/helpers.h"
+#include "train/precision.h"
 
 namespace kiln::testing {
 namespace {
@@ -353,6 +357,73 @@ TEST(Llama, ActivationCheckpointingRecomputesTheLayersBitwise) {
   }
   EXPECT_EQ(losses[0], losses[1]);
   EXPECT_LT(losses[0].back(), losses[0].front());
+}
+
+// compile.root's split (src/models/split_forward.h), eager: before_units (the token embedding)
+// -> through_units (the layers, the rotary tables built from the hidden's length) -> after_units
+// (final norm, head) is forward() with model.loss, bitwise, also under activation checkpointing
+// (a layer recomputed in backward, after through_units returned, with the tables it captured);
+// and each piece reads exactly the parameters it names, which are what a compiled piece is given
+// by name (the Python twin's pieces hold the same names: tests/python, RootPieces).
+TEST(Llama, TheSplitForwardIsForwardAndEachPieceReadsTheParametersItNames) {
+  using Grads = std::map<std::string, torch::Tensor>;
+  for (const bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied head" : "untied head");
+    std::vector<std::string> sets = kSmallLlama;
+    if (tied) sets.push_back("model.tie_embeddings=true");
+    auto model = make_model(llama(sets));
+    SplitForward* split = split_forward_of(*model);
+    ASSERT_NE(split, nullptr);
+    const std::string head = tied ? "model.embed_tokens.weight" : "lm_head.weight";
+    EXPECT_EQ(split->before_units_parameters(),
+              (std::vector<std::string>{"model.embed_tokens.weight"}));
+    EXPECT_EQ(split->after_units_parameters(),
+              (std::vector<std::string>{"model.norm.weight", head}));
+    // The loss of `loss_of` and the gradients it leaves, by parameter (undefined: not read).
+    auto run = [&](const std::function<torch::Tensor()>& loss_of) {
+      for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
+      const torch::Tensor loss = loss_of();
+      loss.backward();
+      Grads grads;
+      for (const auto& item : model->named_parameters()) {
+        if (item.value().grad().defined()) grads[item.key()] = item.value().grad().clone();
+      }
+      return std::pair{loss.item<double>(), grads};
+    };
+    torch::manual_seed(5);
+    // 12 positions of the model's 256: the rotary tables follow the input, not the block size.
+    const torch::Tensor idx = torch::randint(0, 256, {2, 12}, torch::kLong);
+    const torch::Tensor targets = torch::randint(0, 256, {2, 12}, torch::kLong);
+    const auto whole = run([&] { return model->loss(model->forward(idx), targets); });
+    ASSERT_EQ(whole.second.size(), model->named_parameters().size());
+    model->add_unit_wrapper(make_activation_checkpointing(*model, model->units()));
+    const auto pieces = run([&] {
+      torch::Tensor hidden = split->through_units(split->before_units(idx));
+      return model->loss(split->after_units(hidden), targets);
+    });
+    model->clear_unit_wrappers();
+    EXPECT_EQ(pieces.first, whole.first);
+    ASSERT_EQ(pieces.second.size(), whole.second.size());
+    for (const auto& [name, grad] : whole.second) {
+      EXPECT_TRUE(torch::equal(pieces.second.at(name), grad)) << name;
+    }
+    // Each piece alone: gradients land on the parameters it names and on no other.
+    auto read_by = [](const Grads& grads) {
+      std::vector<std::string> names;
+      for (const auto& [name, grad] : grads) {
+        if (grad.abs().sum().item<double>() > 0) names.push_back(name);
+      }
+      return std::set<std::string>(names.begin(), names.end());
+    };
+    auto named = [](const std::vector<std::string>& names) {
+      return std::set<std::string>(names.begin(), names.end());
+    };
+    const auto before = run([&] { return split->before_units(idx).square().sum(); });
+    EXPECT_EQ(read_by(before.second), named(split->before_units_parameters()));
+    const torch::Tensor hidden = torch::randn({2, 12, 32});
+    const auto after = run([&] { return model->loss(split->after_units(hidden), targets); });
+    EXPECT_EQ(read_by(after.second), named(split->after_units_parameters()));
+  }
 }
 
 TEST(Llama, BadShapesAreRefusedByTheConfigRules) {

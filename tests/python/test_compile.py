@@ -244,21 +244,41 @@ class RootPieces(unittest.TestCase):
         want_out, want_grads = cu._autograd(piece, names, args, autocast, lead)
         return outs[0], list(grads), want_out, want_grads, lead
 
-    def test_each_piece_partitioned_gives_autograds_gradients(self):
-        model, before, after = self.pieces(self.GPT)
+    def piece_specs(self):
+        """(piece, spec) of each root piece: gpt's, and llama's with its head untied and tied, the
+        parameters named as kiln's C++ models name them (SplitForward's lists)."""
         f32 = lambda shape: {"shape": shape, "dtype": "float32"}  # noqa: E731
-        specs = (
-            (before, {"model": self.GPT, "unit": "root.before_units",
-                      "input": {"shape": [3, 16], "dtype": "int64"},
+        ids = {"shape": [3, 16], "dtype": "int64"}
+        _, before, after = self.pieces(self.GPT)
+        out = [
+            (before, {"model": self.GPT, "unit": "root.before_units", "input": ids,
                       "parameters": [dict(f32([64, 32]), name="transformer.wte.weight"),
                                      dict(f32([16, 32]), name="transformer.wpe.weight")]}),
             (after, {"model": self.GPT, "unit": "root.after_units", "input": f32([3, 16, 32]),
-                     "targets": {"shape": [3, 16], "dtype": "int64"},
+                     "targets": ids,
                      "parameters": [dict(f32([32]), name="transformer.ln_f.weight"),
                                     dict(f32([32]), name="transformer.ln_f.bias"),
-                                    dict(f32([64, 32]), name="transformer.wte.weight")]}))
-        for piece, spec in specs:
-            with self.subTest(piece=spec["unit"]):
+                                    dict(f32([64, 32]), name="transformer.wte.weight")]})]
+        for tied in (False, True):
+            spec = dict(self.LLAMA, tie_embeddings=tied)
+            _, before, after = self.pieces(spec)
+            head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+            out += [
+                (before, {"model": spec, "unit": "root.before_units", "input": ids,
+                          "parameters": [dict(f32([64, 32]), name="model.embed_tokens.weight")]}),
+                (after, {"model": spec, "unit": "root.after_units", "input": f32([3, 16, 32]),
+                         "targets": ids,
+                         "parameters": [dict(f32([32]), name="model.norm.weight"),
+                                        dict(f32([64, 32]), name=head)]})]
+        return out
+
+    def test_each_piece_partitioned_gives_autograds_gradients(self):
+        for piece, spec in self.piece_specs():
+            tied = spec["model"].get("tie_embeddings")
+            with self.subTest(model=spec["model"]["name"], piece=spec["unit"], tied=tied):
+                # The piece holds exactly the parameters kiln gives it, by name.
+                self.assertEqual({n for n, _ in piece.named_parameters()},
+                                 {p["name"] for p in spec["parameters"]})
                 out, grads, want_out, want_grads, lead = self.partition_gradients(piece, spec)
                 self.assertLessEqual(cu._relative(out, want_out), 1e-6)
                 self.assertEqual(len(grads), len(want_grads))
