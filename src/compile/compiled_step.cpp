@@ -22,6 +22,7 @@
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/models.h"
+#include "train/executors.h"
 #include "train/precision.h"
 
 namespace kiln {
@@ -259,7 +260,18 @@ size_t CompiledStep::resolve(Kind& kind, const InputShapes& shapes) {
 }
 
 StepExecutor::EvalOutputs CompiledStep::evaluate(const Batch& batch) {
-  if (units_) return {};  // per unit: the eager root around the compiled units
+  if (units_) {
+    // Per unit with a compiled root: the root's forward packages around the compiled units (no
+    // gradient: nothing saved), under the precision's autocast as the eager executor evaluates.
+    // Without one (or for a classifier, which counts correct predictions from the logits):
+    // declined, so the eager root runs around the compiled units.
+    auto& units = static_cast<CompiledUnitWrapper&>(*units_);
+    if (!units.compiles_root() || model_.classifier()) return {};
+    const auto autocast = precision_autocast(precision_, device_.type());
+    EvalOutputs out;
+    out.loss = units.root_loss(batch.inputs, batch.targets);
+    return out;
+  }
   const size_t index = resolve(eval_, InputShapes::of(batch));
   if (index == SIZE_MAX) {
     if (!report_.fallback_to_eager) ++report_.eval_eager_batches;  // over the recompile limit
@@ -275,41 +287,16 @@ StepExecutor::EvalOutputs CompiledStep::evaluate(const Batch& batch) {
   return out;
 }
 
-// Per unit with a compiled root: the eager executor's step (forward and loss under the
-// precision's autocast, backward on loss x the fp16 scale), with the model's forward split into
-// the root's compiled pieces around its wrapped units. Without one: declined, so the Trainer's
-// eager step runs the compiled units inside the model's forward.
-namespace {
-torch::Tensor split_root_forward_backward(CompiledUnitWrapper& units,
-                                          TrainOptions::Precision precision, torch::Device device,
-                                          Trainer& trainer, const Batch& batch, double scale,
-                                          const torch::Tensor& loss_scale) {
-  if (!units.compiles_root()) return {};
-  const double micro_steps = std::round(1.0 / scale);  // as the eager executor divides
-  torch::Tensor loss;
-  {
-    PhaseScope phase(trainer, Phase::kForward);
-    std::unique_ptr<AutocastGuard> autocast;
-    if (precision != TrainOptions::Precision::kFp32) {
-      const at::ScalarType dtype =
-          precision == TrainOptions::Precision::kBf16Mixed ? at::kBFloat16 : at::kHalf;
-      autocast = std::make_unique<AutocastGuard>(AutocastState{device.type(), true, dtype, true});
-    }
-    loss = units.root_loss(batch.inputs, batch.targets) / micro_steps;
-  }
-  {
-    PhaseScope phase(trainer, Phase::kBackward);
-    (loss_scale.defined() ? loss * loss_scale.reshape({}) : loss).backward();
-  }
-  return loss;
-}
-}  // namespace
-
 torch::Tensor CompiledStep::forward_backward(Trainer& trainer, const Batch& batch, double scale,
                                              const torch::Tensor& loss_scale) {
   if (units_) {
-    return split_root_forward_backward(static_cast<CompiledUnitWrapper&>(*units_), precision_,
-                                       device_, trainer, batch, scale, loss_scale);
+    // Per unit with a compiled root: the eager executor's micro-step with the model's forward
+    // split into the root's compiled pieces around its wrapped units. Without one: declined, so
+    // the Trainer's eager step runs the compiled units inside the model's forward.
+    auto& units = static_cast<CompiledUnitWrapper&>(*units_);
+    if (!units.compiles_root()) return {};
+    return autograd_micro_step(trainer, precision_, device_.type(), scale, loss_scale,
+                               [&] { return units.root_loss(batch.inputs, batch.targets); });
   }
   PhaseScope phase(trainer, Phase::kForward);  // forward and backward in one compiled call
   const bool scaled = precision_ == TrainOptions::Precision::kFp16Mixed;

@@ -15,20 +15,9 @@ class EagerExecutor final : public StepExecutor {
 
   torch::Tensor forward_backward(Trainer& trainer, const Batch& batch, double scale,
                                  const torch::Tensor& /*loss_scale: precision_'s own*/) override {
-    // Divide by the micro-step count (exact for 1/scale an integer), as the loss is averaged.
-    const double micro_steps = std::round(1.0 / scale);
-    torch::Tensor loss;
-    {
-      PhaseScope phase(trainer, Phase::kForward);
-      const auto autocast = precision_.autocast_scope();  // train.precision
-      auto logits = model_.forward(batch.inputs);
-      loss = model_.loss(logits, batch.targets) / micro_steps;
-    }
-    {
-      PhaseScope phase(trainer, Phase::kBackward);
-      precision_.scale_loss(loss).backward();
-    }
-    return loss;
+    return autograd_micro_step(
+        trainer, precision_.precision(), precision_.device().type(), scale, precision_.loss_scale(),
+        [&] { return model_.loss(model_.forward(batch.inputs), batch.targets); });
   }
 
   EvalOutputs evaluate(const Batch& batch) override {
@@ -54,6 +43,24 @@ class DirectRunner final : public StepRunner {
 };
 
 }  // namespace
+
+torch::Tensor autograd_micro_step(Trainer& trainer, TrainOptions::Precision precision,
+                                  c10::DeviceType device_type, double scale,
+                                  const torch::Tensor& loss_scale,
+                                  const std::function<torch::Tensor()>& forward_loss) {
+  const double micro_steps = std::round(1.0 / scale);
+  torch::Tensor loss;
+  {
+    PhaseScope phase(trainer, Phase::kForward);
+    const auto autocast = precision_autocast(precision, device_type);
+    loss = forward_loss() / micro_steps;
+  }
+  {
+    PhaseScope phase(trainer, Phase::kBackward);
+    (loss_scale.defined() ? loss * loss_scale.reshape({}) : loss).backward();
+  }
+  return loss;
+}
 
 std::shared_ptr<StepExecutor> make_eager_executor(Model& model, const MixedPrecision& precision) {
   return std::make_shared<EagerExecutor>(model, precision);

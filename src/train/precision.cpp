@@ -66,14 +66,15 @@ MixedPrecision::MixedPrecision(TrainOptions::Precision precision, const torch::D
   overflow_since_sync_ = torch::zeros({}, on.dtype(torch::kFloat64));
 }
 
-std::unique_ptr<AutocastGuard> MixedPrecision::autocast_scope() const {
-  if (precision_ == TrainOptions::Precision::kFp32) return nullptr;
+std::unique_ptr<AutocastGuard> precision_autocast(TrainOptions::Precision precision,
+                                                  c10::DeviceType device_type) {
+  if (precision == TrainOptions::Precision::kFp32) return nullptr;
   return std::make_unique<AutocastGuard>(
-      AutocastState{device_.type(), true, compute_dtype(precision_), true});
+      AutocastState{device_type, true, compute_dtype(precision), true});
 }
 
-torch::Tensor MixedPrecision::scale_loss(const torch::Tensor& loss) const {
-  return scales_loss() ? loss * scale_.squeeze() : loss;
+std::unique_ptr<AutocastGuard> MixedPrecision::autocast_scope() const {
+  return precision_autocast(precision_, device_.type());
 }
 
 torch::Tensor MixedPrecision::unscale_gradients(const std::vector<torch::Tensor>& gradients) {

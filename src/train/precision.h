@@ -3,7 +3,7 @@
 // MixedPrecision at fixed points of a step (see trainer.cpp's device_step):
 //
 //   forward + loss    inside autocast_scope()
-//   backward          on scale_loss(loss)
+//   backward          on loss x loss_scale() (src/train/executors.h: autograd_micro_step)
 //   optimizer phase   unscale_gradients(grads) before the norm and clipping, whose overflow flag
 //                     joins the non-finite guard; update(found_overflow, loss) after the update
 //   read-back         sync_values() joins the Trainer's one device-to-host copy
@@ -43,22 +43,25 @@ class AutocastGuard {
   AutocastState previous_;
 };
 
+/// train.precision's autocast for the forward and the loss on `device_type` (as
+/// torch.autocast(device_type, compute_dtype(precision))) while the result lives; null under fp32.
+std::unique_ptr<AutocastGuard> precision_autocast(TrainOptions::Precision precision,
+                                                  c10::DeviceType device_type);
+
 /// The precision policy of one Trainer. Not thread-safe: the training thread calls it.
 class MixedPrecision {
  public:
   MixedPrecision(TrainOptions::Precision precision, const torch::Device& device);
 
   TrainOptions::Precision precision() const { return precision_; }
+  const torch::Device& device() const { return device_; }
   bool scales_loss() const { return precision_ == TrainOptions::Precision::kFp16Mixed; }
 
-  /// Autocast for the forward and the loss on the trainer's device type (as
-  /// torch.autocast(device_type, dtype)) while the result lives; null under fp32.
+  /// precision_autocast on the trainer's device type.
   std::unique_ptr<AutocastGuard> autocast_scope() const;
   /// fp16-mixed: the current scale (float32 [1] on the device, updated in place); undefined
   /// otherwise. A compiled step differentiates loss x this inside its graph.
   const torch::Tensor& loss_scale() const { return scale_; }
-  /// The loss to call backward on: loss x scale under fp16-mixed, `loss` otherwise.
-  torch::Tensor scale_loss(const torch::Tensor& loss) const;
   /// fp16-mixed: divides every gradient by the scale in place (ATen's
   /// _amp_foreach_non_finite_check_and_unscale_) and returns the overflow flag, a 0-dim float
   /// tensor on the device (1: some gradient is inf or NaN). Undefined tensor otherwise.

@@ -292,5 +292,38 @@ TEST(CompiledUnits, TrainingWithCheckpointingMatchesEagerInFp32AndBf16) {
             std::abs(compiled_bf16.at(1) - eager.at(1)));
 }
 
+// Evaluation with compile.root: the root's forward packages around the compiled units (no
+// backward, nothing saved), its loss the eager model's; with compile.root = false the executor
+// declines (the Trainer's eager root around the compiled units). gpt_config's shape: the packages
+// of the tests above, through the shared cache.
+TEST(CompiledUnits, EvaluationRunsTheCompiledRootAroundTheUnits) {
+  TempDir dir;
+  torch::manual_seed(11);
+  const Batch batch{torch::randint(0, 256, {8, 32}, torch::kLong),
+                    torch::randint(0, 256, {8, 32}, torch::kLong)};
+  torch::NoGradGuard no_grad;  // as Trainer::evaluate calls it, the model in eval mode
+  for (const bool root : {true, false}) {
+    std::vector<std::string> keys = kUnitKeys;
+    keys.push_back(std::string("compile.root=") + (root ? "true" : "false"));
+    const Config config = gpt_config(dir.path(), keys);
+    apply_runtime_settings(config);  // run.deterministic, as `kiln train` (part of the cache key)
+    std::shared_ptr<Model> model = make_model(config);
+    model->eval();
+    const double eager = model->loss(model->forward(batch.inputs), batch.targets).item<double>();
+    CompiledStep step(config, *model, torch::Device(torch::kCPU));
+    const StepExecutor::EvalOutputs out = step.evaluate(batch);
+    if (!root) {
+      EXPECT_FALSE(out.loss.defined());
+      continue;
+    }
+    ASSERT_TRUE(out.loss.defined());
+    EXPECT_NEAR(out.loss.item<double>(), eager, 1e-6 * eager);  // fp32, fused differently
+    const nlohmann::json json = step.report().to_json();
+    ASSERT_EQ(json["root"].size(), 2u) << json.dump();
+    EXPECT_EQ(json["root"][1]["input"], "float32 [8, 32, 64]");
+    EXPECT_EQ(step.report().compiled_unit_forwards, 2);  // both blocks, forward packages only
+  }
+}
+
 }  // namespace
 }  // namespace kiln::testing
