@@ -1,12 +1,12 @@
 """Oracle for kiln's optimizers: replays the same parameters and gradients through torch.optim.
 
-Usage: optimizer_oracle.py CASE.safetensors
-The file (written by tests/train/optimizer_test.cpp) holds the initial parameters "init/<p>", the
+Usage: optimizer_oracle.py CASE.safetensors...
+Each file (written by tests/train/optimizer_test.cpp) holds the initial parameters "init/<p>", the
 gradients "grad/<step>/<p>" (absent: that parameter has no gradient on that step, as a parameter
 unused by a forward pass), and kiln's final parameters "kiln/<p>" and step counts
 "kiln_step/<p>". Its metadata: "optimizer" (adamw | sgd), "lr", "weight_decay", "momentum",
 "nesterov", "steps". Weight decay applies to parameters with >= 2 dims, as in kiln. Exits 1 with
-one line per disagreement.
+one line per disagreement when any case disagrees (all cases in one process: one torch import).
 """
 import sys
 
@@ -52,4 +52,4 @@ def main(path):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(max(main(path) for path in sys.argv[1:]) if len(sys.argv) > 1 else 2)
