@@ -6,15 +6,17 @@ runs of the same job on the same machine.
         --set run.threads=2 --repeats 5 --result bench/results/plan-gpt-tiny.json
 
 Per repeat:
-1. `kiln pilot CONFIG` (the production shape; one measured optimizer step, its timed matmul at
-   the job's shape: pilot.json's matmul_peak).
+1. `kiln pilot CONFIG` (the production shape; its step time is the median of its timed steps,
+   pilot.json's step_timing; its timed matmul at the job's shape: pilot.json's matmul_peak; the
+   blocking part of an async save: checkpoint.save_blocking_seconds).
 2. `kiln train CONFIG` for --steps steps with plan.pilot = that pilot (it logs the forecast at
    its start and tracks itself against it: metrics.jsonl's plan records), saving every
    --save-every steps, then `kiln plan CONFIG --actual TRAIN_RUN`: the forecast step time
    against the median of metrics.jsonl's steps (the first tenth left out), the forecast wall
-   time and ETTR against the final plan record's; and the checkpoint time: the forecast save x
-   the run's saves against the final plan record's checkpoint_seconds (time in the checkpoint
-   phase).
+   time and ETTR against the final plan record's; and the checkpoint time: the forecast's time
+   lost to checkpoints (each save's stall: with checkpoint.async the pilot's blocking part, and
+   the last save's write the final evaluation does not cover) against the final plan record's
+   checkpoint_seconds (time in the checkpoint phase).
 3. `kiln baseline CONFIG` with baseline.steps = --steps, then `kiln plan CONFIG --actual
    BASELINE_RUN`: the forecast step against the baseline's median.
 4. A second `kiln pilot CONFIG` (another process), then `kiln plan CONFIG --pilot FIRST --actual
@@ -89,12 +91,13 @@ def main():
         pilot_json = json.load(open(os.path.join(pilot, "pilot.json")))
         final = [json.loads(line)["plan"] for line in open(os.path.join(train, "metrics.jsonl"))
                  if '"plan"' in line][-1]
-        forecast_save = next(r["forecast"] for r in on_train["rows"]
-                             if r["quantity"] == "checkpoint save")
         row = {
             "matmul_peak_flops_per_second": pilot_json["matmul_peak"]["flops_per_second"],
             "pilot_mfu_of_matmul_peak": pilot_json["mfu_of_matmul_peak"],
             "pilot_step_seconds": pilot_json["step_seconds"],
+            "pilot_step_timing": pilot_json.get("step_timing"),
+            "pilot_save_seconds": pilot_json["checkpoint"]["save_seconds"],
+            "pilot_save_blocking_seconds": pilot_json["checkpoint"].get("save_blocking_seconds"),
             "train_forecast_logged": forecast_line,
             "train": on_train,
             "baseline": on_base,
@@ -105,7 +108,7 @@ def main():
             "ratio_save_second_pilot": ratios(on_second)["checkpoint save"],
             "train_final_plan_record": final,
             "train_saves": saves,
-            "ratio_checkpoint_time_train": forecast_save * saves / final["checkpoint_seconds"],
+            "ratio_checkpoint_time_train": ratios(on_train)["time lost to checkpoints"],
             "ratio_wall_train": ratios(on_train)["wall time"],
             "ratio_ettr_train": ratios(on_train)["ETTR"],
             "load_average": os.getloadavg(),

@@ -347,6 +347,12 @@ struct PilotCalibration {
   double matmul_peak_flops_per_second = 0;
   /// The pilot's measured peak memory of one step (0 = none).
   double peak_memory_bytes = 0;
+  /// How step_seconds was timed (pilot.json step_timing.method; "" = an older pilot: its
+  /// memory-measured step alone).
+  std::string step_timing;
+  /// The part of an async save that blocks training (the save call and the staging copy), as the
+  /// pilot measured it (0 = not measured: an older pilot).
+  double save_blocking_seconds = 0;
 };
 
 /// Hash of the config with the [plan] and [pilot] keys at their defaults: what a pilot and a plan
@@ -416,10 +422,18 @@ struct Forecast {
   double peak_memory_bytes = 0;  // the memory model's step peak, calibrated by the pilot
   double memory_calibration = 1;
   double checkpoint_bytes = 0, save_seconds = 0, write_bytes_per_second = 0;
+  /// What one save stalls training: with checkpoint.async the blocking part the pilot measured
+  /// (the save call and the staging copy; the write runs beside training), else the whole save.
+  bool async_save = false;  // checkpoint.async
+  double save_stall_seconds = 0;
+  std::string save_stall_source;  // in words
+  /// Time lost to checkpoints over the run: every save's stall and, with async saves, what of
+  /// the last save's write the final evaluation does not cover (kiln train waits for it).
+  double checkpoint_seconds = 0;
   /// The run as a whole: its evaluations (every train.eval_every steps and one at the end) and
   /// checkpoint saves (every checkpoint.every_steps, and the final one with save_final), each at
-  /// its forecast time; wall = train + saves + evaluations; ETTR = train / wall (no failures: one
-  /// run). 0 = unknown (no step time).
+  /// its forecast time; wall = train + checkpoint_seconds + evaluations; ETTR = train / wall (no
+  /// failures: one run). 0 = unknown (no step time).
   double evals = 0, eval_seconds = 0, saves = 0, wall_seconds = 0, ettr = 0;
   /// plan.price_7d_per_gpu_hour for the device's catalog row (0 = no price), and the run's cost
   /// at it: wall x world_size x price.

@@ -334,6 +334,16 @@ struct PilotRestore {
   std::optional<bool> loss_equal;
 };
 
+/// How the pilot timed its step (pilot.json "step_timing"; absent in a pilot written before it
+/// was recorded, whose step_seconds is its memory-measured step alone).
+struct PilotStepTiming {
+  std::string method;                // in words: which steps, which statistic
+  std::vector<int64_t> steps;        // the timed steps (step numbers), in order
+  std::vector<double> step_seconds;  // their times, in order; step_seconds is their median
+  double first_step_seconds = 0;     // step 1, left out: cold (allocations, the optimizer state)
+  double memory_step_seconds = 0;    // the memory-measured step, left out: its meter slows it
+};
+
 struct PilotResult {
   static constexpr const char* kRung = "pilot";
   RungStatus status;
@@ -349,6 +359,12 @@ struct PilotResult {
   MatmulPeakRecord matmul_peak;   // v2
   double mfu_of_matmul_peak = 0;  // v2
   double checkpoint_bytes = 0, save_seconds = 0, write_bytes_per_second = 0;
+  std::optional<PilotStepTiming> step_timing;  // absent in older pilots
+  /// checkpoint.async of the job, and the part of an async save that blocks training (the save
+  /// call and the staging copy to host memory; the write runs beside training), measured.
+  /// Absent in older pilots.
+  std::optional<bool> checkpoint_async;
+  std::optional<double> save_blocking_seconds;
   std::string memory_method;
   MemoryParts estimated, measured;  // estimated.activations_and_logits = activations + logits
   double estimated_activations_bytes = 0, estimated_logits_bytes = 0;  // the estimate's two parts

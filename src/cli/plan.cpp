@@ -98,7 +98,8 @@ ActualRun read_actual_run(const std::filesystem::path& dir) {
     a.step_seconds = pilot->step_seconds;
     a.steps = 1;
     a.train_seconds = pilot->step_seconds;
-    a.step_source = "pilot.json, its one measured step";
+    a.step_source = pilot->step_timing ? "pilot.json, " + pilot->step_timing->method
+                                       : std::string("pilot.json, its one measured step");
   } else if (!steps.empty()) {
     const size_t warmup = steps.size() >= 10 ? steps.size() / 10 : 0;
     std::vector<double> seconds, tokens;

@@ -2,6 +2,7 @@
 // against what a run recorded (`kiln plan --actual`; docs/plan.md, "Forecast against actual").
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <ctime>
@@ -103,7 +104,9 @@ Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
       f.peak_source = "the pilot's achieved rate (no peak measured or catalogued)";
     }
     f.mfu = achieved / f.peak_flops_per_second;
-    f.mfu_source = "pilot (measured on this device)";
+    f.mfu_source = pilot->step_timing.empty()
+                       ? std::string("pilot (measured on this device)")
+                       : "pilot (measured on this device: " + pilot->step_timing + ")";
   } else {
     f.peak_flops_per_second = catalog_peak;
     f.peak_source = catalog_peak > 0 ? catalog_source : "none: no catalog row for this device";
@@ -127,6 +130,16 @@ Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
                                  ? pilot->write_bytes_per_second
                                  : config.get_float("plan.checkpoint_write_gb_per_second") * 1e9;
   f.save_seconds = f.checkpoint_bytes / f.write_bytes_per_second;
+  // What one save stalls training (kiln train's CheckpointHook): with checkpoint.async the
+  // capture and the staging copy, measured by the pilot (the write runs beside training); else,
+  // or with no such measurement, the whole save.
+  f.async_save = config.get_bool("checkpoint.async");
+  const bool stall_measured = f.async_save && same_device && pilot->save_blocking_seconds > 0;
+  f.save_stall_seconds = stall_measured ? pilot->save_blocking_seconds : f.save_seconds;
+  f.save_stall_source =
+      stall_measured ? "the blocking part of an async save, measured by the pilot"
+      : f.async_save ? "the whole save (checkpoint.async, but no blocking part measured here)"
+                     : "the whole save (checkpoint.async = false)";
 
   // The run as a whole (Trainer::fit and CheckpointHook): an evaluation every eval_every steps
   // before the last and one at the end; a save every every_steps and the final one.
@@ -145,7 +158,15 @@ Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
                          ? pilot->eval_seconds
                          : eval_tokens * train_flops_per_token(shape, job.seq_len) / 3.0 /
                                (f.peak_flops_per_second * f.mfu);  // forward only
-    f.wall_seconds = f.train_seconds + f.saves * f.save_seconds + f.evals * f.eval_seconds;
+    // Time lost to checkpoints: every save's stall; with async saves kiln train also waits at
+    // its end for the last save's write, which the final evaluation covers in part (the save at
+    // the last step starts before it).
+    const bool saves_at_last_step =
+        save_every > 0 && (steps % save_every == 0 || config.get_bool("checkpoint.save_final"));
+    const double last_write_exposed =
+        stall_measured && saves_at_last_step ? std::max(0.0, f.save_seconds - f.eval_seconds) : 0.0;
+    f.checkpoint_seconds = f.saves * f.save_stall_seconds + last_write_exposed;
+    f.wall_seconds = f.train_seconds + f.checkpoint_seconds + f.evals * f.eval_seconds;
     f.ettr = f.train_seconds / f.wall_seconds;
   }
   if (row != nullptr) {
@@ -220,6 +241,9 @@ json compare_forecast(const Forecast& f, const ActualRun& a) {
       fmt::format("the memory model (activation calibration {:.3g})", f.memory_calibration);
   const std::string write_input =
       fmt::format("checkpoint write speed {}/s", format_bytes(f.write_bytes_per_second));
+  const std::string stall_input =
+      fmt::format("{:.0f} saves, each stalling training {} ({})", f.saves,
+                  format_duration(f.save_stall_seconds), f.save_stall_source);
   struct Row {
     const char* quantity;
     const char* unit;
@@ -248,6 +272,8 @@ json compare_forecast(const Forecast& f, const ActualRun& a) {
       {"wall time", "seconds", f.wall_seconds, a.wall_seconds, run_input},
       {"ETTR", "fraction", f.ettr, a.ettr, run_input},
       {"cost", "money", f.cost, actual_cost, price_input},
+      {"time lost to checkpoints", "seconds", f.checkpoint_seconds, a.checkpoint_seconds,
+       stall_input},
   };
   json out_rows = json::array();
   std::string worst_input;

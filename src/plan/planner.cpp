@@ -143,8 +143,12 @@ PilotCalibration read_pilot(const std::filesystem::path& run_dir, const Config& 
   p.mfu = number(j, "mfu");
   p.eval_seconds = number(j, "eval_seconds");
   p.wall_seconds = number(j, "wall_seconds");
-  if (j.contains("checkpoint"))
+  if (j.contains("checkpoint")) {
     p.write_bytes_per_second = number(j["checkpoint"], "write_bytes_per_second");
+    p.save_blocking_seconds = number(j["checkpoint"], "save_blocking_seconds");
+  }
+  if (j.contains("step_timing") && j["step_timing"].is_object())
+    p.step_timing = j["step_timing"].value("method", "");
   if (j.contains("memory")) p.activation_ratio = number(j["memory"], "activation_ratio");
   if (j.contains("restore")) p.recovery_seconds = number(j["restore"], "recovery_seconds");
   p.step_seconds = number(j, "step_seconds");
@@ -190,6 +194,7 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
   // The pilot's write speed is its own machine's storage: it calibrates only that device's row.
   const double assumed_write_speed = config.get_float("plan.checkpoint_write_gb_per_second") * 1e9;
   const double mtbf = config.get_float("plan.gpu_mtbf_hours");
+  const bool async_saves = config.get_bool("checkpoint.async");
   const double headroom = config.get_float("plan.headroom");
   const double activation_ratio =
       pilot && pilot->activation_ratio > 0 ? pilot->activation_ratio : 1.0;
@@ -302,7 +307,12 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
     b.eval_seconds = measured_here && pilot->eval_seconds > 0
                          ? pilot->eval_seconds
                          : eval_tokens_per_rank * flops_per_token / 3.0 / (peak * mfu);
-    b.save_seconds = save_seconds;
+    // delta: what one save stalls the job. checkpoint.async: the blocking part (capture and
+    // staging copy) the pilot measured on this device; the write runs beside training. Else,
+    // and on rows the pilot did not measure, the whole save.
+    const bool stall_measured = async_saves && measured_here && pilot->save_blocking_seconds > 0;
+    const double stall_seconds = stall_measured ? pilot->save_blocking_seconds : save_seconds;
+    b.save_seconds = stall_seconds;
     b.restart_seconds = restart_seconds;
     b.gpus = gpus;
     b.gpu_mtbf_hours = mtbf;
@@ -335,6 +345,11 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
         {"train_seconds", result.train_seconds},
         {"eval_seconds", result.eval_seconds},
         {"save_seconds", result.save_seconds},
+        {"full_save_seconds", save_seconds},
+        {"save_stall_source",
+         stall_measured ? "the blocking part of an async save, measured by the pilot"
+         : async_saves  ? "the whole save (no blocking part measured on this device)"
+                        : "the whole save (checkpoint.async = false)"},
         {"write_bytes_per_second", write_speed},
         {"restart_seconds", restart_seconds},
         {"recovery_seconds", recovery_seconds},

@@ -54,9 +54,9 @@ ConfigSection plan_section() {
 ConfigSection pilot_section() {
   return {"pilot",
           {
-              int_key("pilot", "steps", 2, 2, 1e6,
+              int_key("pilot", "steps", 6, 2, 1e6,
                       "optimizer steps of the pilot: the first allocates the optimizer state, "
-                      "the last is measured"),
+                      "the second's memory is measured, the median of the rest is the step time"),
               float_key("pilot", "max_estimate_error", 0.25, 0.0, 10.0,
                         "the memory estimate's allowed error against the measured peak (the "
                         "pilot fails beyond it, naming the part that differs most)"),

@@ -91,6 +91,15 @@ void pilot_fields(const Io& io, PilotResult& p) {
     ckpt("bytes", p.checkpoint_bytes);
     ckpt("save_seconds", p.save_seconds);
     ckpt("write_bytes_per_second", p.write_bytes_per_second);
+    ckpt.opt("async", p.checkpoint_async);
+    ckpt.opt("save_blocking_seconds", p.save_blocking_seconds);
+  });
+  io.opt_object("step_timing", p.step_timing, [](const Io& x, PilotStepTiming& t) {
+    x("method", t.method);
+    x("steps", t.steps);
+    x("step_seconds", t.step_seconds);
+    x("first_step_seconds", t.first_step_seconds);
+    x("memory_step_seconds", t.memory_step_seconds);
   });
   io.object("memory", [&](const Io& memory) {
     memory("method", p.memory_method);

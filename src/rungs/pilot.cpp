@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -133,6 +134,14 @@ MemoryComparison compare_memory(const StepMemory& measured, const MemoryEstimate
   return out;
 }
 
+// The median of `seconds` (the mean of the middle two for an even count); 0 when empty.
+double pilot_median_seconds(std::vector<double> seconds) {
+  if (seconds.empty()) return 0;
+  std::sort(seconds.begin(), seconds.end());
+  const size_t middle = seconds.size() / 2;
+  return seconds.size() % 2 ? seconds[middle] : (seconds[middle - 1] + seconds[middle]) / 2;
+}
+
 std::string join_names(const std::vector<std::string>& names, size_t most) {
   std::string out;
   for (size_t k = 0; k < names.size() && k < most; ++k) out += (k ? ", " : "") + names[k];
@@ -218,15 +227,18 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   manifest["pins"] = environment_pins();
   session->run->write_json("manifest.json", manifest);
 
-  // 2. Train at the production shape: the first steps allocate the optimizer state, the last is
-  // measured.
+  // 2. Train at the production shape, every step synchronised (its time is the device's): the
+  // first step is cold (it allocates the optimizer state; kernels, caches and the loader's queue
+  // warm up), the second is the memory-measured one (its allocation meter slows it), the rest
+  // are timed: their median is the step the plan forecasts from (docs/plan.md).
   log::info(fmt::format("pilot: {} steps at micro-batch {} x seq {} x accum {} on {} process(es)",
                         steps, job.micro_batch, job.seq_len, job.grad_accum_steps, world));
   // Every step and the evaluation go to the run's metrics file, the measured step marked.
   bool measuring = false;
   trainer.add_hook(std::make_shared<MetricsHook>(
       *session->run, [&](json& record) { record["measured"] = measuring; }, /*record_evals=*/true));
-  trainer.run_steps(steps - 1);
+  PilotStepTiming timing;
+  timing.first_step_seconds = trainer.train_step(/*sync=*/true).step_seconds;
   job.strategy =
       session->strategy == "ddp" || session->strategy == "fsdp" ? session->strategy : "none";
   double held_gradients = 0;
@@ -239,7 +251,24 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   measuring = true;
   const StepMemory step_memory = measure_step_memory(trainer, session->device, held_gradients);
   measuring = false;
-  const StepStats& measured = step_memory.stats;
+  timing.memory_step_seconds = step_memory.stats.step_seconds;
+  for (int64_t k = 3; k <= steps; ++k) {
+    const StepStats timed = trainer.train_step(/*sync=*/true);
+    timing.steps.push_back(timed.step);
+    timing.step_seconds.push_back(timed.step_seconds);
+  }
+  // The step's time: the timed steps' median; with pilot.steps = 2 there are none, and the
+  // memory-measured step stands for it.
+  StepStats measured = step_memory.stats;
+  if (!timing.step_seconds.empty())
+    measured.step_seconds = pilot_median_seconds(timing.step_seconds);
+  timing.method =
+      timing.step_seconds.empty()
+          ? "the memory-measured step 2 alone (pilot.steps = 2: no step left to time; raise it)"
+          : fmt::format(
+                "the median of steps 3-{} ({} timed steps, synchronised); step 1 (cold) "
+                "and step 2 (memory-measured) left out",
+                steps, timing.step_seconds.size());
   const MemoryEstimate estimate = estimate_memory(shape, job);
   const MemoryComparison memory = compare_memory(step_memory, estimate, job);
   const double measured_peak = step_memory.peak_bytes();
@@ -270,13 +299,18 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   const EvalStats eval = trainer.evaluate();
   const double eval_seconds = seconds_since(eval_begin);
 
-  // 4. Save (synchronously: the time is the full write), then one more step here, saved too.
+  // 4. Save synchronously (the time is the whole save: the write speed), then one more step here,
+  // saved asynchronously as kiln train's CheckpointHook saves with checkpoint.async: what
+  // training blocks for is the capture, the save call and the staging copy to host memory (the
+  // hook fences on the copy before the next optimizer step; here at once, so on a GPU the copy
+  // is not hidden behind a forward and backward: an upper bound); the write runs beside training.
   if (writer) std::filesystem::remove_all(pilot_dir);
   CheckpointOptions ckpt = checkpoint_options(config, run_dir);
   ckpt.dir = pilot_dir / "checkpoints";
   ckpt.async = false;
+  ckpt.background_staging = false;
   ckpt.keep_last_k = 3;
-  double save_seconds = 0, checkpoint_bytes = 0;
+  double save_seconds = 0, checkpoint_bytes = 0, save_blocking_seconds = 0;
   double reference_loss = 0;
   {
     Checkpointer checkpointer(ckpt, *session->comm);
@@ -287,9 +321,18 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
     handle->rethrow_if_failed();
     save_seconds = seconds_since(save_begin);
     checkpoint_bytes = static_cast<double>(handle->stats().total_bytes);
-    reference_loss = trainer.train_step(/*sync=*/true).loss;
+  }
+  reference_loss = trainer.train_step(/*sync=*/true).loss;
+  {
+    CheckpointOptions async_ckpt = ckpt;
+    async_ckpt.async = true;
+    async_ckpt.background_staging = true;
+    Checkpointer checkpointer(async_ckpt, *session->comm);
+    auto blocking_begin = Clock::now();
     auto after = checkpointer.save(
         capture_training_state(trainer, *session->comm, run_dir / "manifest.json"));
+    checkpointer.wait_for_staging();
+    save_blocking_seconds = seconds_since(blocking_begin);
     checkpointer.wait();
     after->rethrow_if_failed();
   }
@@ -440,6 +483,9 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   out.checkpoint_bytes = checkpoint_bytes;
   out.save_seconds = save_seconds;
   out.write_bytes_per_second = save_seconds > 0 ? checkpoint_bytes / save_seconds : 0.0;
+  out.checkpoint_async = config.get_bool("checkpoint.async");
+  out.save_blocking_seconds = save_blocking_seconds;
+  out.step_timing = timing;
   out.memory_method = session->device.is_cuda()
                           ? "CUDA max_memory_allocated over the measured step"
                           : "peak of live tensor bytes over the measured step (kiln::MemoryMeter) "
@@ -484,7 +530,10 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
                                       job.micro_batch, job.seq_len, job.grad_accum_steps, world,
                                       job.precision));
   t.emplace_back(
-      "step", fmt::format("{}{}{}", format_duration(measured.step_seconds),
+      "step", fmt::format("{}{}{}{}", format_duration(measured.step_seconds),
+                          timing.step_seconds.empty()
+                              ? std::string(" (the memory-measured step)")
+                              : fmt::format(" (median of {} steps)", timing.step_seconds.size()),
                           fmt::format("{}, {:.1f}% of the measured matmul ({:.3g} FLOP/s)",
                                       mfu > 0 ? fmt::format(", MFU {:.1f}%", 100 * mfu) : "",
                                       100 * mfu_of_matmul, matmul.flops_per_second),
@@ -502,8 +551,12 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   t.emplace_back("eval", format_duration(eval_seconds));
   t.emplace_back(
       "save",
-      fmt::format("{} in {} ({}/s)", format_bytes(checkpoint_bytes), format_duration(save_seconds),
-                  format_bytes(save_seconds > 0 ? checkpoint_bytes / save_seconds : 0)));
+      fmt::format(
+          "{} in {} ({}/s); an async save blocks training {}{}", format_bytes(checkpoint_bytes),
+          format_duration(save_seconds),
+          format_bytes(save_seconds > 0 ? checkpoint_bytes / save_seconds : 0),
+          format_duration(save_blocking_seconds),
+          config.get_bool("checkpoint.async") ? " (checkpoint.async: the plan's stall)" : ""));
   t.emplace_back("restore",
                  restore.passed
                      ? fmt::format("step {} restored in {} fresh process{}: loss and tensors {}",

@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <map>
+#include <sstream>
 
 #include "ckpt/thread_comm.h"
 #include "kiln/dist.h"
@@ -332,6 +334,31 @@ TEST(Pilot, FullCycleRestoreCheckPinsAndPlan) {
   EXPECT_LE(checkpoint_bytes, 1.01 * 3 * 4'228'608.0);
   EXPECT_DOUBLE_EQ(pilot["checkpoint"]["write_bytes_per_second"].get<double>(),
                    checkpoint_bytes / pilot["checkpoint"]["save_seconds"].get<double>());
+  // An async job (gpt-tiny's default): the pilot records the part of an async save that blocks
+  // training (the plan's stall) beside the whole save.
+  EXPECT_EQ(pilot["checkpoint"]["async"], true);
+  EXPECT_GT(pilot["checkpoint"]["save_blocking_seconds"].get<double>(), 0.0);
+  // The step time: the median of steps 3-6 (pilot.steps = 6), step 1 (cold) and step 2 (the
+  // memory-measured one) left out, each as the metrics file recorded it.
+  const auto& timing = pilot["step_timing"];
+  EXPECT_EQ(timing["steps"], nlohmann::json::array({3, 4, 5, 6}));
+  auto timed = timing["step_seconds"].get<std::vector<double>>();
+  ASSERT_EQ(timed.size(), 4u);
+  std::map<int64_t, nlohmann::json> records;
+  std::istringstream metrics(slurp(run_dir / "metrics.jsonl"));
+  for (std::string line; std::getline(metrics, line);) {
+    const auto record = nlohmann::json::parse(line);
+    if (record.contains("step_seconds")) records[record["step"].get<int64_t>()] = record;
+  }
+  EXPECT_EQ(records.at(1)["step_seconds"], timing["first_step_seconds"]);
+  EXPECT_TRUE(records.at(2)["measured"].get<bool>());
+  EXPECT_EQ(records.at(2)["step_seconds"], timing["memory_step_seconds"]);
+  for (int64_t k = 3; k <= 6; ++k) {
+    EXPECT_FALSE(records.at(k)["measured"].get<bool>());
+    EXPECT_EQ(records.at(k)["step_seconds"].get<double>(), timed[k - 3]) << k;
+  }
+  std::sort(timed.begin(), timed.end());
+  EXPECT_DOUBLE_EQ(pilot["step_seconds"].get<double>(), (timed[1] + timed[2]) / 2);
   // Recovery: the restore child's time less its final save and evaluation.
   const double restore_seconds = pilot["restore"]["seconds"].get<double>();
   EXPECT_DOUBLE_EQ(
@@ -413,7 +440,8 @@ date = "2026-12"
   EXPECT_NEAR(rows[3]["ratio"].get<double>(), 1.0, 1e-9);
   EXPECT_DOUBLE_EQ(rows[3]["actual"].get<double>(), m["peak_bytes"].get<double>());
   EXPECT_NEAR(rows[4]["ratio"].get<double>(), 3 * 4'228'608.0 / checkpoint_bytes, 1e-9);
-  EXPECT_THAT(comparison["step_source"].get<std::string>(), HasSubstr("pilot.json"));
+  EXPECT_THAT(comparison["step_source"].get<std::string>(),
+              HasSubstr("pilot.json, the median of steps 3-6"));
   // A run of another job is refused, naming it.
   auto foreign = run_kiln("plan " + tiny_pilot_args(dir) + " --set train.batch_size=5 --actual " +
                           run_dir.string());

@@ -445,5 +445,97 @@ TEST(Plan, CliPlansWithoutBuildingTheModel) {
   EXPECT_EQ(std::count(unknown.err.begin(), unknown.err.end(), '\n'), 1) << unknown.err;
 }
 
+// The checkpoint stall a run loses, by hand (docs/plan.md, "Forecast against actual"). gpt
+// L 2, C 32, V 300, T 16, micro-batch 4 (tests/plan/forecast_test.cpp): the checkpoint is
+// 427,008 B; the pilot on "cpu" wrote 1e8 B/s (a whole save 4.27008 ms), evaluated in 1 ms and
+// blocked 0.5 ms in an async save (capture + staging). 200 steps at 10 ms, a save every 50: 4.
+// Async: 4 x 0.5 ms, and the last save's write that the final evaluation does not cover,
+// 4.27008 - 1 = 3.27008 ms: 5.27008 ms; wall = 2 s + 5.27008 ms + 2 evaluations x 1 ms.
+// Synchronous: 4 x 4.27008 ms = 17.08032 ms.
+Config stall_config(const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> o = {
+      "model.name=gpt",        "data.name=text",      "model.preset=tiny",
+      "model.n_layer=2",       "model.n_embd=32",     "model.n_head=2",
+      "model.vocab_size=300",  "model.block_size=16", "data.seq_len=16",
+      "train.batch_size=4",    "train.steps=200",     "checkpoint.every_steps=50",
+      "plan.hardware=this-cpu"};
+  o.insert(o.end(), extra.begin(), extra.end());
+  return config_with(o);
+}
+
+TEST(PlanForecast, AnAsyncJobLosesThePilotsBlockingTimePerSaveASyncJobTheWholeSave) {
+  TempDir dir;
+  write_text(dir / "cpu.toml", R"([device.this-cpu]
+match = ["CPU"]
+memory_gb = 8
+memory_bandwidth_gb_per_s = 20
+interconnect_gb_per_s = 10
+network_gb_per_s = 1
+peak_tflops = { fp32 = 0.1 }
+source = "a test row"
+date = "2026-12"
+)");
+  const std::string catalog = "plan.catalog=" + (dir / "cpu.toml").string();
+  const Config async_job = stall_config({catalog});
+  // The pilot as kiln pilot writes it (pilot.json), read back as the plan reads it.
+  write_text(
+      dir / "pilot.json",
+      nlohmann::json{
+          {"job_hash", job_hash(async_job)},
+          {"device_name", "cpu"},
+          {"step_seconds", 0.01},
+          {"eval_seconds", 1e-3},
+          {"matmul_peak", {{"flops_per_second", 2e9}}},
+          {"checkpoint",
+           {{"write_bytes_per_second", 1e8}, {"async", true}, {"save_blocking_seconds", 5e-4}}},
+          {"step_timing", {{"method", "the median of steps 3-6"}}}}
+          .dump());
+  const PilotCalibration pilot = read_pilot(dir.path(), async_job);
+  EXPECT_DOUBLE_EQ(pilot.save_blocking_seconds, 5e-4);
+  const Forecast f = forecast_run(async_job, &pilot, "cpu", 1);
+  EXPECT_NEAR(f.step_seconds, 0.01, 1e-15);
+  EXPECT_THAT(f.mfu_source, HasSubstr("the median of steps 3-6"));
+  EXPECT_TRUE(f.async_save);
+  EXPECT_NEAR(f.save_seconds, 4.27008e-3, 1e-15);
+  EXPECT_DOUBLE_EQ(f.save_stall_seconds, 5e-4);
+  EXPECT_THAT(f.save_stall_source, HasSubstr("blocking part of an async save"));
+  EXPECT_NEAR(f.checkpoint_seconds, 5.27008e-3, 1e-15);
+  EXPECT_NEAR(f.wall_seconds, 2.00727008, 1e-12);
+  EXPECT_NEAR(f.ettr, 2.0 / 2.00727008, 1e-12);
+  // kiln plan --actual: the run's time in its checkpoint phase against it (the last row).
+  ActualRun a;
+  a.checkpoint_seconds = 5.27008e-3 / 1.05;
+  const nlohmann::json c = compare_forecast(f, a);
+  ASSERT_EQ(c["rows"].size(), 9u);
+  EXPECT_EQ(c["rows"][8]["quantity"], "time lost to checkpoints");
+  EXPECT_NEAR(c["rows"][8]["ratio"].get<double>(), 1.05, 1e-12);
+  // No save at the last step (210 steps, no final save): the stalls alone; 3 evaluations.
+  const Config no_final = stall_config({catalog, "train.steps=210", "checkpoint.save_final=false"});
+  EXPECT_NEAR(forecast_run(no_final, &pilot, "cpu", 1).checkpoint_seconds, 2e-3, 1e-15);
+  // Synchronous saves, or a pilot that measured no blocking part: the whole save each.
+  const Config sync_job = stall_config({catalog, "checkpoint.async=false"});
+  const Forecast sync = forecast_run(sync_job, &pilot, "cpu", 1);
+  EXPECT_NEAR(sync.save_stall_seconds, 4.27008e-3, 1e-15);
+  EXPECT_NEAR(sync.checkpoint_seconds, 1.708032e-2, 1e-15);
+  EXPECT_THAT(sync.save_stall_source, HasSubstr("checkpoint.async = false"));
+  PilotCalibration older = pilot;
+  older.save_blocking_seconds = 0;
+  EXPECT_NEAR(forecast_run(async_job, &older, "cpu", 1).checkpoint_seconds, 1.708032e-2, 1e-15);
+
+  // The plan's delta on the pilot's row: the stall, in Tc = delta + sqrt(2 (M + R) delta +
+  // delta^2); the whole save with synchronous saves.
+  for (const auto& [config, delta] :
+       {std::pair{async_job, 5e-4}, std::pair{sync_job, 4.27008e-3}}) {
+    const nlohmann::json row = make_plan(config, &pilot, false)["rows"][0];
+    ASSERT_EQ(row["hardware"], "this-cpu");
+    EXPECT_NEAR(row["save_seconds"].get<double>(), delta, 1e-15);
+    EXPECT_NEAR(row["full_save_seconds"].get<double>(), 4.27008e-3, 1e-15);
+    EXPECT_NEAR(row["checkpoint_interval_seconds"].get<double>(),
+                recovery_aware_interval_seconds(delta, row["job_mtbf_seconds"].get<double>(),
+                                                row["restart_seconds"].get<double>()),
+                1e-9);
+  }
+}
+
 }  // namespace
 }  // namespace kiln::testing
