@@ -134,6 +134,19 @@ MemoryComparison compare_memory(const StepMemory& measured, const MemoryEstimate
   return out;
 }
 
+// Fences on an async save's staging copy before the optimizer step, as kiln train's
+// CheckpointHook does (kiln/checkpoint.h), and adds up how long that blocked: armed while
+// `checkpointer` is set.
+class PilotStagingFence final : public TrainerHook {
+ public:
+  void on_gradients_ready(Trainer&) override {
+    if (checkpointer != nullptr && checkpointer->in_flight())
+      waited_seconds += checkpointer->wait_for_staging();
+  }
+  Checkpointer* checkpointer = nullptr;
+  double waited_seconds = 0;
+};
+
 // The median of `seconds` (the mean of the middle two for an even count); 0 when empty.
 double pilot_median_seconds(std::vector<double> seconds) {
   if (seconds.empty()) return 0;
@@ -237,6 +250,8 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   bool measuring = false;
   trainer.add_hook(std::make_shared<MetricsHook>(
       *session->run, [&](json& record) { record["measured"] = measuring; }, /*record_evals=*/true));
+  const auto fence = std::make_shared<PilotStagingFence>();
+  trainer.add_hook(fence);
   PilotStepTiming timing;
   timing.first_step_seconds = trainer.train_step(/*sync=*/true).step_seconds;
   job.strategy =
@@ -300,10 +315,11 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   const double eval_seconds = seconds_since(eval_begin);
 
   // 4. Save synchronously (the time is the whole save: the write speed), then one more step here,
-  // saved asynchronously as kiln train's CheckpointHook saves with checkpoint.async: what
-  // training blocks for is the capture, the save call and the staging copy to host memory (the
-  // hook fences on the copy before the next optimizer step; here at once, so on a GPU the copy
-  // is not hidden behind a forward and backward: an upper bound); the write runs beside training.
+  // saved asynchronously as kiln train's CheckpointHook saves with checkpoint.async: training
+  // blocks for the capture and the save call, then, in the next step, for what is left of the
+  // staging copy to host memory when its optimizer step comes (the fence; the copy runs beside
+  // that step's forward and backward); the write runs beside training. One more step here is
+  // that next step (its state is not compared: the restore compares the saved step).
   if (writer) std::filesystem::remove_all(pilot_dir);
   CheckpointOptions ckpt = checkpoint_options(config, run_dir);
   ckpt.dir = pilot_dir / "checkpoints";
@@ -331,8 +347,11 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
     auto blocking_begin = Clock::now();
     auto after = checkpointer.save(
         capture_training_state(trainer, *session->comm, run_dir / "manifest.json"));
-    checkpointer.wait_for_staging();
     save_blocking_seconds = seconds_since(blocking_begin);
+    fence->checkpointer = &checkpointer;
+    trainer.train_step(/*sync=*/true);
+    fence->checkpointer = nullptr;
+    save_blocking_seconds += fence->waited_seconds;
     checkpointer.wait();
     after->rethrow_if_failed();
   }
