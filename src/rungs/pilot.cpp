@@ -389,7 +389,7 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
       "--set",
       "run.progress=log",
       "--set",
-      "train.steps=" + std::to_string(final_step),
+      "train.stop_after_step=" + std::to_string(final_step),  // the job's schedule, cut short
       "--set",
       "train.eval_every=0",
       "--set",

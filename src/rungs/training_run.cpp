@@ -104,7 +104,11 @@ TrainingRunResult run_training(const Config& given, const TrainingRunOptions& op
   // The final plan record after the checkpoint hook's final save.
   if (tracking) session->trainer->add_hook(PlanTrackingHook::finisher(tracking));
   TrainingRunResult result;
-  result.summary = session->trainer->fit(config.get_int("train.steps"), session->run.get());
+  // train.stop_after_step: this process ends early (evaluation and final save as at the end);
+  // the schedule, read from train.steps by the Trainer, still spans the whole job.
+  const int64_t stop = config.get_int("train.stop_after_step");
+  result.summary =
+      session->trainer->fit(stop > 0 ? stop : config.get_int("train.steps"), session->run.get());
   result.run_dir = session->run->dir();
   if (compiled) result.compile_report = compiled->report();
   return result;

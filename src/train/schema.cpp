@@ -11,6 +11,10 @@ ConfigSection train_section() {
       "train",
       {
           int_key("train", "steps", 1000, 1, 1e12, "optimizer steps"),
+          int_key("train", "stop_after_step", 0, 0, 1e12,
+                  "end this process after this optimizer step, with the end's evaluation and "
+                  "checkpoint (0 = train.steps); the schedule still spans train.steps: one slice "
+                  "of a longer job, resumed with --resume"),
           int_key("train", "batch_size", 32, 1, 1e9, "samples per micro-batch per process"),
           int_key("train", "grad_accum_steps", 1, 1, 1e6, "micro-batches per optimizer step"),
           float_key("train", "clip_grad_norm", 1.0, 0.0, kUnbounded,
@@ -33,7 +37,15 @@ ConfigSection train_section() {
                      "block: keep only each model unit's input (gpt: each transformer block) and "
                      "recompute its activations in backward"),
       },
-      {}};
+      {{"train.stop_after_step <= train.steps",
+        [](const Config& c) -> std::string {
+          const int64_t stop = c.get_int("train.stop_after_step"), steps = c.get_int("train.steps");
+          if (stop <= steps) return "";
+          return "train.stop_after_step = " + std::to_string(stop) +
+                 " is past train.steps = " + std::to_string(steps) +
+                 "; set it to at most train.steps (0: stop at train.steps)";
+        },
+        {"train.steps=10", "train.stop_after_step=20"}}}};
 }
 
 ConfigSection optim_section() {

@@ -89,6 +89,40 @@ TEST(CkptResume, FreshProcessContinuesBitwiseInTheMiddleOfAnEpoch) {
   EXPECT_EQ(read_checkpoint_index(b).ranks[0]["loader"]["epoch"], 1);
 }
 
+// train.stop_after_step ends the process early (a slice of a longer job: the pilot's restore
+// check, a time-limited allocation) while the learning-rate schedule still spans train.steps:
+// the slice's saved step resumes to the same losses as the job run straight through, past the
+// cosine warm-up. (The pilot set train.steps to its last step instead, which moved the schedule
+// and failed its restore check once the pilot ran past warm-up.)
+TEST(CkptResume, ASliceStoppedAfterAStepResumesOnTheWholeJobsSchedule) {
+  TempDir dir;
+  const std::vector<std::string> job = {"train.steps=8", "optim.schedule=cosine",
+                                        "optim.warmup_steps=2", "data.num_workers=0",
+                                        "checkpoint.every_steps=100"};  // the end's saves only
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), job.begin(), job.end());
+    return extra;
+  };
+  ASSERT_EQ(run_kiln_args(mlp_train_args(dir.path(), "straight", with({})), dir / "a.log"), 0)
+      << slurp(dir / "a.log");
+  ASSERT_EQ(run_kiln_args(mlp_train_args(dir.path(), "slice", with({"train.stop_after_step=4"})),
+                          dir / "b.log"),
+            0)
+      << slurp(dir / "b.log");
+  EXPECT_EQ(read_step_losses(dir / "slice" / "metrics.jsonl").size(), 4u);
+  const auto step4 = dir / "slice" / "checkpoints" / "step-4";  // the end's save
+  ASSERT_TRUE(std::filesystem::exists(step4)) << slurp(dir / "b.log");
+  auto resume_args = mlp_train_args(dir.path(), "slice", with({}));
+  resume_args.insert(resume_args.end(), {"--resume", step4.string()});
+  ASSERT_EQ(run_kiln_args(resume_args, dir / "c.log"), 0) << slurp(dir / "c.log");
+  const auto straight = read_step_losses(dir / "straight" / "metrics.jsonl");
+  const auto sliced = read_step_losses(dir / "slice" / "metrics.jsonl");
+  ASSERT_EQ(sliced.size(), 8u);
+  for (const auto& [step, loss] : straight) {
+    EXPECT_EQ(sliced.at(step), loss) << "step " << step;  // bitwise: same double
+  }
+}
+
 // The same across processes with SGD momentum, gradient accumulation, the loader in the training
 // thread and the loss read back every 3 steps (the save at step 4 reads the device counters first).
 TEST(CkptResume, SgdMomentumWithAccumulationContinuesBitwiseInAFreshProcess) {

@@ -48,6 +48,7 @@ TEST(ConfigRules, TheSectionsDeclareTheKnownRules) {
   EXPECT_EQ(per_section["model"], 8);  // + registered name, llama heads, preset, init_from
   EXPECT_EQ(per_section["data"], 7);   // + a registered dataset name (kiln/dataset_registry.h)
   EXPECT_EQ(per_section["optim"], 2);
+  EXPECT_EQ(per_section["train"], 1);  // stop_after_step within train.steps
   EXPECT_EQ(per_section["dist"], 1);
   EXPECT_EQ(per_section["compile"], 9);  // probe_seq_lens + the step matrix's eight
 }
