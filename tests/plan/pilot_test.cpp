@@ -23,6 +23,7 @@
 #include "kiln/plan.h"
 #include "kiln/rungs.h"
 #include "kiln/session.h"
+#include "plan/catalog_fixture.h"
 #include "support/helpers.h"
 
 namespace kiln::testing {
@@ -379,16 +380,7 @@ TEST(Pilot, FullCycleRestoreCheckPinsAndPlan) {
 
   // The plan calibrates from it: on a catalog row that is this machine (a user row matching
   // "cpu") it takes the pilot's measured restart as R; a plan of another job refuses it.
-  write_text(dir / "cpu.toml", R"([device.this-cpu]
-match = ["CPU"]
-memory_gb = 8
-memory_bandwidth_gb_per_s = 20
-interconnect_gb_per_s = 10
-network_gb_per_s = 1
-peak_tflops = { fp32 = 0.1 }
-source = "a test row"
-date = "2026-12"
-)");
+  write_this_cpu_catalog(dir / "cpu.toml");
   auto plan = run_kiln("plan " + tiny_pilot_args(dir) + " --set data.revision=v1 --pilot " +
                        run_dir.string() + " --set plan.hardware=h100-sxm,this-cpu" +
                        " --set plan.catalog=" + (dir / "cpu.toml").string());

@@ -10,6 +10,7 @@
 
 #include "kiln/error.h"
 #include "kiln/models.h"
+#include "plan/catalog_fixture.h"
 #include "support/helpers.h"
 
 namespace kiln::testing {
@@ -465,16 +466,7 @@ Config stall_config(const std::vector<std::string>& extra = {}) {
 
 TEST(PlanForecast, AnAsyncJobLosesThePilotsBlockingTimePerSaveASyncJobTheWholeSave) {
   TempDir dir;
-  write_text(dir / "cpu.toml", R"([device.this-cpu]
-match = ["CPU"]
-memory_gb = 8
-memory_bandwidth_gb_per_s = 20
-interconnect_gb_per_s = 10
-network_gb_per_s = 1
-peak_tflops = { fp32 = 0.1 }
-source = "a test row"
-date = "2026-12"
-)");
+  write_this_cpu_catalog(dir / "cpu.toml");
   const std::string catalog = "plan.catalog=" + (dir / "cpu.toml").string();
   const Config async_job = stall_config({catalog});
   // The pilot as kiln pilot writes it (pilot.json), read back as the plan reads it.
