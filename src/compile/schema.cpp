@@ -167,8 +167,9 @@ ConfigSection compile_section() {
                      "wrappers (the root too: compile.root); auto = unit with activation "
                      "checkpointing or dist.strategy = fsdp, else step"),
           bool_key("compile", "root", true,
-                   "per-unit compilation: the root's pieces around the units (gpt: embeddings; "
-                   "final norm, head and loss) compiled as forward and backward packages too "
+                   "per-unit compilation: the root's pieces around the units (gpt, llama: the "
+                   "embeddings; final norm, head and loss) compiled as forward and backward "
+                   "packages too, evaluation their forwards "
                    "(false: they run eager; models without a split root run them eager)"),
           string_key("compile", "dynamic", "auto", {"auto", "dynamic", "static"},
                      "shapes as torch.compile's dynamic=None|True|False: specialise first and "
