@@ -14,6 +14,7 @@
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/plan.h"
+#include "plan/save_stall.h"
 
 namespace kiln {
 namespace {
@@ -130,16 +131,10 @@ Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
                                  ? pilot->write_bytes_per_second
                                  : config.get_float("plan.checkpoint_write_gb_per_second") * 1e9;
   f.save_seconds = f.checkpoint_bytes / f.write_bytes_per_second;
-  // What one save stalls training (kiln train's CheckpointHook): with checkpoint.async the
-  // capture and the staging copy, measured by the pilot (the write runs beside training); else,
-  // or with no such measurement, the whole save.
   f.async_save = config.get_bool("checkpoint.async");
-  const bool stall_measured = f.async_save && same_device && pilot->save_blocking_seconds > 0;
-  f.save_stall_seconds = stall_measured ? pilot->save_blocking_seconds : f.save_seconds;
-  f.save_stall_source =
-      stall_measured ? "the blocking part of an async save, measured by the pilot"
-      : f.async_save ? "the whole save (checkpoint.async, but no blocking part measured here)"
-                     : "the whole save (checkpoint.async = false)";
+  const SaveStall stall = save_stall(f.async_save, pilot, same_device, f.save_seconds);
+  f.save_stall_seconds = stall.seconds;
+  f.save_stall_source = stall.source;
 
   // The run as a whole (Trainer::fit and CheckpointHook): an evaluation every eval_every steps
   // before the last and one at the end; a save every every_steps and the final one.
@@ -164,7 +159,7 @@ Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
     const bool saves_at_last_step =
         save_every > 0 && (steps % save_every == 0 || config.get_bool("checkpoint.save_final"));
     const double last_write_exposed =
-        stall_measured && saves_at_last_step ? std::max(0.0, f.save_seconds - f.eval_seconds) : 0.0;
+        stall.measured && saves_at_last_step ? std::max(0.0, f.save_seconds - f.eval_seconds) : 0.0;
     f.checkpoint_seconds = f.saves * f.save_stall_seconds + last_write_exposed;
     f.wall_seconds = f.train_seconds + f.checkpoint_seconds + f.evals * f.eval_seconds;
     f.ettr = f.train_seconds / f.wall_seconds;

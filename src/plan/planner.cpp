@@ -14,6 +14,7 @@
 #include "kiln/config.h"
 #include "kiln/error.h"
 #include "kiln/plan.h"
+#include "plan/save_stall.h"
 
 namespace kiln {
 namespace {
@@ -307,12 +308,9 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
     b.eval_seconds = measured_here && pilot->eval_seconds > 0
                          ? pilot->eval_seconds
                          : eval_tokens_per_rank * flops_per_token / 3.0 / (peak * mfu);
-    // delta: what one save stalls the job. checkpoint.async: the blocking part (capture and
-    // staging copy) the pilot measured on this device; the write runs beside training. Else,
-    // and on rows the pilot did not measure, the whole save.
-    const bool stall_measured = async_saves && measured_here && pilot->save_blocking_seconds > 0;
-    const double stall_seconds = stall_measured ? pilot->save_blocking_seconds : save_seconds;
-    b.save_seconds = stall_seconds;
+    // delta: what one save stalls the job (plan/save_stall.h).
+    const SaveStall stall = save_stall(async_saves, pilot, measured_here, save_seconds);
+    b.save_seconds = stall.seconds;
     b.restart_seconds = restart_seconds;
     b.gpus = gpus;
     b.gpu_mtbf_hours = mtbf;
@@ -346,10 +344,7 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
         {"eval_seconds", result.eval_seconds},
         {"save_seconds", result.save_seconds},
         {"full_save_seconds", save_seconds},
-        {"save_stall_source",
-         stall_measured ? "the blocking part of an async save, measured by the pilot"
-         : async_saves  ? "the whole save (no blocking part measured on this device)"
-                        : "the whole save (checkpoint.async = false)"},
+        {"save_stall_source", stall.source},
         {"write_bytes_per_second", write_speed},
         {"restart_seconds", restart_seconds},
         {"recovery_seconds", recovery_seconds},
