@@ -8,14 +8,15 @@ runs of the same job on the same machine.
 Per repeat:
 1. `kiln pilot CONFIG` (the production shape; its step time is the median of its timed steps,
    pilot.json's step_timing; its timed matmul at the job's shape: pilot.json's matmul_peak; the
-   blocking part of an async save: checkpoint.save_blocking_seconds).
+   blocking part of an async save: checkpoint.save_blocking_seconds, and the wait that finished
+   it after an evaluation: checkpoint.save_end_wait_seconds).
 2. `kiln train CONFIG` for --steps steps with plan.pilot = that pilot (it logs the forecast at
    its start and tracks itself against it: metrics.jsonl's plan records), saving every
    --save-every steps, then `kiln plan CONFIG --actual TRAIN_RUN`: the forecast step time
    against the median of metrics.jsonl's steps (the first tenth left out), the forecast wall
    time and ETTR against the final plan record's; and the checkpoint time: the forecast's time
-   lost to checkpoints (each save's stall: with checkpoint.async the pilot's blocking part, and
-   the last save's write the final evaluation does not cover) against the final plan record's
+   lost to checkpoints (each save's stall: with checkpoint.async the pilot's blocking part and
+   end wait) against the final plan record's
    checkpoint_seconds (time in the checkpoint phase).
 3. `kiln baseline CONFIG` with baseline.steps = --steps, then `kiln plan CONFIG --actual
    BASELINE_RUN`: the forecast step against the baseline's median.
@@ -98,6 +99,7 @@ def main():
             "pilot_step_timing": pilot_json.get("step_timing"),
             "pilot_save_seconds": pilot_json["checkpoint"]["save_seconds"],
             "pilot_save_blocking_seconds": pilot_json["checkpoint"].get("save_blocking_seconds"),
+            "pilot_save_end_wait_seconds": pilot_json["checkpoint"].get("save_end_wait_seconds"),
             "train_forecast_logged": forecast_line,
             "train": on_train,
             "baseline": on_base,

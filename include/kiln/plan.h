@@ -353,6 +353,8 @@ struct PilotCalibration {
   /// The part of an async save that blocks training (the save call and the staging copy), as the
   /// pilot measured it (0 = not measured: an older pilot).
   double save_blocking_seconds = 0;
+  /// The wait for that save to finish after the next step and an evaluation (0 = not measured).
+  double save_end_wait_seconds = 0;
 };
 
 /// Hash of the config with the [plan] and [pilot] keys at their defaults: what a pilot and a plan
@@ -423,12 +425,14 @@ struct Forecast {
   double memory_calibration = 1;
   double checkpoint_bytes = 0, save_seconds = 0, write_bytes_per_second = 0;
   /// What one save stalls training: with checkpoint.async the blocking part the pilot measured
-  /// (the save call and the staging copy; the write runs beside training), else the whole save.
+  /// (the save call and the staging copy; the write runs beside training) and the wait that
+  /// finished it after an evaluation (save_stall.h), else the whole save.
   bool async_save = false;  // checkpoint.async
   double save_stall_seconds = 0;
   std::string save_stall_source;  // in words
-  /// Time lost to checkpoints over the run: every save's stall and, with async saves, what of
-  /// the last save's write the final evaluation does not cover (kiln train waits for it).
+  /// Time lost to checkpoints over the run: every save's stall and, with async saves and a final
+  /// save after the final evaluation (checkpoint.save_final, steps not a multiple of
+  /// every_steps), the rest of that save's write, which nothing covers.
   double checkpoint_seconds = 0;
   /// The run as a whole: its evaluations (every train.eval_every steps and one at the end) and
   /// checkpoint saves (every checkpoint.every_steps, and the final one with save_final), each at

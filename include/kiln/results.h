@@ -365,6 +365,10 @@ struct PilotResult {
   /// Absent in older pilots.
   std::optional<bool> checkpoint_async;
   std::optional<double> save_blocking_seconds;
+  /// After the next step and an evaluation, the wait for that async save to finish (what of its
+  /// write and commit the evaluation did not cover, and its bookkeeping): how a run's last save
+  /// ends. Absent in older pilots.
+  std::optional<double> save_end_wait_seconds;
   std::string memory_method;
   MemoryParts estimated, measured;  // estimated.activations_and_logits = activations + logits
   double estimated_activations_bytes = 0, estimated_logits_bytes = 0;  // the estimate's two parts

@@ -120,6 +120,7 @@ std::shared_ptr<const SaveHandle> Checkpointer::save(SaveRequest request) {
   job->handle = std::shared_ptr<SaveHandle>(new SaveHandle(request.step));
   job->step = request.step;
   job->rank = rank;
+  job->solo = world == 1;
   job->options = options_;
   job->tmp_dir = tmp_dir;
   job->final_dir = options_.dir / ckpt::step_dir_name(request.step);

@@ -144,6 +144,10 @@ struct Checkpointer::Job {
   std::shared_ptr<SaveHandle> handle;
   int64_t step = 0;
   int rank = 0;
+  /// A one-process world: the writer thread commits as soon as its file is durable (no exchange
+  /// of statuses needed), so a save commits while training runs on, the final one during the
+  /// final evaluation, instead of at the training thread's next poll or wait.
+  bool solo = false;
   CheckpointOptions options;
   std::filesystem::path tmp_dir, final_dir;
   std::vector<std::pair<std::string, torch::Tensor>> tensors;  // this rank's file, CPU tensors
@@ -166,7 +170,8 @@ struct Checkpointer::Job {
   std::jthread thread;
 
   /// The writer thread (writer.cpp): stages (background_staging), writes this rank's file, and on
-  /// rank 0 waits for commit_requested and commits, unless `stop` is requested first.
+  /// rank 0 waits for commit_requested (solo: requests it itself) and commits, unless `stop` is
+  /// requested first.
   void run(std::stop_token stop);
   /// Rank 0, after every rank's file is durable (commit.cpp): index.json, the crash-safe rename,
   /// latest, retention. Returns every rank's files' bytes together. Throws UserError.

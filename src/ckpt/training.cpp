@@ -373,10 +373,15 @@ void CheckpointHook::on_gradients_ready(Trainer& trainer) {
 }
 
 void CheckpointHook::on_step_end(Trainer& trainer, const StepStats&) {
+  const bool save_due = every_steps_ > 0 && trainer.step() % every_steps_ == 0;
+  // Most steps: no save in flight, none due, every outcome acted on: no checkpoint phase at all
+  // (a phase costs every hook's on_phase_begin/end, and a tracked run counts it as checkpoint
+  // time).
+  if (!save_due && !checkpointer_.in_flight() && checked_ == saves_.size()) return;
   PhaseScope phase(trainer, Phase::kCheckpoint);
   checkpointer_.poll();
   check();
-  if (every_steps_ > 0 && trainer.step() % every_steps_ == 0) {
+  if (save_due) {
     save(trainer);
     check();
   }

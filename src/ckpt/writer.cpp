@@ -1,5 +1,6 @@
 // The writer job: the background thread of a save stages the tensors to CPU (background_staging),
-// writes and fsyncs this rank's file into step-<N>.tmp/, and on rank 0 commits once told to.
+// writes and fsyncs this rank's file into step-<N>.tmp/, and on rank 0 commits once told to (in a
+// one-process world at once: Job::solo).
 #include <torch/cuda.h>
 
 #include <cstring>
@@ -83,6 +84,11 @@ void Checkpointer::Job::run(std::stop_token stop) {
     info["ranges"] = std::move(ranges);
     std::lock_guard lock(mutex);
     status = {Kind::kWritten, info.dump(), 0};
+    if (solo && !stop.stop_requested()) {  // the decision the exchange would make, made here
+      gathered = {status};
+      commit_requested = true;
+      status = {Kind::kCommitting, "", 0};
+    }
     bytes_written = result.size_bytes;
     write_seconds = seconds_since(start);
     written = true;

@@ -153,14 +153,17 @@ Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
                          ? pilot->eval_seconds
                          : eval_tokens * train_flops_per_token(shape, job.seq_len) / 3.0 /
                                (f.peak_flops_per_second * f.mfu);  // forward only
-    // Time lost to checkpoints: every save's stall; with async saves kiln train also waits at
-    // its end for the last save's write, which the final evaluation covers in part (the save at
-    // the last step starts before it).
-    const bool saves_at_last_step =
-        save_every > 0 && (steps % save_every == 0 || config.get_bool("checkpoint.save_final"));
-    const double last_write_exposed =
-        stall.measured && saves_at_last_step ? std::max(0.0, f.save_seconds - f.eval_seconds) : 0.0;
-    f.checkpoint_seconds = f.saves * f.save_stall_seconds + last_write_exposed;
+    // Time lost to checkpoints: every save's stall (with async saves measured, that includes the
+    // wait that finishes a save after an evaluation: how the save at the last step ends). A final
+    // save after the final evaluation (save_final, the steps not a multiple of every_steps) is
+    // waited for at once: nothing covers the rest of its write.
+    const bool final_save_after_eval =
+        save_every > 0 && steps % save_every != 0 && config.get_bool("checkpoint.save_final");
+    const double final_write_exposed =
+        stall.measured && final_save_after_eval
+            ? std::max(0.0, f.save_seconds - f.save_stall_seconds)
+            : 0.0;
+    f.checkpoint_seconds = f.saves * f.save_stall_seconds + final_write_exposed;
     f.wall_seconds = f.train_seconds + f.checkpoint_seconds + f.evals * f.eval_seconds;
     f.ettr = f.train_seconds / f.wall_seconds;
   }

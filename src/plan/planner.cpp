@@ -147,6 +147,7 @@ PilotCalibration read_pilot(const std::filesystem::path& run_dir, const Config& 
   if (j.contains("checkpoint")) {
     p.write_bytes_per_second = number(j["checkpoint"], "write_bytes_per_second");
     p.save_blocking_seconds = number(j["checkpoint"], "save_blocking_seconds");
+    p.save_end_wait_seconds = number(j["checkpoint"], "save_end_wait_seconds");
   }
   if (j.contains("step_timing") && j["step_timing"].is_object())
     p.step_timing = j["step_timing"].value("method", "");

@@ -93,6 +93,7 @@ void pilot_fields(const Io& io, PilotResult& p) {
     ckpt("write_bytes_per_second", p.write_bytes_per_second);
     ckpt.opt("async", p.checkpoint_async);
     ckpt.opt("save_blocking_seconds", p.save_blocking_seconds);
+    ckpt.opt("save_end_wait_seconds", p.save_end_wait_seconds);
   });
   io.opt_object("step_timing", p.step_timing, [](const Io& x, PilotStepTiming& t) {
     x("method", t.method);

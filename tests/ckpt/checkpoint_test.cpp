@@ -7,8 +7,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include "ckpt/ckpt_helpers.h"
 #include "ckpt/thread_comm.h"
@@ -170,6 +172,32 @@ TEST(Ckpt, AtMostOneSaveInFlight) {
   checkpointer.wait();
   EXPECT_TRUE(second->committed());
   EXPECT_FALSE(checkpointer.in_flight());
+}
+
+// In a one-process world there is no exchange to wait for: the writer thread commits as soon as
+// its file is durable, so a run's last save commits while its final evaluation runs, not in the
+// wait after it. The training thread learns of it at its next poll or wait.
+TEST(Ckpt, AOneProcessAsyncSaveCommitsWithoutWaitingForAPoll) {
+  TempDir dir;
+  auto comm = single_process_communicator();
+  CheckpointOptions options = options_for(dir.path(), /*async=*/true);
+  options.background_staging = true;
+  Checkpointer checkpointer(options, *comm);
+  auto handle = checkpointer.save(request(1, replicated_state(1)));
+  // No poll, no wait: only the writer thread can publish step-1 and latest.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!std::filesystem::exists(dir / "latest") &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  ASSERT_TRUE(std::filesystem::exists(dir / "latest")) << "not committed without a poll";
+  EXPECT_TRUE(std::filesystem::exists(dir / "step-1" / "index.json"));
+  EXPECT_FALSE(handle->finished());  // resolved by the training thread, at its next poll or wait
+  EXPECT_TRUE(checkpointer.in_flight());
+  checkpointer.wait();
+  EXPECT_TRUE(handle->committed()) << handle->error();
+  EXPECT_FALSE(checkpointer.in_flight());
+  EXPECT_TRUE(verify_checkpoint(dir / "step-1").ok());
 }
 
 TEST(Ckpt, RetentionKeepsLastKAndKeepEvery) {
