@@ -10,7 +10,6 @@
 #include <cstring>
 #include <fstream>
 #include <map>
-#include <set>
 
 #include "core/clock.h"
 #include "core/files.h"
@@ -27,26 +26,13 @@
 #include "kiln/plan.h"
 #include "kiln/results.h"
 #include "kiln/rungs.h"
+#include "rungs/pilot_memory.h"
 
 namespace kiln {
 namespace {
 
 using nlohmann::json;
 using Clock = SteadyClock;
-
-// Bytes of the distinct storages behind `tensors` (views of one flat buffer count once; a
-// parameter whose storage FSDP released counts 0).
-double storage_bytes(const std::vector<torch::Tensor>& tensors) {
-  std::set<const void*> seen;
-  double total = 0;
-  for (const auto& t : tensors) {
-    if (!t.defined()) continue;
-    const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
-    if (!seen.insert(storage).second) continue;
-    total += static_cast<double>(storage->nbytes());
-  }
-  return total;
-}
 
 // Names of the tensors that differ between two checkpoints' lists: bitwise, or within a relative
 // `tolerance` for floating-point tensors when it is > 0.
@@ -83,56 +69,6 @@ double device_peak_flops(const Config& config, const std::string& device_name,
   return catalog_peak_flops(config, device_name, job.precision);
 }
 
-// Measured against estimated memory, by the parts both sides can see: the held state
-// (parameters, optimizer state, the gradient buffers a layout keeps), the gradients after the
-// step, and the step's own peak above the held state (activations, logits, gradients, buffers).
-struct MemoryComparison {
-  double ratio = 0;          // measured / estimated peak
-  double working_ratio = 0;  // measured / estimated step peak above the held state
-  std::vector<PilotMemoryPart> parts;
-  std::string worst;       // the part whose |measured - estimated| is largest, in words
-  std::string table_text;  // one line for the pilot's table
-};
-
-MemoryComparison compare_memory(const StepMemory& measured, const MemoryEstimate& estimate,
-                                const JobShape& job) {
-  const double held_gradients = job.strategy == "none" ? 0.0 : estimate.gradients_after_step;
-  const double estimated_held = estimate.parameters + estimate.optimizer + held_gradients;
-  const double estimated_working = estimate.step_peak() - estimated_held;
-  struct Row {
-    const char* name;
-    double measured, estimated;
-  };
-  const std::vector<Row> rows = {
-      {"parameters", measured.parameters_bytes, estimate.parameters},
-      {"optimizer state", measured.optimizer_bytes, estimate.optimizer},
-      {"gradient buffers held across steps", measured.held_gradient_bytes, held_gradients},
-      {"gradients after the step", measured.gradients_after_step_bytes,
-       estimate.gradients_after_step},
-      {"the step's working memory (activations, logits, gradients, buffers) at its peak",
-       measured.step_peak_bytes, estimated_working},
-  };
-  MemoryComparison out;
-  out.ratio = estimate.step_peak() > 0 ? measured.peak_bytes() / estimate.step_peak() : 0;
-  out.working_ratio = estimated_working > 0 ? measured.step_peak_bytes / estimated_working : 0;
-  double largest = -1;
-  for (const Row& row : rows) {
-    out.parts.push_back({row.name, row.measured, row.estimated});
-    const double difference = std::abs(row.measured - row.estimated);
-    if (difference > largest) {
-      largest = difference;
-      out.worst = fmt::format("{}, {} measured vs {} estimated", row.name,
-                              format_bytes(row.measured), format_bytes(row.estimated));
-    }
-  }
-  out.table_text = fmt::format(
-      "params {}, optimizer {}, gradients {}, the step's working memory {} measured vs {} "
-      "estimated (peak at {})",
-      format_bytes(measured.parameters_bytes), format_bytes(measured.optimizer_bytes),
-      format_bytes(measured.gradients_after_step_bytes), format_bytes(measured.step_peak_bytes),
-      format_bytes(estimated_working), estimate.peak_at);
-  return out;
-}
 
 // Fences on an async save's staging copy before the optimizer step, as kiln train's
 // CheckpointHook does (kiln/checkpoint.h), and adds up how long that blocked: armed while
@@ -182,36 +118,6 @@ std::vector<std::string> check_pins(const Config& config, const std::filesystem:
   return manifest_differences(pinned, current);
 }
 
-StepMemory measure_step_memory(Trainer& trainer, const torch::Device& device,
-                               double held_gradient_bytes) {
-  StepMemory out;
-  std::vector<torch::Tensor> parameters, state;
-  for (const auto& p : trainer.model().parameters()) parameters.push_back(p);
-  for (const auto& [name, p] : trainer.optimizer().parameters()) parameters.push_back(p);
-  for (const auto& [name, t] : trainer.optimizer().state()) state.push_back(t);
-  out.parameters_bytes = storage_bytes(parameters);
-  out.optimizer_bytes = storage_bytes(state);
-  out.held_gradient_bytes = held_gradient_bytes;
-  reset_peak_memory(device);
-  int64_t meter_peak = 0;
-  {
-    MemoryMeter meter;
-    out.stats = trainer.train_step(/*sync=*/true);
-    meter.stop();
-    meter_peak = meter.peak_bytes(device);
-  }
-  const PeakMemory process = read_peak_memory(device);
-  out.step_peak_bytes = device.is_cuda() && process.allocated_bytes > 0
-                            ? process.allocated_bytes - out.held_bytes()
-                            : static_cast<double>(meter_peak);
-  if (device.is_cpu()) out.process_peak_rss_bytes = process.allocated_bytes;
-  out.reserved_bytes = process.reserved_bytes;
-  std::vector<torch::Tensor> gradients;
-  for (const auto& [name, p] : trainer.optimizer().parameters())
-    if (p.grad().defined()) gradients.push_back(p.grad());
-  out.gradients_after_step_bytes = storage_bytes(gradients);
-  return out;
-}
 
 RungResult run_pilot(const Config& config, const SessionOptions& options) {
   const auto begin = Clock::now();
