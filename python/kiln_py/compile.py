@@ -37,7 +37,7 @@ import warnings
 
 import torch
 
-from kiln_py import compile_units, models
+from kiln_py import aoti, compile_units, models
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_SPEC, EXIT_GRAPH_BREAKS = 0, 1, 2, 3
 
@@ -396,9 +396,7 @@ def accepted_shapes(ep, spec):
 
 
 def compile_package(ep, path):
-    from torch._inductor import aoti_compile_and_package
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    return aoti_compile_and_package(ep, package_path=path, inductor_configs=INDUCTOR_CONFIGS)
+    return aoti.compile_and_package(ep, path, INDUCTOR_CONFIGS)
 
 
 def package_constants(path, device):

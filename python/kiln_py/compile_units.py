@@ -21,13 +21,12 @@ The model's root (the parameters outside every unit) is compiled the same way, a
 -> the first unit's input) and "root.after_units" (final norm, head and loss, f(hidden, targets,
 *parameters) -> the loss); their integer inputs (token ids, targets) get no gradient.
 """
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 
-from kiln_py import models
+from kiln_py import aoti, models
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int64": torch.int64}
@@ -238,10 +237,8 @@ class _DropNone(torch.nn.Module):
 
 
 def package(module, args, path, configs):
-    from torch._inductor import aoti_compile_and_package
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     ep = torch.export.export(module, tuple(args), strict=False)
-    return aoti_compile_and_package(ep, package_path=path, inductor_configs=configs)
+    return aoti.compile_and_package(ep, path, configs)
 
 
 def run_unit(spec, result, model, device, autocast, configs, found_graph_breaks):

@@ -1,12 +1,14 @@
 """python -m kiln_py.compile, as kiln runs it: graph breaks (exit 3), a real AOTInductor compile of
 the mlp's training step whose package, bound to the twin's own tensors, gives autograd's loss and
 gradients (exit 0), and bad specs (exit 2). The result file is written in every case."""
+import glob
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import unittest
+import zipfile
 
 import support
 import torch
@@ -71,6 +73,19 @@ class CompileScript(unittest.TestCase):
             self.assertEqual((result["graph_count"], result["graph_break_count"]), (1, 0))
             self.assertTrue(os.path.isfile(spec["package"]))
             self.assertEqual(result["package"], spec["package"])
+            # The generated files were named for this compile alone (two processes compiling the
+            # same graph at once must not share them: kiln_py/aoti.py) and were removed from
+            # Inductor's cache once packaged.
+            with zipfile.ZipFile(spec["package"]) as z:
+                generated = [os.path.basename(n) for n in z.namelist() if "/aotinductor/" in n]
+            stems = {g.split(".", 1)[0] for g in generated}
+            self.assertEqual(len(stems), 1, generated)
+            [name] = stems
+            self.assertRegex(name, r"^kiln_[0-9]+_[0-9]+$")
+            from torch._inductor.runtime.cache_dir_utils import cache_dir
+            left = glob.glob(os.path.join(cache_dir(), "**", name + "*"), recursive=True)
+            self.assertTrue(os.path.isdir(cache_dir()), cache_dir())
+            self.assertEqual(left, [], "the private generated files stay in Inductor's cache")
 
             torch.manual_seed(1)
             module = models.WithLoss(models.build(spec["model"]))
