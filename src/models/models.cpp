@@ -77,6 +77,16 @@ class Mlp final : public Model {
 
 // ---- GPT-2 (B = batch, T = time, C = channels, H = heads, V = vocabulary) ---------------------
 
+// A linear layer on a [B, T, C] input through at::linear, as Python's nn.Linear runs it, not
+// through nn::Linear::forward: the C++ frontend's F::linear computes a 3-D input as a matmul, then
+// `+= bias`. Under autocast that adds the fp32 bias into the bf16 product through a promoted fp32
+// temporary (gpt small bf16-mixed: 32 ms of a 378 ms step in aten::add_ and the temporary's
+// fill under run.deterministic), and in fp32 it misses addmm's fused bias; at::linear flattens
+// to one addmm, with autocast casting the bias with the weight.
+torch::Tensor linear(const nn::Linear& layer, const torch::Tensor& x) {
+  return torch::linear(x, layer->weight, layer->bias);
+}
+
 class CausalSelfAttention final : public nn::Module {
  public:
   CausalSelfAttention(int64_t n_embd, int64_t n_head) : n_head_(n_head) {
@@ -85,7 +95,7 @@ class CausalSelfAttention final : public nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x) {
     const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
-    auto qkv = c_attn_->forward(x).split(C, /*dim=*/2);  // 3 x [B, T, C]
+    auto qkv = linear(c_attn_, x).split(C, /*dim=*/2);  // 3 x [B, T, C]
     auto heads = [&](const torch::Tensor& t) {
       return t.view({B, T, n_head_, C / n_head_}).transpose(1, 2);  // [B, H, T, C/H]
     };
@@ -93,7 +103,7 @@ class CausalSelfAttention final : public nn::Module {
                                               /*attn_mask=*/{}, /*dropout_p=*/0.0,
                                               /*is_causal=*/true);
     y = y.transpose(1, 2).contiguous().view({B, T, C});
-    return c_proj_->forward(y);
+    return linear(c_proj_, y);
   }
   nn::Linear c_proj() const { return c_proj_; }
 
@@ -114,8 +124,8 @@ class Block final : public nn::Module {
   }
   torch::Tensor forward(torch::Tensor x) {
     x = x + attn_->forward(ln_1_->forward(x));
-    auto h = torch::gelu(c_fc_->forward(ln_2_->forward(x)), "tanh");  // [B, T, 4C]
-    return x + c_proj_->forward(h);
+    auto h = torch::gelu(linear(c_fc_, ln_2_->forward(x)), "tanh");  // [B, T, 4C]
+    return x + linear(c_proj_, h);
   }
   // The two residual projections, whose init is scaled by 1/sqrt(2 * n_layer).
   std::vector<torch::Tensor> residual_projections() const {
