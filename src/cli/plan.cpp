@@ -151,9 +151,10 @@ int plan_against_actual(const Config& config, const std::string& pilot_dir,
     const Config ran = Config::load(run_dir / "config.toml");
     if (job_hash(ran) != job_hash(config)) {
       throw UserError(fmt::format(
-          "--actual {}: that run trained another job (job hash {} there, {} for {}); give the "
-          "config it ran",
-          run_dir.string(), job_hash(ran), job_hash(config), config.source_name()));
+          "--actual {}: that run trained another job (job hash {} there, {} for {}); plan from "
+          "the config it ran, its overrides included: kiln plan {} --actual {}",
+          run_dir.string(), job_hash(ran), job_hash(config), config.source_name(),
+          (run_dir / "config.toml").string(), run_dir.string()));
     }
   }
   std::optional<PilotCalibration> pilot;

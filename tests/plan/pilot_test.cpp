@@ -457,6 +457,13 @@ TEST(Pilot, FullCycleRestoreCheckPinsAndPlan) {
                           run_dir.string());
   EXPECT_EQ(foreign.exit_code, 2);
   EXPECT_THAT(foreign.err, HasSubstr("another job"));
+  // ... with the command that plans the run's own job (its config.toml holds every override).
+  const std::string own = "plan " + (run_dir / "config.toml").string() + " --actual " +
+                          run_dir.string();
+  EXPECT_THAT(foreign.err, HasSubstr("kiln " + own));
+  auto from_run = run_kiln(own);
+  EXPECT_EQ(from_run.exit_code, 0) << from_run.out << from_run.err;
+  EXPECT_THAT(from_run.out, HasSubstr("Most wrong input"));
 
   // --check-pins: nothing differs; then a changed revision, then content under the same revision.
   const std::string manifest_path = (run_dir / "manifest.json").string();
