@@ -84,8 +84,8 @@ int main(int argc, char** argv) {
     extra.push_back(setting);
     Side side{name, bench_config(extra, threads), nullptr, {}, {}, {}};
     apply_runtime_settings(side.config);
-    side.trainer =
-        std::make_unique<Trainer>(side.config, make_model(side.config), make_datasets(side.config));
+    side.trainer = std::make_unique<Trainer>(TrainerSetup::from_config(side.config),
+                                             make_model(side.config), make_datasets(side.config));
     sides.push_back(std::move(side));
   }
   for (int k = 0; k < warmup + steps; ++k) {

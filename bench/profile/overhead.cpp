@@ -67,7 +67,8 @@ int main(int argc, char** argv) {
   // Identical trainers: the same seed before each one.
   auto make_trainer = [&] {
     apply_runtime_settings(config);
-    return std::make_unique<Trainer>(config, make_model(config), make_datasets(config));
+    return std::make_unique<Trainer>(TrainerSetup::from_config(config), make_model(config),
+                                     make_datasets(config));
   };
   auto trainers = std::vector<std::unique_ptr<Trainer>>();
   for (int k = 0; k < 3; ++k) trainers.push_back(make_trainer());

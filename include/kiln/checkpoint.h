@@ -243,6 +243,9 @@ VerifyReport verify_checkpoint(const std::filesystem::path& step_dir);
 
 struct LoadOptions {
   bool verify = true;  // check every file's xxh3 (each file hashed once, spread over the ranks)
+  /// The step directory's index when the caller has read it already (locate_resume): used as it
+  /// is, not read again. Null: read it. Must outlive the load_checkpoint call.
+  const CheckpointIndex* index = nullptr;
 };
 
 struct LoadResult {
@@ -291,24 +294,74 @@ int64_t consolidate_checkpoint(const std::filesystem::path& step_dir,
 
 // ---- training integration ---------------------------------------------------------------------
 
-/// The [checkpoint] section resolved for a run (dir "" -> <run dir>/checkpoints).
+/// checkpoint.dir resolved for a run in `run_dir` ("" -> <run dir>/checkpoints). A run resolves
+/// it once (kiln/job.h resolve_job).
+std::filesystem::path checkpoint_directory(const Config& config,
+                                           const std::filesystem::path& run_dir);
+/// The [checkpoint] section resolved for a run (checkpoint_directory, then the store's keys).
 CheckpointOptions checkpoint_options(const Config& config, const std::filesystem::path& run_dir);
+
+/// What a training checkpoint records about the run that saved it (capture_training_state).
+struct CheckpointRecord {
+  std::string config_hash;            // the run's Config::hash() ("" : not recorded)
+  nlohmann::json settings = nullptr;  // the checkpoint settings a resumed run keeps (null: none)
+  std::filesystem::path manifest;     // the run's manifest.json ("" : none)
+};
+
+/// Everything `kiln train`'s checkpointing reads, resolved once from the config
+/// (training_checkpoint_options): the store, when to save, what each save records.
+struct TrainingCheckpointOptions {
+  CheckpointOptions store;          // the [checkpoint] section, dir resolved
+  int64_t every_steps = 0;          // checkpoint.every_steps (0: no periodic saves)
+  bool save_final = true;           // checkpoint.save_final
+  bool stop_on_error = true;        // checkpoint.on_save_error = "stop" (else "continue")
+  int preempt_timeout_seconds = 0;  // checkpoint.preempt_timeout_seconds
+  CheckpointRecord record;          // manifest: <run dir>/manifest.json
+};
+/// The [checkpoint] section of `config` for a run in `run_dir` saving into `checkpoint_dir`
+/// (checkpoint_directory's, resolved by the caller).
+TrainingCheckpointOptions training_checkpoint_options(const Config& config,
+                                                      const std::filesystem::path& run_dir,
+                                                      const std::filesystem::path& checkpoint_dir);
 
 /// The Trainer's full state as this rank's SaveRequest: model parameters and buffers
 /// ("model/<name>") and optimizer state ("optim/<name>"), replicated; this rank's CPU (and CUDA)
 /// RNG state ("rng/rank-<r>/cpu"); rank state: loader position and RNG names; training state:
-/// step, epoch, optimizer steps, LR-schedule state, grad scaler (null), config hash, manifest.
+/// step, epoch, optimizer steps, LR-schedule state, grad scaler (null), and `record` (config
+/// hash, the checkpoint settings, the manifest's path and hash).
 SaveRequest capture_training_state(Trainer& trainer, Communicator& comm,
-                                   const std::filesystem::path& manifest);
+                                   const CheckpointRecord& record = {});
 
 /// Restores a Trainer from the checkpoint at `step_dir` (or, with `dir_fallback`, the newest
 /// loadable one in that directory): parameters, optimizer state and steps, step, loader position
-/// (converted when the world size changed), RNG states. Warns when the config hash or the LR
-/// schedule differ. Returns what was loaded, or nullopt when `dir_fallback` found no checkpoint.
-/// Collective.
+/// (converted when the world size changed), RNG states. Warns when the LR schedule differs, and
+/// when `config_hash` is given and differs from the saved one. Returns what was loaded, or
+/// nullopt when `dir_fallback` found no checkpoint. Collective.
 std::optional<LoadResult> restore_training_state(Trainer& trainer, Communicator& comm,
                                                  const std::filesystem::path& path,
-                                                 bool dir_fallback);
+                                                 bool dir_fallback,
+                                                 const std::string& config_hash = "");
+
+/// Where `kiln train --resume` continues from, located once before anything is written
+/// (locate_resume) and handed to resume_config, check_train_start and attach_checkpointing, so
+/// the checkpoint directory is searched and the index read once per process.
+struct ResumePlan {
+  std::string argument;          // "" (fresh), "auto", or a path, as given
+  std::filesystem::path search;  // "auto": the checkpoint directory; else the given path
+  bool exact = false;            // `search` is a step directory: no falling back past it
+  /// The checkpoint to load first: the newest committed one whose index reads (or `search`
+  /// itself when exact), and that index. Empty for a fresh start or when none reads.
+  std::optional<std::filesystem::path> step_dir;
+  std::optional<CheckpointIndex> index;
+  bool any_committed = false;  // `search` holds a committed checkpoint (readable or not)
+  /// The run continues an earlier history (it appends to metrics.jsonl): a checkpoint to load,
+  /// or committed ones that do not read (the load then says why).
+  bool continues() const { return step_dir.has_value() || any_committed; }
+};
+/// Locates the checkpoint `resume` names ("" fresh, "auto" the newest in `checkpoint_dir`, or a
+/// step directory or a directory of them). Throws UserError for a path that does not exist, or
+/// one that holds no committed checkpoint. Not collective: every rank reads the same files.
+ResumePlan locate_resume(const std::string& resume, const std::filesystem::path& checkpoint_dir);
 
 /// The periodic checkpointer as a TrainerHook: saves every checkpoint.every_steps steps (and at
 /// the end with checkpoint.save_final), polls the save in flight after every step, waits for it at
@@ -318,8 +371,8 @@ std::optional<LoadResult> restore_training_state(Trainer& trainer, Communicator&
 /// training continues ("continue"). Training thread only.
 class CheckpointHook : public TrainerHook {
  public:
-  CheckpointHook(const Config& config, CheckpointOptions options, Communicator& comm,
-                 std::filesystem::path manifest);
+  /// `comm` must outlive the hook (the session holds both).
+  CheckpointHook(const TrainingCheckpointOptions& options, Communicator& comm);
   void on_train_begin(Trainer& trainer) override;
   void on_gradients_ready(Trainer& trainer) override;
   void on_step_end(Trainer& trainer, const StepStats& stats) override;
@@ -339,7 +392,7 @@ class CheckpointHook : public TrainerHook {
   bool save_final_;
   bool stop_on_error_;
   Communicator& comm_;
-  std::filesystem::path manifest_;
+  CheckpointRecord record_;
   Checkpointer checkpointer_;
   std::vector<std::shared_ptr<const SaveHandle>> saves_;
   size_t checked_ = 0;
@@ -364,10 +417,11 @@ class PreemptionHook : public TrainerHook {
   std::shared_ptr<CheckpointHook> checkpoints_;  // null when the run saves no checkpoints
 };
 
-/// Installs the signal handlers (checkpoint.preempt_timeout_seconds) and adds a PreemptionHook
-/// to `trainer`. `checkpoints` is attach_checkpointing's hook (may be null).
+/// Installs the signal handlers (`timeout_seconds`: checkpoint.preempt_timeout_seconds) and adds
+/// a PreemptionHook to `trainer`. `checkpoints` is attach_checkpointing's hook (may be null).
 std::shared_ptr<PreemptionHook> attach_preemption(Trainer& trainer, Communicator& comm,
-                                                  std::shared_ptr<CheckpointHook> checkpoints);
+                                                  std::shared_ptr<CheckpointHook> checkpoints,
+                                                  int timeout_seconds);
 
 /// What to tell the user about a failed checkpoint write or commit, from the error text's cause
 /// (strerror): ENOSPC/EDQUOT/EFBIG: free space (and checkpoint.on_save_error = "continue", when
@@ -388,38 +442,35 @@ std::filesystem::path checkpoint_step_dir(const std::filesystem::path& dir, int6
 /// Whether `step_dir` holds a committed checkpoint (its index file exists).
 bool checkpoint_committed(const std::filesystem::path& step_dir);
 
-/// For `kiln train`, before open_session (so that bad input writes nothing, metrics.jsonl
-/// included): checks that `resume` is "", "auto" or an existing path, and, when the run saves
-/// checkpoints (checkpoint.every_steps > 0), refuses what attach_checkpointing would refuse and can
-/// be seen already: a fresh start into a checkpoint.dir holding committed checkpoints, a resume
-/// from a step directory older than checkpoint.dir's newest. On a resume it also checks that the
-/// checkpoint it will load (the newest whose index reads) holds exactly the model and optimizer
-/// tensors `config` builds, same names, shapes and dtypes (a model built from `config` without
-/// its weights' init_from), naming the first difference: `--resume` restores a run exactly;
-/// model.init_from loads a subset. Returns true when the run continues an earlier one (open the
-/// session with append_metrics). Throws UserError naming the directory and the fix. Not
-/// collective: every rank reads the same files.
-bool check_train_start(const Config& config, const std::string& resume);
+/// For `kiln train`, before the run directory opens (so that bad input writes nothing,
+/// metrics.jsonl included), with the model the run will train (built once): when the run saves
+/// checkpoints (every_steps > 0), refuses what attach_checkpointing would refuse and can be seen
+/// already: a fresh start into a checkpoint directory holding committed checkpoints, a resume
+/// from a step directory older than the directory's newest. On a resume it also checks that the
+/// checkpoint `plan` loads first holds exactly the model and optimizer tensors `model` and
+/// `optim` make (the checkpoint's recorded names, shapes and dtypes against the model's and the
+/// optimizer's on meta tensors), naming the first difference: `--resume` restores a run exactly;
+/// model.init_from loads a subset. Throws UserError naming the directory and the fix. Not
+/// collective.
+void check_train_start(const ResumePlan& plan, const TrainingCheckpointOptions& options,
+                       Model& model, const OptimOptions& optim);
 
 /// For `kiln train --resume`: `config` with the checkpoint settings of the run it continues
 /// (checkpoint.every_steps, keep_last_k, keep_every, save_final, async, on_save_error, as the
-/// checkpoint to resume recorded them), except the keys named in `explicit_keys` (those given with
-/// --set, "section.key"), so a resumed run keeps saving as it did. `config` unchanged for a fresh
-/// start ("" or auto without checkpoints) or a checkpoint that recorded no settings. Reads only
-/// index.json; throws UserError when `resume` names no checkpoint. Not collective.
-Config resume_config(const Config& config, const std::string& resume,
+/// checkpoint `plan` loads first recorded them), except the keys named in `explicit_keys` (those
+/// given with --set, "section.key"), so a resumed run keeps saving as it did. `config` unchanged
+/// for a fresh start or a checkpoint that recorded no settings. Reads no file.
+Config resume_config(const Config& config, const ResumePlan& plan,
                      const std::vector<std::string>& explicit_keys);
 
-/// For `kiln train`: resumes the session's trainer when `resume` is "auto" (the newest loadable
-/// checkpoint in checkpoint.dir, or a fresh start when there is none) or a path (a step directory,
-/// or a checkpoint directory: its newest loadable one), and adds a CheckpointHook when
-/// checkpoint.every_steps > 0. When it saves, checkpoint.dir must hold one history: a fresh start
-/// into a directory with committed checkpoints, or a resume at a step older than one of them (an
-/// older --resume path, or --resume auto falling back past damaged newer ones), throws UserError
-/// naming those checkpoints and the fix, before anything is written. Returns the hook (nullptr
-/// when none). Collective.
+/// For `kiln train`: resumes the trainer from `plan` (the checkpoint it located, falling back
+/// past damaged ones in a directory; a fresh start when there is none and the argument was
+/// "auto"), and adds a CheckpointHook when options.every_steps > 0. When it saves, the checkpoint
+/// directory must hold one history: a fresh start into a directory with committed checkpoints,
+/// or a resume at a step older than one of them, throws UserError naming those checkpoints and
+/// the fix, before anything is written. Returns the hook (nullptr when none). Collective.
 std::shared_ptr<CheckpointHook> attach_checkpointing(Trainer& trainer, Communicator& comm,
-                                                     const std::filesystem::path& run_dir,
-                                                     const std::string& resume);
+                                                     const TrainingCheckpointOptions& options,
+                                                     const ResumePlan& plan);
 
 }  // namespace kiln

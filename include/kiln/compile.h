@@ -44,9 +44,11 @@ struct CompileOptions {
   Dynamic dynamic = Dynamic::kAuto;
   Granularity granularity = Granularity::kStep;  // resolved: see compiles_per_unit()
   bool fullgraph = true;
+  bool root = true;  // compile.root: per unit, the root's pieces (embeddings, head, loss) too
   int recompile_limit = 8;
   std::vector<int64_t> probe_seq_lens;  // the rung's shape probe (resolved; may be empty)
   double tolerance = 1e-4;  // resolved: compile.tolerance, else default_compile_tolerance()
+  bool tolerance_configured = false;  // compile.tolerance set (> 0), not the precision's default
   double min_speedup = 1.05;
   int64_t warmup_steps = 3;
   int64_t steps = 10;

@@ -47,6 +47,20 @@ struct DistEnvironment {
   bool process_group = false;
 };
 
+/// The [dist] keys that say how a process joins its group (dist/options.cpp reads them).
+struct ProcessGroupOptions {
+  std::string launcher = "auto";  // dist.launcher: "auto", "torchrun", "slurm", "none"
+  std::string backend = "auto";   // dist.backend: "auto" (NCCL on CUDA, else Gloo), "gloo", "nccl"
+  std::string master_addr;        // dist.master_addr (MASTER_ADDR wins)
+  int master_port = 29500;        // dist.master_port (MASTER_PORT wins)
+  double timeout_seconds = 300;   // dist.timeout_seconds
+  std::string torchrun;           // dist.torchrun ("": found, see find_torchrun)
+  std::string device = "cpu";     // run.device (the backend "auto" resolves by it)
+  std::string config_hash;        // Config::hash(): every rank must train the same job
+  std::string strategy = "auto";  // dist.strategy: "auto", "ddp", "fsdp" (resolve_strategy)
+  static ProcessGroupOptions from_config(const Config& config);
+};
+
 /// Looks up an environment variable; nullptr when unset. Tests pass a map instead of ::getenv.
 using EnvLookup = std::function<const char*(const char*)>;
 
@@ -58,7 +72,7 @@ using EnvLookup = std::function<const char*(const char*)>;
 /// than one task, else one process). Sets process_group (see there). Pure apart from `env`. Throws
 /// UserError naming the variable or key and the fix: WORLD_SIZE without a master address, a rank
 /// outside [0, WORLD_SIZE), ...
-DistEnvironment read_dist_environment(const Config& config, const EnvLookup& env);
+DistEnvironment read_dist_environment(const ProcessGroupOptions& options, const EnvLookup& env);
 
 /// Under a launcher that sets LOCAL_RANK (torchrun), asks the kernel to SIGKILL this process when
 /// its parent (the launcher's agent) dies (prctl PR_SET_PDEATHSIG), and exits at once (status
@@ -330,7 +344,7 @@ struct TorchrunOutcome {
 /// .venv/bin/torchrun one directory above, then next to, the kiln executable. Throws UserError
 /// when dist.torchrun is set but is not an executable file, or when none is found (the message
 /// names dist.torchrun as the fix).
-std::filesystem::path find_torchrun(const Config& config);
+std::filesystem::path find_torchrun(const ProcessGroupOptions& options);
 
 /// Runs `<torchrun> --standalone --nproc-per-node=<job.processes> --no-python <kiln> <job.command>
 /// <launch config> --quiet` from this process (which is not itself a rank) and waits for it; the

@@ -151,6 +151,17 @@ struct ModelMath {
   /// instead (its input), and how many units Model::units() returns.
   double unit_activation_elements_per_sample = 0, unit_input_elements_per_sample = 0;
   int64_t units = 0;
+  /// Token models: the positions the model holds (a learned position table's rows; the context
+  /// length), and whether the head is the token embedding's weight.
+  int64_t block_size = 0;
+  bool tie_embeddings = false;
+  /// Feature models: input features, hidden width, classes per sample.
+  int64_t input_dim = 0, hidden_dim = 0, num_classes = 0;
+  /// The walk kiln's memory model takes through this model's step (src/plan/memory_model.cpp):
+  /// a layout it knows allocation by allocation, or kGeneric, the estimate from the figures
+  /// above. A model of your own built like one of kiln's may name its layout.
+  enum class StepLayout { kGeneric, kMlp, kGptDecoder, kLlamaDecoder };
+  StepLayout step_layout = StepLayout::kGeneric;
   /// Training FLOPs (forward + backward) per token at `seq_len`: 6N + 12 * L * width * T.
   double train_flops_per_token(int64_t seq_len) const {
     const double attention = 12.0 * static_cast<double>(n_layer) *

@@ -16,6 +16,8 @@
 #include <string_view>
 #include <vector>
 
+#include "kiln/models.h"
+
 namespace kiln {
 
 class Config;
@@ -73,15 +75,17 @@ nlohmann::json to_json(const StrategyDecision& decision);
 
 /// The shape of the configured model, read from the config without building it.
 struct ModelShape {
-  /// model.name: "gpt", "llama", "mlp", or another registered model (planned from its math).
+  /// model.name, for messages and plan.json: the plan reads a model only through its
+  /// ModelSpec::math (kiln/models.h), kiln's own models as any other.
   std::string architecture;
-  int64_t n_layer = 0, n_head = 0, n_embd = 0, block_size = 0, vocab_size = 0;  // gpt, llama
-  int64_t n_kv_head = 0, intermediate_size = 0;  // llama: key/value heads, the SwiGLU width
-  bool tie_embeddings = false;                   // llama: lm_head is embed_tokens' weight
-  int64_t input_dim = 0, hidden_dim = 0, num_classes = 0;  // mlp
-  /// A model other than gpt and mlp: its ModelSpec::math (kiln/models.h) figures, which the
-  /// parameter, unit and FLOP counts below return for it (llama's math is llama_math; a user
-  /// model's is whatever it registered). 0 for gpt and mlp, counted from the shape.
+  bool tokens = true;  // a token model (its job has data.seq_len tokens per sample)
+  /// The walk the memory model takes through the step (ModelMath::step_layout).
+  ModelMath::StepLayout layout = ModelMath::StepLayout::kGeneric;
+  int64_t n_layer = 0, n_head = 0, n_embd = 0, block_size = 0, vocab_size = 0;  // token models
+  int64_t n_kv_head = 0, intermediate_size = 0;  // key/value heads, the MLP's inner width
+  bool tie_embeddings = false;                   // the head is the token embedding's weight
+  int64_t input_dim = 0, hidden_dim = 0, num_classes = 0;  // feature models (the mlp)
+  /// The ModelMath counts the parameter, unit and FLOP counts below return.
   int64_t math_parameters = 0, math_largest_unit_parameters = 0, math_flop_parameters = 0,
           math_attention_layers = 0, math_attention_width = 0;
   /// Its ModelMath activation figures (elements per sample; 0: unknown) and unit count.
@@ -90,26 +94,26 @@ struct ModelShape {
   int64_t math_units = 0;
 };
 
-/// The config's model shape (model.name, model.preset and its overrides; any other registered
-/// model through its ModelSpec::math). Throws UserError for a shape the model cannot be built
-/// with (as resolve_gpt_config / resolve_llama_config), or a model that registers no math.
+/// The config's model shape, from the model's ModelSpec::math. Throws UserError for a shape the
+/// model cannot be built with (as resolve_gpt_config / resolve_llama_config), or a model that
+/// registers no math.
 ModelShape model_shape(const Config& config);
 
-/// Scalar parameters of the model kiln builds for `shape`, counted from the layer shapes (equal
-/// to parameter_count(*make_model(config)); tests hold them equal). gpt: V*C + block*C +
-/// L*(12C^2 + 13C) + 2C (tied head, biases, LayerNorm weight and bias); other models their
-/// ModelSpec::math (llama: V*C (x2 untied) + L*(2C*H*D + 2C*K*D + 3C*I + 2C) + C).
+/// Scalar parameters of the model kiln builds for `shape` (ModelMath::parameters; equal to
+/// parameter_count(*make_model(config)), tests hold them equal). gpt: V*C + block*C +
+/// L*(12C^2 + 13C) + 2C (tied head, biases, LayerNorm weight and bias); llama: V*C (x2 untied) +
+/// L*(2C*H*D + 2C*K*D + 3C*I + 2C) + C; the mlp: d*h + h + h*k + k.
 int64_t analytic_parameter_count(const ModelShape& shape);
 
-/// Parameters of the largest FSDP unit: one transformer block (12C^2 + 13C) or the embeddings +
-/// final-norm group (V*C + block*C + 2C), whichever is larger; the mlp is one unit.
+/// Parameters of the largest FSDP unit (ModelMath::largest_unit_parameters): gpt one transformer
+/// block (12C^2 + 13C) or the embeddings + final-norm group (V*C + block*C + 2C), whichever is
+/// larger; the mlp its larger layer.
 int64_t largest_unit_parameter_count(const ModelShape& shape);
 
-/// Training FLOPs (forward + backward) per token at `seq_len`: 6N + 12*L*C*T for gpt with N the
-/// parameters without the position embedding (PaLM, appendix B; as Model::train_flops_per_sample),
-/// 6N per sample for the mlp, ModelMath::train_flops_per_token for the others (llama: N without
-/// an untied embedding, attention width H*D). With full activation checkpointing one more
-/// forward: 8N + 16LCT.
+/// Training FLOPs (forward + backward) per token at `seq_len`, ModelMath::train_flops_per_token:
+/// 6N + 12*L*w*T with N the parameters a token multiplies by (gpt: without the position
+/// embedding, PaLM appendix B; llama: without an untied embedding; the mlp: all, per sample) and
+/// w the attention width. With full activation checkpointing one more forward: 8N + 16LwT.
 double train_flops_per_token(const ModelShape& shape, int64_t seq_len,
                              bool activation_checkpointing = false);
 

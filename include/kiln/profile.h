@@ -66,6 +66,7 @@ struct ProfilerOptions {
   int world_size = 1;
   std::string backend;      // distributedInfo.backend ("gloo", "nccl"); may be empty
   std::string worker_name;  // file name prefix; empty = "<hostname>_<pid>" (TensorBoard's)
+  int top_operators = 15;   // profile.top_operators: the operators profile.json and the table list
 };
 
 /// The options the [profile] section describes for a trainer on `device` at rank/world_size:
@@ -218,6 +219,12 @@ struct VerdictContext {
   double device_memory_bytes = -1;  // capacity; -1 unknown (the trace's value wins when present)
   double peak_memory_bytes = -1;    // measured outside the trace (e.g. CUDA max allocated); -1 none
 };
+
+struct TrainOptions;
+struct LoaderOptions;
+/// The job's settings a verdict names (workers, prefetch, batch, accumulation); the rest of the
+/// context (world size, device, memory) is the caller's.
+VerdictContext verdict_context(const TrainOptions& train, const LoaderOptions& loader);
 
 struct Verdict {
   std::string

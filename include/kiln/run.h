@@ -83,6 +83,10 @@ nlohmann::json make_manifest(const Config& config, const std::string& command_li
 /// The run directory a config resolves to: <run.dir>/<run.name or config stem or "run">.
 std::filesystem::path run_directory(const Config& config);
 
+/// `config` with run.name resolved (run.name = "" takes the config file's stem): what a run saves
+/// as its config.toml, so that file trains into the same directory again.
+Config with_resolved_run_name(const Config& config);
+
 /// Current UTC time as ISO 8601 ("2026-11-29T08:26:23Z").
 std::string utc_now_iso8601();
 

@@ -2,50 +2,58 @@
 // Every CLI command that trains starts here, so they all share one setup path.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "kiln/config.h"
 #include "kiln/dist.h"
+#include "kiln/job.h"
 #include "kiln/run.h"
 #include "kiln/train.h"
 
 namespace kiln {
 
 struct Session {
-  std::shared_ptr<RunLock> lock;  // first: released last (null on ranks other than 0)
-  Config config;
+  std::shared_ptr<RunLock> lock{};  // first: released last (null on ranks other than 0)
+  Job job;                          // the job, resolved once (kiln/job.h)
   torch::Device device = torch::kCPU;
-  std::shared_ptr<Communicator> comm;  // the process group (a world of one when not distributed)
-  std::unique_ptr<Run> run;
-  std::unique_ptr<Trainer> trainer;
+  std::shared_ptr<Communicator> comm{};  // the process group (a world of one when not distributed)
+  std::unique_ptr<Run> run{};
+  std::unique_ptr<Trainer> trainer{};
   // With world size > 1: "ddp" or "fsdp" (dist.strategy, resolved), why, and FSDP's hook.
   std::string strategy = "none";
-  std::string strategy_reason;
-  nlohmann::json strategy_decision;  // dist.strategy = "auto": the rule's numbers; else null
-  std::shared_ptr<FullyShardedDataParallel> fsdp;
+  std::string strategy_reason{};
+  nlohmann::json strategy_decision{};  // dist.strategy = "auto": the rule's numbers; else null
+  std::shared_ptr<FullyShardedDataParallel> fsdp{};
+  std::shared_ptr<CompiledStep> compiled{};       // compile.backend = "inductor" (else null)
+  std::shared_ptr<CapturedGraphStep> captured{};  // CUDA graph capture (else null)
+  std::shared_ptr<CheckpointHook> checkpoints{};  // [checkpoint] saves (else null)
+  /// The plan's forecast tracked against the run (kiln train; null when nothing to track).
+  std::shared_ptr<TrainerHook> plan_tracking{};
 };
 
 struct SessionOptions {
   std::vector<std::string> argv;                 // recorded in the manifest
   std::shared_ptr<Communicator> comm = nullptr;  // null: process_communicator() (launcher env)
   std::string metrics_file = "metrics.jsonl";    // see RunOptions
-  bool append_metrics = false;                   // a resumed run keeps its earlier records
-  RunOptions::Existing existing_records = RunOptions::Existing::kReplace;  // see RunOptions
+  bool compile = false;  // compose the job's compiled step (compile.backend) too
 };
 
-/// Locks the directories a run of `config` writes, for every rank of `comm` at once: rank 0 locks
-/// the run directory and the checkpoint directory (kiln/run.h lock_directories); every rank learns
-/// the outcome before it writes anything, and every rank throws the same UserError when rank 0 was
-/// refused ("run directory runs/x is in use by pid ..."). Returns rank 0's lock (null elsewhere);
-/// keep it while writing. Collective.
-std::shared_ptr<RunLock> lock_run_directories(const Config& config, Communicator& comm,
-                                              const std::vector<std::string>& argv);
+/// Locks the directories `job` writes, for every rank of `comm` at once: rank 0 locks the run
+/// directory and the checkpoint directory (kiln/run.h lock_directories); every rank learns the
+/// outcome before it writes anything, and every rank throws the same UserError when rank 0 was
+/// refused ("run directory runs/x is in use by pid ..."), or when rank 0's `precheck` (run
+/// first, before the lock) returned a problem. Returns rank 0's lock (null elsewhere); keep it
+/// while writing. Collective.
+std::shared_ptr<RunLock> lock_run_directories(const Job& job, Communicator& comm,
+                                              const std::function<std::string()>& precheck = {});
 
-/// Applies the runtime settings (threads, determinism, seed), builds the datasets, the model and
-/// the Trainer, locks the run's directories (lock_run_directories, before anything is written),
-/// opens the run directory and writes manifest.json. Throws UserError.
+/// For the rungs: resolves `config` (resolve_job, a fresh run) and composes its training
+/// (compose_training: lock, runtime settings, datasets, model, run directory and manifest, the
+/// Trainer with activation checkpointing and the parallel layout, and the compiled step with
+/// options.compile). Throws UserError.
 std::unique_ptr<Session> open_session(const Config& config, const SessionOptions& options);
 
 /// Peak memory of the last measured region. On CUDA, the caching allocator's max allocated and

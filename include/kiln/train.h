@@ -55,6 +55,7 @@ struct TrainOptions {
   enum class NonFinite { kAbort, kSkip };
   enum class Progress { kAuto, kBar, kLog, kOff };
   int64_t steps = 1000;
+  int64_t stop_after_step = 0;  // this process ends after this step (0: train.steps)
   int64_t batch_size = 32;
   int grad_accum_steps = 1;
   double clip_grad_norm = 1.0;  // 0: no clipping
@@ -76,6 +77,44 @@ struct TrainOptions {
   ActivationCheckpointing activation_checkpointing = ActivationCheckpointing::kNone;
   static TrainOptions from_config(const Config& config);
 };
+
+/// What a Trainer is built from: the [train] and [optim] sections and the loader's [data]
+/// settings, each parsed once (from_config, src/train/options.cpp, is the only reader of those
+/// keys). The Trainer fills `loader`'s batch size, rank, world size and device itself.
+struct TrainerSetup {
+  TrainOptions train;
+  OptimOptions optim;
+  LoaderOptions loader;  // num_workers, prefetch, shuffle, seed (data.seed, else run.seed)
+  static TrainerSetup from_config(const Config& config);
+};
+
+/// The [run] keys a process applies before it trains: threads, determinism, seed, device.
+struct RuntimeOptions {
+  int64_t threads = 0;  // 0: LibTorch's default
+  bool deterministic = true;
+  uint64_t seed = 0;
+  std::string device = "cpu";  // run.device: "auto", "cpu" or "cuda"
+  static RuntimeOptions from_config(const Config& config);
+};
+
+/// The order in which the pieces of a step are installed on a Trainer, and the reason for it.
+/// Unit wrappers compose outermost first (Model::add_unit_wrapper), so activation checkpointing
+/// goes on first (its recomputation in backward then runs the wrappers inside it again: FSDP's
+/// gather, the compiled unit), then the parallel layout (DDP's gradient hooks, or FSDP's gather
+/// and free around each unit and its sharded layout, which the optimizer is rebuilt over), then
+/// compilation (the compiled step's executor, or per-unit packages innermost, next to the unit's
+/// own forward, binding the parameters the layout left in place), then capture (a CUDA graph of
+/// the whole step as composed so far). kiln/job.h's compose_training installs them in this
+/// order; each piece's own attach function records its stage here and refuses to go on out of
+/// order.
+enum class CompositionStage {
+  kActivationCheckpointing = 1,
+  kParallelLayout = 2,
+  kCompilation = 3,
+  kCapture = 4
+};
+/// "activation checkpointing", "parallel layout", "compilation", "capture".
+const char* composition_stage_name(CompositionStage stage);
 
 /// "fp32", "bf16-mixed", "fp16-mixed".
 const char* precision_name(TrainOptions::Precision precision);
@@ -141,8 +180,6 @@ class Optimizer {
 /// Learning rate at optimizer step `step` (0-based): linear warmup from 0 over warmup_steps,
 /// then constant, or cosine decay to lr * min_lr_ratio at `total_steps`. Pure.
 double learning_rate(const OptimOptions& options, int64_t total_steps, int64_t step);
-/// The same from a config (optim.*, train.steps).
-double learning_rate(const Config& config, int64_t step);
 
 // ---- phases and hooks --------------------------------------------------------------------------
 
@@ -375,8 +412,10 @@ struct TrainSummary {
 
 class Trainer {
  public:
-  /// Moves the model to the device and builds the loader and optimizer from the config.
-  Trainer(const Config& config, std::shared_ptr<Model> model, Datasets data,
+  /// Moves the model to the device and builds the loader and optimizer from `setup`. Installs
+  /// nothing around the step: activation checkpointing, a parallel layout, compilation and
+  /// capture are added afterwards, in CompositionStage order (kiln/job.h compose_training).
+  Trainer(const TrainerSetup& setup, std::shared_ptr<Model> model, Datasets data,
           TrainerOptions options = {});
   ~Trainer();
 
@@ -414,8 +453,14 @@ class Trainer {
 
   int64_t step() const { return step_; }
   int64_t skipped_steps() const { return skipped_steps_; }
-  const Config& config() const { return *config_; }
   const TrainOptions& train_options() const { return train_options_; }
+  /// Records that `what`, a piece of `stage`, is installed now. Throws std::logic_error naming
+  /// both pieces and the order when a piece of a later stage is already installed, or when
+  /// `stage` already has its piece (two parallel layouts, two compiled steps). Every attach
+  /// function calls it before it changes the trainer.
+  void enter_composition_stage(CompositionStage stage, const std::string& what);
+  /// The pieces installed so far, in order ("activation checkpointing (block)", "FSDP", ...).
+  const std::vector<std::string>& composition() const { return composition_; }
   Model& model() { return *model_; }
   std::shared_ptr<Model> model_ptr() { return model_; }
   Optimizer& optimizer() { return *optimizer_; }
@@ -471,7 +516,6 @@ class Trainer {
   template <class Call>
   void for_each_hook(Call call);
 
-  std::unique_ptr<Config> config_;
   TrainOptions train_options_;
   std::shared_ptr<Model> model_;
   Datasets data_;
@@ -493,7 +537,15 @@ class Trainer {
   // On the device: the number of the step device_step runs (advanced by device_step itself, so a
   // captured step replays with the right number).
   torch::Tensor device_step_number_;
+  CompositionStage last_stage_{0};        // the latest stage installed (0: none)
+  std::vector<std::string> composition_;  // what enter_composition_stage recorded
 };
+
+/// Installs activation checkpointing (train.activation_checkpointing = "block": each unit's
+/// activations recomputed in backward) on `trainer`'s model: the first piece of a composition
+/// (CompositionStage::kActivationCheckpointing). A model without units trains unchanged. Throws
+/// std::logic_error when installed out of order.
+void install_activation_checkpointing(Trainer& trainer);
 
 // ---- hooks kiln provides -----------------------------------------------------------------------
 
@@ -523,8 +575,13 @@ class StepLog : public TrainerHook {
 nlohmann::json step_record(const StepStats& stats);
 
 /// Applies run.threads, run.deterministic and the global seed to this process.
+void apply_runtime_settings(const RuntimeOptions& options);
+/// The same, parsing the config's [run] keys (RuntimeOptions::from_config).
 void apply_runtime_settings(const Config& config);
-/// The device run.device resolves to. Throws UserError for "cuda" without a GPU.
+/// The device run.device (`device`: "auto", "cpu", "cuda") resolves to. Throws UserError for
+/// "cuda" without a GPU.
+torch::Device resolve_device(const std::string& device);
+/// The same for the config's run.device.
 torch::Device resolve_device(const Config& config);
 
 }  // namespace kiln

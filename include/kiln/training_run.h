@@ -10,27 +10,22 @@
 
 #include "kiln/compile.h"
 #include "kiln/config.h"
+#include "kiln/job.h"
 #include "kiln/train.h"
 
 namespace kiln {
 
-struct TrainingRunOptions {
-  /// "" starts a fresh run; "auto" continues from the newest valid checkpoint in checkpoint.dir
-  /// (a fresh run when there is none); otherwise a checkpoint directory to continue from.
-  std::string resume;
-  /// A fresh run in a run directory holding another run's records moves them into
-  /// <run dir>/previous-<UTC time>/ first (else refused). Not with `resume`.
-  bool overwrite = false;
-  /// The keys the caller set over the config file (`--set`, "section.key"): with `resume`, the
-  /// saved run's checkpoint settings apply except these (kiln/checkpoint.h resume_config).
-  std::vector<std::string> set_keys;
-  /// The command line recorded in manifest.json and in the run lock.
-  std::vector<std::string> argv;
-};
+/// How `kiln train` was asked to start: --resume, --overwrite, the keys set, the command line
+/// (kiln/job.h JobRequest, the command line's part of a job).
+using TrainingRunOptions = JobRequest;
 
 struct TrainingRunResult {
   TrainSummary summary;
   std::filesystem::path run_dir;
+  /// checkpoint.every_steps = 0: the run saved nothing (the summary says how to keep it).
+  bool saved_nothing = false;
+  /// A resumed run already at its last step trains nothing: the step it is at (else -1).
+  int64_t already_at_step = -1;
   /// With compile.backend other than "eager": the compiled step's report (graphs, recompiles).
   std::optional<CompileReport> compile_report;
 };

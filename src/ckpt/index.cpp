@@ -404,6 +404,13 @@ std::filesystem::path resolve_checkpoint_path(const std::filesystem::path& path)
   for (auto it = entries.rbegin(); it != entries.rend(); ++it) {
     if (it->committed) return it->path;
   }
+  // A run directory given for its checkpoint directory: point at the one inside it.
+  if (std::filesystem::is_regular_file(path / "manifest.json", ec) &&
+      std::filesystem::is_directory(path / "checkpoints", ec)) {
+    throw UserError(path.string() +
+                    " is a run directory, not a checkpoint directory: its checkpoints are in " +
+                    (path / "checkpoints").string() + " (give that, or a step-<N>/ inside it)");
+  }
   throw UserError(path.string() +
                   " holds no committed checkpoint (no index.json and no step-<N>/ directory)");
 }

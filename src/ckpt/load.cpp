@@ -182,7 +182,7 @@ LoadResult load_checkpoint(const std::filesystem::path& step_dir, std::vector<St
   result.path = step_dir;
   std::string error;
   try {
-    result.index = read_checkpoint_index(step_dir);
+    result.index = options.index ? *options.index : read_checkpoint_index(step_dir);
   } catch (const std::exception& e) {
     error = one_line_error(e);
   }

@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "ckpt/internal.h"
+#include "core/counters.h"
 #include "core/strings.h"
 #include "kiln/log.h"
 #include "kiln/models.h"
@@ -52,20 +53,17 @@ StateShapes live_state_shapes(const TrainState& state, Communicator& comm) {
   return live;
 }
 
-StateShapes config_state_shapes(const Config& config) {
-  Config plain = config;  // the shapes only: the weights model.init_from would load do not matter
-  if (find_key("model.init_from") != nullptr) plain.set("model.init_from", std::string());
-  const auto model = make_model(plain);
+StateShapes model_state_shapes(Model& model, const OptimOptions& optim) {
   StateShapes out;
   NamedTensors parameters;
-  for (const auto& item : model->named_parameters()) {
+  for (const auto& item : model.named_parameters()) {
     const torch::Tensor& p = item.value();
     out["model/" + item.key()] = {p.sizes().vec(), p.scalar_type()};
     parameters.emplace_back(item.key(), torch::empty(p.sizes(), p.options().device(torch::kMeta)));
   }
-  for (const auto& item : model->named_buffers())
+  for (const auto& item : model.named_buffers())
     out["model/" + item.key()] = {item.value().sizes().vec(), item.value().scalar_type()};
-  Optimizer optimizer(plain, parameters);
+  Optimizer optimizer(optim, parameters);
   for (const auto& [name, t] : optimizer.state())
     out["optim/" + name] = {t.sizes().vec(), t.scalar_type()};
   for (const auto& [name, t] : optimizer.step_counts())
@@ -118,34 +116,49 @@ std::string state_mismatch_advice() {
          "(after `kiln export`)";
 }
 
-void check_resume_argument(const std::string& resume) {
-  if (resume.empty() || resume == "auto") return;
-  const std::filesystem::path path(resume);
+}  // namespace ckpt
+
+ResumePlan locate_resume(const std::string& resume, const std::filesystem::path& checkpoint_dir) {
+  ResumePlan plan;
+  plan.argument = resume;
+  if (resume.empty()) return plan;
   std::error_code ec;
-  if (std::filesystem::is_regular_file(path / kIndexFile, ec)) return;
-  if (!std::filesystem::is_directory(path, ec)) {
+  plan.search = resume == "auto" ? checkpoint_dir : std::filesystem::path(resume);
+  plan.exact = std::filesystem::is_regular_file(plan.search / ckpt::kIndexFile, ec);
+  if (plan.exact) {
+    counters::count(counters::Event::kResumeIndexRead);
+    plan.index = read_checkpoint_index(plan.search);  // a damaged index: the error to stop with
+    plan.step_dir = plan.search;
+    plan.any_committed = true;
+    return plan;
+  }
+  if (resume != "auto" && !std::filesystem::is_directory(plan.search, ec)) {
     throw UserError("--resume " + resume +
                     ": no such checkpoint (give a step-<N> directory, a checkpoint directory, or "
                     "auto)");
   }
-}
-
-std::optional<std::filesystem::path> checkpoint_to_resume(const std::filesystem::path& path) {
-  std::error_code ec;
-  if (std::filesystem::is_regular_file(path / kIndexFile, ec)) return path;
-  const auto entries = list_checkpoints(path);
+  const auto entries = list_checkpoints(plan.search);
   for (auto it = entries.rbegin(); it != entries.rend(); ++it) {
     if (!it->committed) continue;
+    plan.any_committed = true;
     try {
-      read_checkpoint_index(it->path);
-      return it->path;
-    } catch (const UserError&) {  // a damaged index: the load falls back past it too
+      counters::count(counters::Event::kResumeIndexRead);
+      plan.index = read_checkpoint_index(it->path);
+      plan.step_dir = it->path;
+      break;
+    } catch (const UserError& e) {  // a damaged index: the load falls back past it too
+      log::warn("checkpoint: cannot load " + it->path.string() + ": " + e.what() +
+                "; falling back to the previous checkpoint");
     }
   }
-  return std::nullopt;
+  if (resume != "auto" && !plan.any_committed) {
+    throw UserError("--resume " + resume +
+                    ": holds no committed checkpoint (no index.json, no step-<N>/)");
+  }
+  return plan;
 }
 
-}  // namespace ckpt
+namespace ckpt {}  // namespace ckpt
 
 namespace {
 
@@ -176,21 +189,11 @@ nlohmann::json ckpt::checkpoint_settings(const Config& config) {
   return out;
 }
 
-Config resume_config(const Config& config, const std::string& resume,
+Config resume_config(const Config& config, const ResumePlan& plan,
                      const std::vector<std::string>& explicit_keys) {
-  ckpt::check_resume_argument(resume);
-  if (resume.empty()) return config;
-  const std::filesystem::path where = resume == "auto"
-                                          ? checkpoint_options(config, run_directory(config)).dir
-                                          : std::filesystem::path(resume);
-  const auto step_dir = ckpt::checkpoint_to_resume(where);
-  if (!step_dir) {
-    if (resume == "auto") return config;  // a fresh start
-    throw UserError("--resume " + resume +
-                    ": holds no committed checkpoint (no index.json, no step-<N>/)");
-  }
-  const nlohmann::json saved =
-      read_checkpoint_index(*step_dir).training_state.value("checkpointing", nlohmann::json());
+  if (!plan.index) return config;  // a fresh start, or no index reads (the load says why)
+  const std::optional<std::filesystem::path>& step_dir = plan.step_dir;
+  const nlohmann::json saved = plan.index->training_state.value("checkpointing", nlohmann::json());
   if (!saved.is_object()) return config;  // saved before kiln recorded its settings
   Config out = config;
   std::vector<std::string> kept;

@@ -35,9 +35,9 @@ using StateShapes = std::map<std::string, TensorShape>;
 /// over the ranks of `comm` (a rank may hold no piece of a small tensor). Collective.
 StateShapes live_state_shapes(const TrainState& state, Communicator& comm);
 
-/// The model and optimizer tensors a Trainer built from `config` holds: the model from the
-/// registry without model.init_from's weights, the optimizer's state on meta tensors (no memory).
-StateShapes config_state_shapes(const Config& config);
+/// The model and optimizer tensors a Trainer of `model` holds: the model's parameters and
+/// buffers, and the state of an optimizer of `optim` over them, on meta tensors (no memory).
+StateShapes model_state_shapes(Model& model, const OptimOptions& optim);
 
 /// "" when the checkpoint's model/ and optim/ tensors are exactly `live`'s; else "<n> differences;
 /// the first: <what>" (by tensor name). A checkpoint without any per-parameter step count (format
@@ -46,13 +46,6 @@ std::string state_difference(const CheckpointIndex& index, const StateShapes& li
 
 /// What a mismatch error says to do.
 std::string state_mismatch_advice();
-
-/// "" or "auto" or a path that exists (a step directory, or a directory of them). Throws UserError.
-void check_resume_argument(const std::string& resume);
-
-/// The step directory `--resume` loads first: `path` itself when it holds index.json, else the
-/// newest committed step-<N> in it whose index.json reads; nullopt when there is none.
-std::optional<std::filesystem::path> checkpoint_to_resume(const std::filesystem::path& path);
 
 /// The checkpoint settings a resumed run keeps (resume_config), as a checkpoint records them in
 /// training_state.checkpointing: every_steps, keep_last_k, keep_every, save_final, async,

@@ -76,12 +76,13 @@ bool is_step_count(const std::string& name) {
 // Loads one checkpoint into the trainer. Throws UserError on every rank when any rank fails (every
 // local failure goes through ckpt::agree); the trainer is untouched then, unless restoring the
 // loaded state itself failed.
-LoadResult restore_from(Trainer& trainer, Communicator& comm,
-                        const std::filesystem::path& step_dir) {
+LoadResult restore_from(Trainer& trainer, Communicator& comm, const std::filesystem::path& step_dir,
+                        const std::string& config_hash,
+                        const CheckpointIndex* read_index = nullptr) {
   CheckpointIndex index;
   std::string error;
   try {
-    index = read_checkpoint_index(step_dir);
+    index = read_index ? *read_index : read_checkpoint_index(step_dir);
   } catch (const std::exception& e) {
     error = one_line_error(e);
   }
@@ -141,7 +142,9 @@ LoadResult restore_from(Trainer& trainer, Communicator& comm,
                               "); " + ckpt::state_mismatch_advice());
   }
 
-  LoadResult result = load_checkpoint(step_dir, targets, comm);
+  LoadOptions load_options;
+  load_options.index = &index;
+  LoadResult result = load_checkpoint(step_dir, targets, comm, load_options);
   try {
     torch::NoGradGuard no_grad;
     for (const auto& [k, t] : rng_targets) state.rng[k].second = targets[t].tensor;
@@ -156,20 +159,20 @@ LoadResult restore_from(Trainer& trainer, Communicator& comm,
   }
   ckpt::agree(comm, error);
 
-  const Config& config = trainer.config();
   const std::string saved_hash = saved.contains("config_hash") && saved["config_hash"].is_string()
                                      ? saved["config_hash"].get<std::string>()
                                      : "?";
-  if (saved_hash != config.hash()) {
+  if (!config_hash.empty() && saved_hash != config_hash) {
     log::warn("checkpoint: " + step_dir.string() + " was saved with another config (hash " +
-              saved_hash + ", now " + config.hash() + ")");
+              saved_hash + ", now " + config_hash + ")");
   }
   const json* saved_lr = saved.contains("lr_schedule") && saved["lr_schedule"].is_object() &&
                                  saved["lr_schedule"].contains("next_lr") &&
                                  saved["lr_schedule"]["next_lr"].is_number()
                              ? &saved["lr_schedule"]["next_lr"]
                              : nullptr;
-  const double next_lr = learning_rate(config, state.step);
+  const double next_lr =
+      learning_rate(trainer.optimizer().options(), trainer.train_options().steps, state.step);
   if (saved_lr && saved_lr->get<double>() != next_lr) {
     log::warn(fmt::format(
         "checkpoint: the learning-rate schedule changed: step {} had lr {} when saved, the config "
@@ -213,20 +216,9 @@ std::string start_problem(const std::filesystem::path& dir, std::optional<int64_
 
 }  // namespace
 
-CheckpointOptions checkpoint_options(const Config& config, const std::filesystem::path& run_dir) {
-  CheckpointOptions options;
-  const std::string& dir = config.get_string("checkpoint.dir");
-  options.dir = dir.empty() ? run_dir / "checkpoints" : std::filesystem::path(dir);
-  options.keep_last_k = config.get_int("checkpoint.keep_last_k");
-  options.keep_every = config.get_int("checkpoint.keep_every");
-  options.async = config.get_bool("checkpoint.async");
-  options.background_staging = options.async;  // CheckpointHook fences before the optimizer step
-  return options;
-}
-
 SaveRequest capture_training_state(Trainer& trainer, Communicator& comm,
-                                   const std::filesystem::path& manifest) {
-  const Config& config = trainer.config();
+                                   const CheckpointRecord& record) {
+  const std::filesystem::path& manifest = record.manifest;
   const int rank = comm.rank();
   TrainState state = trainer.state();
   SaveRequest request;
@@ -267,39 +259,41 @@ SaveRequest capture_training_state(Trainer& trainer, Communicator& comm,
   if (!manifest.empty() && std::filesystem::is_regular_file(manifest, ec)) {
     manifest_pointer["xxh3"] = hex64(hash_file(manifest));
   }
-  request.training_state = {{"step", state.step},
-                            {"epoch", state.loader.epoch},
-                            {"optimizer_steps", state.optimizer_steps},
-                            {"skipped_steps", state.skipped_steps},
-                            {"lr_schedule", state.lr_schedule},
-                            {"grad_scaler", state.grad_scaler},
-                            {"config_hash", config.hash()},
-                            {"run_manifest", std::move(manifest_pointer)},
-                            {"model", trainer.model().architecture()},
-                            {"optimizer", config.get_string("optim.name")},
-                            {"checkpointing", ckpt::checkpoint_settings(config)}};
+  request.training_state = {
+      {"step", state.step},
+      {"epoch", state.loader.epoch},
+      {"optimizer_steps", state.optimizer_steps},
+      {"skipped_steps", state.skipped_steps},
+      {"lr_schedule", state.lr_schedule},
+      {"grad_scaler", state.grad_scaler},
+      {"config_hash", record.config_hash},
+      {"run_manifest", std::move(manifest_pointer)},
+      {"model", trainer.model().architecture()},
+      {"optimizer",
+       trainer.optimizer().options().kind == OptimOptions::Kind::kAdamW ? "adamw" : "sgd"},
+      {"checkpointing", record.settings}};
   return request;
 }
 
 std::optional<LoadResult> restore_training_state(Trainer& trainer, Communicator& comm,
                                                  const std::filesystem::path& path,
-                                                 bool dir_fallback) {
-  if (!dir_fallback) return restore_from(trainer, comm, path);
+                                                 bool dir_fallback,
+                                                 const std::string& config_hash) {
+  if (!dir_fallback) return restore_from(trainer, comm, path, config_hash);
   return ckpt::load_newest(path, comm, [&](const std::filesystem::path& step_dir) {
-    return restore_from(trainer, comm, step_dir);
+    return restore_from(trainer, comm, step_dir, config_hash);
   });
 }
 
 // ---- CheckpointHook ----------------------------------------------------------------------------
 
-CheckpointHook::CheckpointHook(const Config& config, CheckpointOptions options, Communicator& comm,
-                               std::filesystem::path manifest)
-    : every_steps_(config.get_int("checkpoint.every_steps")),
-      save_final_(config.get_bool("checkpoint.save_final")),
-      stop_on_error_(config.get_string("checkpoint.on_save_error") == "stop"),
+CheckpointHook::CheckpointHook(const TrainingCheckpointOptions& options, Communicator& comm)
+    : every_steps_(options.every_steps),
+      save_final_(options.save_final),
+      stop_on_error_(options.stop_on_error),
       comm_(comm),
-      manifest_(std::move(manifest)),
-      checkpointer_(std::move(options), comm) {}
+      record_(options.record),
+      checkpointer_(options.store, comm) {}
 
 std::string checkpoint_error_advice(const std::string& error, const std::filesystem::path& dir,
                                     bool continuable) {
@@ -348,7 +342,7 @@ void CheckpointHook::save(Trainer& trainer) {
   checkpointer_
       .wait();  // at most one save in flight; its failure is acted on before the next starts
   check();
-  saves_.push_back(checkpointer_.save(capture_training_state(trainer, comm_, manifest_)));
+  saves_.push_back(checkpointer_.save(capture_training_state(trainer, comm_, record_)));
   last_saved_step_ = trainer.step();
 }
 
@@ -424,99 +418,93 @@ void PreemptionHook::on_step_begin(Trainer& trainer, int64_t) {
 }
 
 std::shared_ptr<PreemptionHook> attach_preemption(Trainer& trainer, Communicator& comm,
-                                                  std::shared_ptr<CheckpointHook> checkpoints) {
-  install_stop_signals(
-      static_cast<int>(trainer.config().get_int("checkpoint.preempt_timeout_seconds")));
+                                                  std::shared_ptr<CheckpointHook> checkpoints,
+                                                  int timeout_seconds) {
+  install_stop_signals(timeout_seconds);
   auto hook = std::make_shared<PreemptionHook>(comm, std::move(checkpoints));
   trainer.add_hook(hook);
   return hook;
 }
 
-bool check_train_start(const Config& config, const std::string& resume) {
-  ckpt::check_resume_argument(resume);
-  const std::filesystem::path dir = checkpoint_options(config, run_directory(config)).dir;
-  const bool saving = config.get_int("checkpoint.every_steps") > 0;
-  std::error_code ec;
-  if (resume.empty()) {
+void check_train_start(const ResumePlan& plan, const TrainingCheckpointOptions& options,
+                       Model& model, const OptimOptions& optim) {
+  const std::filesystem::path& dir = options.store.dir;
+  const bool saving = options.every_steps > 0;
+  if (plan.argument.empty()) {
     if (saving) {
       if (std::string problem = start_problem(dir, std::nullopt); !problem.empty())
         throw UserError(problem);
     }
-    return false;
+    return;
   }
-  const std::filesystem::path path(resume == "auto" ? dir : std::filesystem::path(resume));
-  const auto step_dir = ckpt::checkpoint_to_resume(path);
-  if (!step_dir) {
-    bool any = false;  // committed, but no index reads: the load says why
-    for (const auto& entry : list_checkpoints(path)) any = any || entry.committed;
-    if (resume == "auto") return any;  // none: a fresh start
-    if (!any) {
-      throw UserError("--resume " + resume +
-                      ": holds no committed checkpoint (no index.json, no step-<N>/)");
-    }
-    return true;
-  }
-  // The checkpoint it loads first must hold exactly the training state this config builds.
-  const CheckpointIndex index = read_checkpoint_index(*step_dir);
+  if (!plan.index) return;  // a fresh start (auto, none), or no index reads: the load says why
+  // The checkpoint it loads first must hold exactly the training state this run builds.
   if (const std::string difference =
-          ckpt::state_difference(index, ckpt::config_state_shapes(config));
+          ckpt::state_difference(*plan.index, ckpt::model_state_shapes(model, optim));
       !difference.empty()) {
-    throw UserError("--resume " + resume + ": " + step_dir->string() +
+    throw UserError("--resume " + plan.argument + ": " + plan.step_dir->string() +
                     " holds another training state than this config builds (" + difference + "); " +
                     ckpt::state_mismatch_advice());
   }
-  if (saving && resume != "auto" && std::filesystem::is_regular_file(path / ckpt::kIndexFile, ec)) {
-    if (std::string problem = start_problem(dir, index.step); !problem.empty())
-      throw UserError("--resume " + resume + ": " + problem);
+  if (saving && plan.exact) {
+    if (std::string problem = start_problem(dir, plan.index->step); !problem.empty())
+      throw UserError("--resume " + plan.argument + ": " + problem);
   }
-  return true;
 }
 
 std::shared_ptr<CheckpointHook> attach_checkpointing(Trainer& trainer, Communicator& comm,
-                                                     const std::filesystem::path& run_dir,
-                                                     const std::string& resume) {
-  const Config& config = trainer.config();
-  const CheckpointOptions options = checkpoint_options(config, run_dir);
-  std::string error;
-  try {
-    ckpt::check_resume_argument(resume);
-  } catch (const std::exception& e) {
-    error = one_line_error(e);
-  }
-  ckpt::agree(comm, error);
+                                                     const TrainingCheckpointOptions& options,
+                                                     const ResumePlan& plan) {
+  const std::string& resume = plan.argument;
+  const std::string& hash = options.record.config_hash;
   std::optional<LoadResult> loaded;
-  if (resume == "auto") {
-    loaded = restore_training_state(trainer, comm, options.dir, /*dir_fallback=*/true);
-    if (!loaded) {
-      log::info("--resume auto: no checkpoint in " + options.dir.string() +
-                "; training starts at step 0");
-    }
+  if (plan.exact) {
+    loaded = restore_from(trainer, comm, *plan.step_dir, hash, &*plan.index);
   } else if (!resume.empty()) {
-    const std::filesystem::path path(resume);
-    std::error_code ec;
-    if (std::filesystem::is_regular_file(path / ckpt::kIndexFile, ec)) {
-      loaded = restore_training_state(trainer, comm, path, /*dir_fallback=*/false);
-    } else {
-      loaded = restore_training_state(trainer, comm, path, /*dir_fallback=*/true);
-      if (!loaded) {
+    // The located checkpoint first (its index already read); past a damaged one, the older ones.
+    // Every rank located the same one (the same files); rank 0's listing decides the fallback.
+    std::string first_error;
+    if (plan.step_dir) {
+      try {
+        loaded = restore_from(trainer, comm, *plan.step_dir, hash, &*plan.index);
+      } catch (const ckpt::StateMismatch&) {
+        throw;
+      } catch (const UserError& e) {  // agreed on every rank
+        first_error = e.what();
+        log::warn("checkpoint: cannot load " + plan.step_dir->string() + ": " + e.what() +
+                  "; falling back to the previous checkpoint");
+      }
+    }
+    if (!loaded) {
+      loaded = ckpt::load_newest(plan.search, comm, [&](const std::filesystem::path& step_dir) {
+        if (plan.step_dir && step_dir == *plan.step_dir)
+          throw UserError(first_error);  // tried above: on to the older ones
+        return restore_from(trainer, comm, step_dir, hash);
+      });
+    }
+    if (!loaded) {
+      if (resume != "auto") {
         throw UserError("--resume " + resume +
                         ": holds no committed checkpoint (no index.json, no step-<N>/)");
       }
+      log::info("--resume auto: no checkpoint in " + options.store.dir.string() +
+                "; training starts at step 0");
     }
   }
-  if (config.get_int("checkpoint.every_steps") <= 0) {
+  if (options.every_steps <= 0) {
     if (loaded && comm.rank() == 0) {
       log::warn(fmt::format(
           "--resume: this run saves no checkpoints (checkpoint.every_steps = 0), though {} holds "
           "them up to step {}; set checkpoint.every_steps to keep saving",
-          options.dir.string(), loaded->index.step));
+          options.store.dir.string(), loaded->index.step));
     }
     return nullptr;
   }
   // Saving must not mix with (and prune) checkpoints of another history: rank 0's listing decides.
+  std::string error;
   if (comm.rank() == 0) {
     try {
-      error = start_problem(options.dir,
+      error = start_problem(options.store.dir,
                             loaded ? std::optional<int64_t>(loaded->index.step) : std::nullopt);
       if (!error.empty() && !resume.empty()) error = "--resume " + resume + ": " + error;
     } catch (const std::exception& e) {
@@ -524,7 +512,7 @@ std::shared_ptr<CheckpointHook> attach_checkpointing(Trainer& trainer, Communica
     }
   }
   ckpt::agree(comm, error);
-  auto hook = std::make_shared<CheckpointHook>(config, options, comm, run_dir / "manifest.json");
+  auto hook = std::make_shared<CheckpointHook>(options, comm);
   trainer.add_hook(hook);
   return hook;
 }

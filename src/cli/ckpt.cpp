@@ -105,9 +105,10 @@ int verify_command(const std::string& path) {
   const VerifyReport report = verify_checkpoint(step_dir);
   if (!report.ok()) {
     for (const auto& problem : report.problems) fmt::print("FAILED: {}\n", problem);
-    throw UserError(step_dir.string() + " failed verification (" +
-                    std::to_string(report.problems.size()) +
-                    " problems); resume would skip it and fall back to an older checkpoint");
+    const size_t n = report.problems.size();
+    throw UserError(step_dir.string() + " failed verification (" + std::to_string(n) +
+                    (n == 1 ? " problem" : " problems") +
+                    "); resume would skip it and fall back to an older checkpoint");
   }
   const CheckpointIndex index = read_checkpoint_index(step_dir);
   fmt::print("ok: {} | {} files, {} checked (xxh3, headers, {} tensors)\n", step_dir.string(),

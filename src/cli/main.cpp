@@ -93,28 +93,37 @@ int main(int argc, char** argv) {
                        std::string(build_info().version) + " (" + build_info().git_commit + ")");
   cli::Action action;
   cli::add_registered_commands(app, action);
-  // A mistyped subcommand ("kiln trian"): name it and the closest one.
-  if (argc > 1 && argv[1][0] != '-') {
-    const std::string given = argv[1];
+  // A mistyped subcommand ("kiln trian", "kiln ckpt verfy"): name it and the closest one. The
+  // command words are followed down while each names a subcommand of the one before.
+  const CLI::App* level = &app;
+  std::string path = "kiln";
+  for (int k = 1; k < argc && argv[k][0] != '-'; ++k) {
+    const auto subs = level->get_subcommands([](const CLI::App*) { return true; });
+    if (subs.empty()) break;
+    const std::string given = argv[k];
     std::string closest;
     size_t best = std::string::npos;
-    for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+    const CLI::App* next = nullptr;
+    for (const CLI::App* sub : subs) {
       if (sub->check_name(given)) {
-        best = 0;
-        closest.clear();
+        next = sub;
         break;
       }
       const size_t d = edit_distance(given, sub->get_name());
       if (d < best) best = d, closest = sub->get_name();
     }
-    if (best != 0) {
-      std::fprintf(stderr, "kiln: error: unknown subcommand '%s'%s (see kiln --help)\n",
-                   given.c_str(),
+    if (next == nullptr) {
+      const std::string of = level == &app ? "" : " of '" + path + "'";
+      std::fprintf(stderr, "kiln: error: unknown subcommand '%s'%s%s (see %s --help)\n",
+                   given.c_str(), of.c_str(),
                    best <= std::max<size_t>(2, given.size() / 3)
                        ? (": did you mean '" + closest + "'?").c_str()
-                       : "");
+                       : "",
+                   path.c_str());
       return kExitUserError;
     }
+    level = next;
+    path += " " + next->get_name();
   }
   try {
     app.parse(argc, argv);

@@ -7,6 +7,7 @@
 #include "cli/commands.h"
 #include "kiln/error.h"
 #include "kiln/rungs.h"
+#include "kiln/train.h"
 
 namespace kiln::cli {
 
@@ -68,17 +69,14 @@ void add_profile_command(CLI::App& app, Action& action) {
         const TraceAnalysis analysis = analyze_traces(traces);
         VerdictContext context;  // the job's settings are known only when its config is given
         if (!args->path.empty()) {
-          context.num_workers = static_cast<int>(config.get_int("data.num_workers"));
-          context.prefetch = static_cast<int>(config.get_int("data.prefetch"));
-          context.batch_size = config.get_int("train.batch_size");
-          context.grad_accum_steps = config.get_int("train.grad_accum_steps");
+          const TrainerSetup setup = TrainerSetup::from_config(config);
+          context = verdict_context(setup.train, setup.loader);
         }
         context.cuda = analysis.has_gpu;
         const Verdict verdict =
             decide_bottleneck(analysis, VerdictThresholds::from_config(config), context);
-        fmt::print(
-            "{}", format_profile_tables(analysis, verdict,
-                                        static_cast<int>(config.get_int("profile.top_operators"))));
+        const int top = profiler_options(config, {}, torch::kCPU, 0, 1).top_operators;
+        fmt::print("{}", format_profile_tables(analysis, verdict, top));
         return 0;
       }
       if (args->path.empty())

@@ -197,6 +197,7 @@ std::shared_ptr<CapturedGraphStep> attach_captured_step(Trainer& trainer, const 
   using B = CompileOptions::Backend;
   const B backend = CompileOptions::from_config(config).backend;
   if (backend != B::kCudaGraphs && backend != B::kInductorCudaGraphs) return nullptr;
+  trainer.enter_composition_stage(CompositionStage::kCapture, "CUDA graph capture");
   auto step = std::make_shared<CapturedGraphStep>(config, trainer,
                                                   cuda_graph_recorders(trainer.options().device));
   trainer.set_step_runner(step);

@@ -214,8 +214,8 @@ CompiledStep::CompiledStep(const Config& config, Model& model, torch::Device dev
                       model.architecture()));
     }
     // Innermost: activation checkpointing and FSDP (added before) wrap the compiled units.
-    units_ = make_compiled_units(options_, precision_, config.get_bool("compile.root"), model,
-                                 device, cache_, model_json_, report_);
+    units_ = make_compiled_units(options_, precision_, options_.root, model, device, cache_,
+                                 model_json_, report_);
     model.add_unit_wrapper(units_);
   }
   report_.backend = backend_name(options_.backend);
@@ -492,6 +492,7 @@ std::shared_ptr<CompiledStep> attach_compiled_step(Trainer& trainer, const Confi
   const CompileOptions options = CompileOptions::from_config(config);
   std::shared_ptr<CompiledStep> step;
   if (options.inductor()) {
+    trainer.enter_composition_stage(CompositionStage::kCompilation, "compiled step (inductor)");
     step = std::make_shared<CompiledStep>(config, trainer.model(), trainer.options().device);
     trainer.set_step_executor(step);
     if (trainer.options().world_size > 1 && !step->per_unit()) {

@@ -125,6 +125,8 @@ CompileOptions CompileOptions::from_config(const Config& config) {
     }
   }
   const double tolerance = config.get_float("compile.tolerance");
+  o.tolerance_configured = tolerance > 0;
+  o.root = config.get_bool("compile.root");
   o.tolerance = tolerance > 0
                     ? tolerance
                     : default_compile_tolerance(TrainOptions::from_config(config).precision);

@@ -60,6 +60,7 @@ std::string expectation(const KeyDef& def) {
     if (!def.choices.empty()) out += " and names among " + choice_list(def.choices);
     return out;
   }
+  if (def.type == ValueType::kBool) return "a boolean (true or false)";
   std::string out = (def.type == ValueType::kInt ? "an " : "a ") + type_name(def.type);
   if (!def.choices.empty()) return "one of " + choice_list(def.choices);
   if (def.min || def.max) out += " in " + range_text(def);

@@ -240,6 +240,13 @@ std::filesystem::path run_directory(const Config& config) {
   return std::filesystem::path(config.get_string("run.dir")) / name;
 }
 
+Config with_resolved_run_name(const Config& config) {
+  Config out = config;
+  if (config.get_string("run.name").empty())
+    out.set("run.name", run_directory(config).filename().string());
+  return out;
+}
+
 namespace {
 // A data or model identity with the config's free-text revision beside its hashes.
 json with_revision(json identity, const Config& config, const char* key) {

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "core/counters.h"
 #include "core/files.h"
 #include "core/process.h"
 #include "kiln/error.h"
@@ -198,6 +199,7 @@ RunLock::~RunLock() = default;
 
 std::shared_ptr<RunLock> lock_directories(const std::vector<LockTarget>& targets,
                                           const std::string& command_line) {
+  counters::count(counters::Event::kDirectoryLock);
   Registry& r = registry();
   std::lock_guard lock(r.mutex);
   std::vector<std::shared_ptr<RunLock::Held>> held;

@@ -21,6 +21,7 @@
 #include "kiln/config.h"
 #include "kiln/data.h"
 #include "kiln/error.h"
+#include "kiln/log.h"
 
 namespace kiln {
 namespace {
@@ -77,6 +78,19 @@ class WindowDataset final : public Dataset {
 
 // ---- token files -------------------------------------------------------------------------------
 
+// "; it looks like text: ..." when the file's first 4 KiB are text (printable ASCII, whitespace
+// or UTF-8 bytes, no NUL): a README given as data.path, not a token file.
+std::string text_hint(const uint8_t* bytes, int64_t size) {
+  const int64_t n = std::min<int64_t>(size, 4096);
+  if (n == 0) return "";
+  for (int64_t k = 0; k < n; ++k) {
+    const uint8_t b = bytes[k];
+    if (b < 0x20 && b != '\n' && b != '\r' && b != '\t') return "";
+  }
+  return "; it looks like text, not token ids: set data.name = \"text\" to train on it, or "
+         "tokenize it with kiln data prepare";
+}
+
 TokenBuffer map_token_file(const std::string& path, const std::string& format_key,
                            std::string* format_used) {
   FileDescriptor fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
@@ -107,6 +121,18 @@ TokenBuffer map_token_file(const std::string& path, const std::string& format_ke
   }
   std::string format = format_key;
   if (format == "auto") format = (size >= kLlmcHeaderBytes && kind) ? "llmc" : "nanogpt";
+  if (format == "nanogpt" && kind && size >= kLlmcHeaderBytes) {
+    // A whole llm.c file read as raw tokens would train on its header's 512 int32 as tokens.
+    int32_t header[3];
+    std::memcpy(header, bytes, sizeof(header));
+    if (header[1] == kind->version && header[2] >= 0 &&
+        size == kLlmcHeaderBytes + kind->element_bytes * static_cast<int64_t>(header[2])) {
+      throw UserError(path +
+                      ": data.format = \"nanogpt\" but the file is an llm.c token file (magic " +
+                      std::to_string(kind->magic) + ", " + std::to_string(header[2]) +
+                      " tokens after a 1024-byte header); set data.format = \"llmc\" or \"auto\"");
+    }
+  }
   *format_used = format;
   TokenBuffer buffer;
   buffer.owner = owner;
@@ -143,10 +169,14 @@ TokenBuffer map_token_file(const std::string& path, const std::string& format_ke
   } else {
     if (size % 2 != 0) {
       throw UserError(path + ": " + std::to_string(size) +
-                      " bytes is not a whole number of uint16 tokens (truncated file?)");
+                      " bytes is not a whole number of uint16 tokens (truncated file?)" +
+                      text_hint(bytes, size));
     }
     buffer.data = bytes;
     buffer.count = size / 2;
+    if (const std::string hint = text_hint(bytes, size); !hint.empty())
+      log::warn(path + ": read as raw uint16 token ids (data.format = \"" + format_key + "\")" +
+                hint);
   }
   return buffer;
 }
@@ -183,7 +213,11 @@ int64_t max_token(const TokenBuffer& buffer) {
 // The largest token id of a whole file, remembered by its content hash (xxh3-64, itself cached by
 // path, size and mtime): a large corpus is scanned once. The cache is advisory.
 int64_t cached_max_token(const TokenBuffer& buffer, uint64_t content_xxh3) {
-  const std::string key = hex64(content_xxh3) + "/uint" + std::to_string(8 * buffer.element_bytes);
+  // Everything that changes what is read: the content, the token width, where the tokens start
+  // (an llm.c header, or none) and how many there are.
+  const int64_t header = buffer.data - static_cast<const uint8_t*>(buffer.owner.get());
+  const std::string key = hex64(content_xxh3) + "/uint" + std::to_string(8 * buffer.element_bytes) +
+                          "@" + std::to_string(header) + "x" + std::to_string(buffer.count);
   const fs::path cache = token_range_cache_file();
   json entries = json::object();
   if (!cache.empty()) {
@@ -218,7 +252,9 @@ void check_token_range(const TokenBuffer& buffer, uint64_t content_xxh3, int64_t
                   " at token offset " + std::to_string(k) + " (byte offset " +
                   std::to_string(header + k * buffer.element_bytes) +
                   ") is outside the model's vocabulary (" + std::to_string(vocab_limit) +
-                  "); raise model.vocab_size or use token files made for this model");
+                  "); raise model.vocab_size or use token files made for this model" +
+                  text_hint(static_cast<const uint8_t*>(buffer.owner.get()),
+                            header + buffer.count * buffer.element_bytes));
 }
 
 // One token file: mapped, range-checked, and its identity for the manifest.
@@ -251,6 +287,15 @@ T required(const json& object, const char* key, const fs::path& file) {
   }
 }
 
+void check_vocabulary_fits(int64_t vocab, int64_t vocab_limit, const fs::path& manifest) {
+  if (vocab_limit > 0 && vocab_limit < vocab) {
+    throw UserError("the model's vocabulary (" + std::to_string(vocab_limit) +
+                    " tokens) is smaller than the tokenizer's (" + std::to_string(vocab) +
+                    " tokens, " + manifest.string() +
+                    "); set model.vocab_size = " + std::to_string(vocab) + " or more");
+  }
+}
+
 Datasets make_prepared(const Config& config, const fs::path& dir, int64_t vocab_limit) {
   const fs::path manifest = dir / "data.json";
   std::error_code ec;
@@ -268,12 +313,7 @@ Datasets make_prepared(const Config& config, const fs::path& dir, int64_t vocab_
   }
   const json tokenizer = required<json>(prepared, "tokenizer", manifest);
   const int64_t vocab = required<int64_t>(tokenizer, "vocab_size", manifest);
-  if (vocab_limit > 0 && vocab_limit < vocab) {
-    throw UserError("the model's vocabulary (" + std::to_string(vocab_limit) +
-                    " tokens) is smaller than the tokenizer's (" + std::to_string(vocab) +
-                    " tokens, " + manifest.string() +
-                    "); set model.vocab_size = " + std::to_string(vocab) + " or more");
-  }
+  check_vocabulary_fits(vocab, vocab_limit, manifest);
   const json splits = required<json>(prepared, "splits", manifest);
   const int64_t seq_len = config.get_int("data.seq_len");
   json files = json::array();
@@ -382,6 +422,19 @@ Datasets make_tokens(const Config& config, int64_t vocab_limit) {
                   {"train_samples", out.train->size()},
                   {"val_samples", out.val->size()}};
   return out;
+}
+
+void check_prepared_vocabulary(const fs::path& dir, int64_t vocab_limit) {
+  const fs::path manifest = dir / "data.json";
+  std::error_code ec;
+  if (vocab_limit <= 0 || !fs::is_regular_file(manifest, ec)) return;  // make_tokens says why
+  const json prepared = json::parse(read_file(manifest), nullptr, /*allow_exceptions=*/false);
+  if (!prepared.is_object() || !prepared.contains("tokenizer")) return;
+  const json& tokenizer = prepared["tokenizer"];
+  if (!tokenizer.is_object() || !tokenizer.contains("vocab_size") ||
+      !tokenizer["vocab_size"].is_number_integer())
+    return;
+  check_vocabulary_fits(tokenizer["vocab_size"].get<int64_t>(), vocab_limit, manifest);
 }
 
 }  // namespace kiln

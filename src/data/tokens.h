@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -55,5 +56,9 @@ std::shared_ptr<const Dataset> make_windows(std::vector<TokenSpan> spans, int64_
 /// `kiln data prepare` (its data.json). Every file's token range is checked against
 /// `vocab_limit` (> 0) when it is opened. Throws UserError naming the file.
 Datasets make_tokens(const Config& config, int64_t vocab_limit);
+
+/// A directory written by `kiln data prepare` whose tokenizer's vocabulary exceeds `vocab_limit`
+/// (> 0): the UserError make_tokens would throw, from data.json alone (no token file read).
+void check_prepared_vocabulary(const std::filesystem::path& dir, int64_t vocab_limit);
 
 }  // namespace kiln

@@ -15,23 +15,12 @@
 #include <map>
 
 #include "dist/replicas.h"
-#include "kiln/config.h"
 #include "kiln/dist.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/models.h"
 
 namespace kiln {
-
-DataParallelOptions data_parallel_options(const Config& config) {
-  constexpr double kMiB = 1024.0 * 1024.0;
-  DataParallelOptions options;
-  options.bucket_bytes =
-      std::max<int64_t>(1, static_cast<int64_t>(config.get_float("dist.bucket_mb") * kMiB));
-  options.first_bucket_bytes =
-      std::max<int64_t>(1, static_cast<int64_t>(config.get_float("dist.first_bucket_mb") * kMiB));
-  return options;
-}
 
 std::vector<std::vector<size_t>> assign_buckets(const std::vector<int64_t>& bytes,
                                                 const DataParallelOptions& options) {
@@ -131,6 +120,7 @@ DataParallel::~DataParallel() {
 std::shared_ptr<DataParallel> DataParallel::attach(Trainer& trainer,
                                                    std::shared_ptr<Communicator> comm,
                                                    const DataParallelOptions& options) {
+  trainer.enter_composition_stage(CompositionStage::kParallelLayout, "DDP");
   auto state = std::make_unique<State>();
   state->comm = std::move(comm);
   state->world_size = state->comm->world_size();

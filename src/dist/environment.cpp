@@ -63,18 +63,16 @@ std::optional<int> leading_count(const std::optional<std::string>& text) {
   return value;
 }
 
-void resolve_master(DistEnvironment& out, const Variables& vars, const Config& config,
+void resolve_master(DistEnvironment& out, const Variables& vars, const ProcessGroupOptions& options,
                     const std::string& world_variable) {
-  const std::string& config_addr = config.get_string("dist.master_addr");
-  out.master_addr = vars.text("MASTER_ADDR").value_or(config_addr);
+  out.master_addr = vars.text("MASTER_ADDR").value_or(options.master_addr);
   if (out.master_addr.empty()) {
     throw UserError(world_variable + "=" + std::to_string(out.world_size) +
                     " is set but MASTER_ADDR is not, and dist.master_addr is empty: kiln cannot "
                     "find rank 0's rendezvous store; launch with torchrun, or set MASTER_ADDR "
                     "(and MASTER_PORT) to rank 0's host, or set dist.master_addr");
   }
-  out.master_port = vars.integer(
-      "MASTER_PORT", static_cast<int>(config.get_int("dist.master_port")), 1, 65535, out.launcher);
+  out.master_port = vars.integer("MASTER_PORT", options.master_port, 1, 65535, out.launcher);
 }
 
 void check_ranks(const DistEnvironment& env) {
@@ -100,9 +98,9 @@ void die_with_launcher() {
   if (::getppid() != parent || parent == 1) ::_exit(128 + SIGKILL);
 }
 
-DistEnvironment read_dist_environment(const Config& config, const EnvLookup& env) {
+DistEnvironment read_dist_environment(const ProcessGroupOptions& options, const EnvLookup& env) {
   const Variables vars(env);
-  std::string launcher = config.get_string("dist.launcher");
+  std::string launcher = options.launcher;
   const bool torchrun_vars = vars.has("WORLD_SIZE");
   const bool slurm_vars =
       vars.has("SLURM_PROCID") && vars.has("SLURM_NTASKS") && vars.has("SLURM_STEP_ID");
@@ -132,8 +130,8 @@ DistEnvironment read_dist_environment(const Config& config, const EnvLookup& env
     out.restart_count = vars.integer("TORCHELASTIC_RESTART_COUNT", 0, 0, 1 << 30, launcher);
     out.agent_store = vars.text("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
     check_ranks(out);
-    out.process_group = out.world_size > 1 || config.get_string("dist.backend") != "auto";
-    if (out.process_group) resolve_master(out, vars, config, "WORLD_SIZE");
+    out.process_group = out.world_size > 1 || options.backend != "auto";
+    if (out.process_group) resolve_master(out, vars, options, "WORLD_SIZE");
     return out;
   }
 
@@ -153,7 +151,7 @@ DistEnvironment read_dist_environment(const Config& config, const EnvLookup& env
   out.restart_count = vars.integer("SLURM_RESTART_COUNT", 0, 0, 1 << 30, launcher);
   check_ranks(out);
   out.process_group = out.world_size > 1;
-  if (out.process_group) resolve_master(out, vars, config, "SLURM_NTASKS");
+  if (out.process_group) resolve_master(out, vars, options, "SLURM_NTASKS");
   return out;
 }
 

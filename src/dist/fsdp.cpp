@@ -330,6 +330,7 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
 
 std::shared_ptr<FullyShardedDataParallel> FullyShardedDataParallel::attach(
     Trainer& trainer, std::shared_ptr<Communicator> comm, const FsdpOptions& options) {
+  trainer.enter_composition_stage(CompositionStage::kParallelLayout, "FSDP");
   auto state = std::make_unique<State>();
   State& s = *state;
   s.comm = std::move(comm);

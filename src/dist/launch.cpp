@@ -41,8 +41,8 @@ std::filesystem::path torchrun_on_path() {
 
 }  // namespace
 
-std::filesystem::path find_torchrun(const Config& config) {
-  const std::string& configured = config.get_string("dist.torchrun");
+std::filesystem::path find_torchrun(const ProcessGroupOptions& options) {
+  const std::string& configured = options.torchrun;
   if (!configured.empty()) {
     if (!is_executable(configured)) {
       throw UserError("dist.torchrun = \"" + configured +
@@ -86,14 +86,15 @@ TorchrunOutcome launch_with_torchrun(const Config& config, const TorchrunJob& jo
     }
   }
 
-  const std::vector<std::string> argv = {find_torchrun(config).string(),
-                                         "--standalone",
-                                         fmt::format("--nproc-per-node={}", job.processes),
-                                         "--no-python",
-                                         kiln_executable().string(),
-                                         job.command,
-                                         launch_config.string(),
-                                         "--quiet"};
+  const std::vector<std::string> argv = {
+      find_torchrun(ProcessGroupOptions::from_config(config)).string(),
+      "--standalone",
+      fmt::format("--nproc-per-node={}", job.processes),
+      "--no-python",
+      kiln_executable().string(),
+      job.command,
+      launch_config.string(),
+      "--quiet"};
   std::string line;
   for (const auto& a : argv) line += (line.empty() ? "" : " ") + a;
   log::info(fmt::format("{}: launching {}", job.command, line));

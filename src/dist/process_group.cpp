@@ -359,24 +359,24 @@ void PendingWork::wait() {
   tensors_.clear();
 }
 
-std::string resolve_backend(const Config& config) {
-  const std::string& backend = config.get_string("dist.backend");
-  if (backend != "auto") return backend;
-  return resolve_device(config).is_cuda() ? "nccl" : "gloo";
+std::string resolve_backend(const ProcessGroupOptions& options) {
+  if (options.backend != "auto") return options.backend;
+  return resolve_device(options.device).is_cuda() ? "nccl" : "gloo";
 }
 
-std::shared_ptr<Communicator> connect(const DistEnvironment& env, const Config& config) {
+std::shared_ptr<Communicator> connect(const DistEnvironment& env,
+                                      const ProcessGroupOptions& options) {
   log::set_rank(env.rank, env.world_size);
   // A peer that dies closes its sockets; writing to them must fail with EPIPE (a c10d error we
   // report), not kill this process with SIGPIPE. Python ignores SIGPIPE for the same reason.
   std::signal(SIGPIPE, SIG_IGN);
-  const double timeout_seconds = config.get_float("dist.timeout_seconds");
+  const double timeout_seconds = options.timeout_seconds;
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(1000 * timeout_seconds));
-  const std::string backend_name = resolve_backend(config);
+  const std::string backend_name = resolve_backend(options);
   torch::Device device = torch::kCPU;
   if (backend_name == "nccl") {
     if (!dist::nccl_compiled()) dist::make_nccl_backend({}, 0, 0, timeout, 0);  // throws UserError
-    if (!resolve_device(config).is_cuda()) {
+    if (!resolve_device(options.device).is_cuda()) {
       throw UserError(
           "dist.backend = \"nccl\" needs CUDA, but run.device resolves to cpu; set "
           "dist.backend = \"gloo\" (or \"auto\")");
@@ -433,7 +433,7 @@ std::shared_ptr<Communicator> connect(const DistEnvironment& env, const Config& 
       env.restart_count > 0 ? fmt::format(", restart {}", env.restart_count) : ""));
 
   // Every rank must train the same job: compare the resolved configs' hashes.
-  const std::vector<std::string> hashes = comm->all_gather_bytes(config.hash());
+  const std::vector<std::string> hashes = comm->all_gather_bytes(options.config_hash);
   if (std::adjacent_find(hashes.begin(), hashes.end(), std::not_equal_to<>()) != hashes.end()) {
     std::string listing;
     for (size_t r = 0; r < hashes.size(); ++r) {
@@ -456,10 +456,11 @@ std::shared_ptr<Communicator> process_communicator(const Config& config) {
   static std::shared_ptr<Communicator>* process_group = nullptr;
   std::lock_guard lock(mutex);
   if (process_group) return *process_group;
+  const ProcessGroupOptions options = ProcessGroupOptions::from_config(config);
   const DistEnvironment env =
-      read_dist_environment(config, [](const char* name) { return std::getenv(name); });
+      read_dist_environment(options, [](const char* name) { return std::getenv(name); });
   if (!env.process_group) return single_process_communicator();
-  process_group = new std::shared_ptr<Communicator>(connect(env, config));
+  process_group = new std::shared_ptr<Communicator>(connect(env, options));
   return *process_group;
 }
 

@@ -1,4 +1,4 @@
-// How FSDP shards lie (kiln/dist.h fsdp_options, ShardLayout) and the sharded parallel layout
+// How FSDP shards lie (ShardLayout) and the sharded parallel layout
 // (sharded_layout()): the optimizer steps each rank's parameter shards; the gradient norm and the
 // training state follow the shards.
 #include <ATen/ATen.h>
@@ -7,21 +7,10 @@
 #include <map>
 
 #include "kiln/comm.h"
-#include "kiln/config.h"
 #include "kiln/dist.h"
 #include "kiln/models.h"
 
 namespace kiln {
-
-FsdpOptions fsdp_options(const Config& config) {
-  FsdpOptions options;
-  options.reshard_after_forward = config.get_bool("dist.reshard_after_forward");
-  options.accumulate_sharded = config.get_string("dist.fsdp_accumulate") == "sharded";
-  options.prefetch = config.get_bool("dist.fsdp_prefetch");
-  const TrainOptions::Precision precision = TrainOptions::from_config(config).precision;
-  if (precision != TrainOptions::Precision::kFp32) options.param_dtype = compute_dtype(precision);
-  return options;
-}
 
 int64_t ShardLayout::valid_rows(int rank) const {
   return std::clamp<int64_t>(rows - rank * rows_per_rank, 0, rows_per_rank);

@@ -372,6 +372,10 @@ ModelMath llama_math(const LlamaConfig& c) {
   m.n_kv_head = c.n_kv_head;
   m.intermediate_size = c.intermediate_size;
   m.vocab_size = c.vocab_size;
+  m.block_size = c.block_size;
+  m.tie_embeddings = c.tie_embeddings;
+  m.units = c.n_layer;
+  m.step_layout = ModelMath::StepLayout::kLlamaDecoder;
   return m;
 }
 

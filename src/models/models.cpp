@@ -318,6 +318,10 @@ ModelMath gpt_math(const GptConfig& g) {
   m.n_kv_head = g.n_head;
   m.intermediate_size = 4 * C;
   m.vocab_size = g.vocab_size;
+  m.block_size = g.block_size;
+  m.tie_embeddings = true;
+  m.units = g.n_layer;
+  m.step_layout = ModelMath::StepLayout::kGptDecoder;
   return m;
 }
 
@@ -337,8 +341,13 @@ ModelSpec mlp_spec() {
                   k = config.get_int("model.num_classes");
     ModelMath m;
     m.parameters = d * h + h + h * k + k;
-    m.largest_unit_parameters = std::max(d * h + h, h * k + k);
+    m.largest_unit_parameters = std::max(d * h + h, h * k + k);  // units fc1, fc2
     m.flop_parameters = m.parameters;
+    m.input_dim = d;
+    m.hidden_dim = h;
+    m.num_classes = k;
+    m.units = 2;
+    m.step_layout = ModelMath::StepLayout::kMlp;
     return m;
   };
   spec.python_twin = "kiln_py.models";

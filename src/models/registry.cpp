@@ -9,6 +9,7 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "core/counters.h"
 #include "kiln/error.h"
 #include "kiln/hf.h"
 #include "kiln/models.h"
@@ -126,6 +127,7 @@ std::vector<const ModelSpec*> specs_for_schema() {
 }
 
 std::shared_ptr<Model> make_model(const Config& config) {
+  counters::count(counters::Event::kModelBuild);
   const ModelSpec& spec = model_spec(config);
   auto generator =
       at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.get_int("run.seed")));

@@ -63,7 +63,8 @@ nlohmann::json export_for_peer(const Config& config, int64_t steps,
   write_safetensors(out_dir / "init.safetensors", init, {{"format", "pt"}, {"source", "kiln"}});
   write_file_atomic(out_dir / "config.toml", config.to_toml(false));
 
-  Trainer trainer(config, model, std::move(data), TrainerOptions{resolve_device(config), 0, 1});
+  Trainer trainer(TrainerSetup::from_config(config), model, std::move(data),
+                  TrainerOptions{resolve_device(config), 0, 1});
   if (initial_loss_scale > 0) {
     TrainState state = trainer.state();
     if (!state.grad_scaler.is_object()) {
@@ -74,7 +75,7 @@ nlohmann::json export_for_peer(const Config& config, int64_t steps,
     state.grad_scaler["scale"] = initial_loss_scale;
     trainer.load_state(state);
   }
-  const int64_t accum = config.get_int("train.grad_accum_steps");
+  const int64_t accum = TrainOptions::from_config(config).grad_accum_steps;
   std::vector<std::vector<Batch>> batches(static_cast<size_t>(steps));
   NamedTensors batch_tensors;
   for (int64_t k = 0; k < steps; ++k) {

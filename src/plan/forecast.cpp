@@ -14,6 +14,7 @@
 #include "kiln/error.h"
 #include "kiln/log.h"
 #include "kiln/plan.h"
+#include "plan/calibration.h"
 #include "plan/save_stall.h"
 
 namespace kiln {
@@ -76,44 +77,18 @@ Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
       train_flops_per_token(shape, job.seq_len, job.activation_checkpointing) * f.tokens_per_step;
   f.steps = static_cast<double>(config.get_int("train.steps"));
 
-  // The pilot stands for this run when it ran on the same device (the same runtime name).
-  const bool same_device = pilot != nullptr && pilot->device == f.device;
+  // The pilot stands for this run when it ran on this device (its runtime name, or the same
+  // catalog row); the peak and MFU by the rule the plan uses (plan/calibration.h).
   const auto catalog = load_catalog(config.get_string("plan.catalog"));
   const Device* row = device_for_name(catalog, f.device);
-  double catalog_peak = 0;
-  std::string catalog_source;
-  if (config.get_float("baseline.peak_flops_per_second") > 0) {
-    catalog_peak = config.get_float("baseline.peak_flops_per_second");
-    catalog_source = "baseline.peak_flops_per_second";
-  } else if (row != nullptr && row->peak_flops_for(job.precision) > 0) {
-    catalog_peak = row->peak_flops_for(job.precision);
-    catalog_source =
-        fmt::format("hardware catalog ({}, {})", row->name, compute_precision(job.precision));
-  }
-  if (same_device && pilot->step_seconds > 0) {
-    // The pilot ran this job's step on this device: its achieved rate (the FLOPs this forecast
-    // counts, per device) over the peak it measured.
-    const double achieved = f.flops_per_step / pilot->step_seconds;
-    if (pilot->matmul_peak_flops_per_second > 0) {
-      f.peak_flops_per_second = pilot->matmul_peak_flops_per_second;
-      f.peak_source = "matmul at the job's shape, measured by the pilot";
-    } else if (catalog_peak > 0) {
-      f.peak_flops_per_second = catalog_peak;
-      f.peak_source = catalog_source;
-    } else {
-      f.peak_flops_per_second = achieved;
-      f.peak_source = "the pilot's achieved rate (no peak measured or catalogued)";
-    }
-    f.mfu = achieved / f.peak_flops_per_second;
-    f.mfu_source = pilot->step_timing.empty()
-                       ? std::string("pilot (measured on this device)")
-                       : "pilot (measured on this device: " + pilot->step_timing + ")";
-  } else {
-    f.peak_flops_per_second = catalog_peak;
-    f.peak_source = catalog_peak > 0 ? catalog_source : "none: no catalog row for this device";
-    f.mfu = config.get_float("plan.mfu");
-    f.mfu_source = "plan.mfu (assumed)";
-  }
+  const bool same_device = pilot_ran_on(pilot, catalog, row, f.device);
+  const ComputeCalibration compute =
+      calibrate_compute(pilot, same_device, config.get_float("baseline.peak_flops_per_second"), row,
+                        job.precision, f.flops_per_step, config.get_float("plan.mfu"));
+  f.peak_flops_per_second = compute.peak_flops_per_second;
+  f.peak_source = compute.peak_source;
+  f.mfu = compute.mfu;
+  f.mfu_source = compute.mfu_source;
   if (f.peak_flops_per_second > 0 && f.mfu > 0) {
     f.step_seconds = f.flops_per_step / (f.peak_flops_per_second * f.mfu);
     f.tokens_per_second = f.tokens_per_step / f.step_seconds;
@@ -159,10 +134,9 @@ Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
     // waited for at once: nothing covers the rest of its write.
     const bool final_save_after_eval =
         save_every > 0 && steps % save_every != 0 && config.get_bool("checkpoint.save_final");
-    const double final_write_exposed =
-        stall.measured && final_save_after_eval
-            ? std::max(0.0, f.save_seconds - f.save_stall_seconds)
-            : 0.0;
+    const double final_write_exposed = stall.measured && final_save_after_eval
+                                           ? std::max(0.0, f.save_seconds - f.save_stall_seconds)
+                                           : 0.0;
     f.checkpoint_seconds = f.saves * f.save_stall_seconds + final_write_exposed;
     f.wall_seconds = f.train_seconds + f.checkpoint_seconds + f.evals * f.eval_seconds;
     f.ettr = f.train_seconds / f.wall_seconds;

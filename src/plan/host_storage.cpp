@@ -50,7 +50,7 @@ HostNeeds host_needs(const Config& config, const Device& device, int64_t gpus,
   const ModelShape shape = model_shape(config);
   const JobShape job = job_shape(config);
   const double batch_bytes =
-      shape.architecture == "mlp"
+      !shape.tokens  // features (fp32) and a label per sample; else inputs and targets (int64)
           ? static_cast<double>(job.micro_batch) * static_cast<double>(shape.input_dim + 1) * 4.0
           : static_cast<double>(job.micro_batch * job.seq_len) * 2.0 * 8.0;
   h.loader_bytes_per_node = static_cast<double>(ranks_per_node) *

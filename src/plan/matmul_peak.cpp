@@ -36,7 +36,7 @@ void matmul_peak_sync(const torch::Device& device) {
 
 MatmulShape job_matmul_shape(const ModelShape& shape, const JobShape& job) {
   MatmulShape out;
-  if (shape.architecture == "mlp") {
+  if (!shape.tokens && shape.input_dim > 0 && shape.hidden_dim > 0) {  // the mlp's first layer
     out.m = job.micro_batch;
     out.k = shape.input_dim;
     out.n = shape.hidden_dim;

@@ -386,13 +386,13 @@ MemoryEstimate registered_model_estimate(const ModelShape& s, const JobShape& jo
 }  // namespace
 
 MemoryEstimate estimate_memory(const ModelShape& shape, const JobShape& job) {
-  if (shape.architecture == "mlp") return mlp_estimate(shape, job);
-  if (shape.architecture != "gpt" && shape.architecture != "llama") {
-    return registered_model_estimate(shape, job);
-  }
+  using Layout = ModelMath::StepLayout;
+  if (shape.layout == Layout::kMlp) return mlp_estimate(shape, job);
+  if (shape.layout == Layout::kGeneric) return registered_model_estimate(shape, job);
+  // A decoder kiln walks allocation by allocation (the layout the model's math names).
   auto walk = [&shape](const JobShape& j) {
-    return shape.architecture == "llama" ? plan_walk::llama_step_estimate(shape, j)
-                                         : GptStep(shape, j).run();
+    return shape.layout == Layout::kLlamaDecoder ? plan_walk::llama_step_estimate(shape, j)
+                                                 : GptStep(shape, j).run();
   };
   MemoryEstimate m = walk(job);
   // The strategy rule's figure: DDP on every device, one micro-batch.

@@ -14,6 +14,7 @@
 #include "kiln/config.h"
 #include "kiln/error.h"
 #include "kiln/plan.h"
+#include "plan/calibration.h"
 #include "plan/save_stall.h"
 
 namespace kiln {
@@ -233,22 +234,26 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
     StrategyInput input = strategy_input(shape, job, device->memory_bytes, headroom);
     input.activation_bytes *= activation_ratio;
     const StrategyDecision decision = choose_strategy(input);
-    const double catalog_peak = device->peak_flops_for(job.precision);
+    // The pilot ran on this row's device: its measurements (the MFU over the matmul it timed,
+    // eval, write speed, restart, its own duration) stand for this row; the peak and MFU by the
+    // rule the forecast uses (plan/calibration.h). A catalog figure far from the measured one
+    // is the wrong-denominator bug (MFU above 100%): warned.
+    const bool measured_here = pilot_ran_on(pilot, catalog, device, "");
+    const double per_device_tokens =
+        static_cast<double>(job.micro_batch * job.grad_accum_steps * job.seq_len);
+    const ComputeCalibration compute =
+        calibrate_compute(pilot, measured_here, 0.0, device, job.precision,
+                          flops_per_token * per_device_tokens, config.get_float("plan.mfu"));
+    const double catalog_peak = compute.catalog_peak_flops_per_second;
     if (catalog_peak <= 0) {
       throw UserError(
           fmt::format("hardware row {} has no peak_tflops.{} (train.precision = \"{}\"); add "
                       "it to the catalog row",
                       device->name, compute_precision(job.precision), job.precision));
     }
-    // The pilot ran on this row's device: its measurements (MFU when the device's peak was
-    // known there, eval, write speed, restart, its own duration) stand for this row.
-    const bool measured_here = pilot && device_for_name(catalog, pilot->device) == device;
-    // The pilot's timed matmul stands for this row's peak; its step's achieved rate over that
-    // peak is the MFU (docs/plan.md, "Measured matmul peak"). A catalog figure far from the
-    // measured one is the wrong-denominator bug (MFU above 100%): warned.
+    const double peak = compute.peak_flops_per_second;
     const bool peak_measured = measured_here && pilot->matmul_peak_flops_per_second > 0;
-    const double peak = peak_measured ? pilot->matmul_peak_flops_per_second : catalog_peak;
-    if (peak_measured) {
+    if (peak_measured && compute.measured) {
       const double over = catalog_peak / peak;
       if (over > 1.25 || over < 0.5) {
         warnings.push_back(fmt::format(
@@ -259,18 +264,7 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
             compute_precision(job.precision)));
       }
     }
-    const bool mfu_measured =
-        measured_here && (peak_measured ? pilot->step_seconds > 0 : pilot->mfu > 0);
-    // Per device: the pilot's step (its world) ran the same per-device tokens (same job hash).
-    const double pilot_achieved =
-        peak_measured && pilot->step_seconds > 0
-            ? flops_per_token *
-                  static_cast<double>(job.micro_batch * job.grad_accum_steps * job.seq_len) /
-                  pilot->step_seconds
-            : 0;
-    const double mfu = !mfu_measured   ? config.get_float("plan.mfu")
-                       : peak_measured ? pilot_achieved / peak
-                                       : pilot->mfu;
+    const double mfu = compute.mfu;
     (measured_here ? measured_rows : assumed_rows).push_back(device->name);
     const double write_speed = measured_here && pilot->write_bytes_per_second > 0
                                    ? pilot->write_bytes_per_second
@@ -333,11 +327,11 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
         {"strategy", to_json(decision)},
         {"fits_memory", fits_memory},
         {"peak_flops_per_gpu", peak},
-        {"peak_flops_source", peak_measured ? "matmul measured by the pilot" : "hardware catalog"},
+        {"peak_flops_source", compute.peak_source},
         {"catalog_peak_flops_per_gpu", catalog_peak},
         {"host", to_json(host)},
         {"mfu", mfu},
-        {"mfu_source", mfu_measured ? "pilot (measured on this device)" : "plan.mfu (assumed)"},
+        {"mfu_source", compute.mfu_source},
         {"step_seconds", result.step_seconds},
         {"compute_seconds_per_step", result.compute_seconds},
         {"communication_seconds_per_step", result.communication_seconds},

@@ -49,27 +49,6 @@ int64_t ProfileSchedule::total_steps() const {
   return skip_first + repeat * (wait + warmup + active);
 }
 
-ProfilerOptions profiler_options(const Config& config, const std::filesystem::path& run_dir,
-                                 const torch::Device& device, int rank, int world_size) {
-  ProfilerOptions options;
-  const std::string& dir = config.get_string("profile.dir");
-  options.dir = dir.empty() ? run_dir / "traces" : std::filesystem::path(dir);
-  options.schedule.skip_first = config.get_int("profile.skip_first");
-  options.schedule.wait = config.get_int("profile.wait");
-  options.schedule.warmup = config.get_int("profile.warmup");
-  options.schedule.active = config.get_int("profile.active");
-  options.schedule.repeat = config.get_int("profile.repeat");
-  options.record_shapes = config.get_bool("profile.record_shapes");
-  options.profile_memory = config.get_bool("profile.profile_memory");
-  options.with_stack = config.get_bool("profile.with_stack");
-  options.with_flops = config.get_bool("profile.with_flops");
-  options.gzip = config.get_bool("profile.gzip");
-  options.cuda = device.is_cuda();
-  options.rank = rank;
-  options.world_size = world_size;
-  return options;
-}
-
 void check_trace_directory(const std::filesystem::path& dir) {
   auto fail = [&](const std::string& reason) {
     throw UserError(

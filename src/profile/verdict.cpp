@@ -42,16 +42,6 @@ std::string format_us(double us) {
 
 }  // namespace
 
-VerdictThresholds VerdictThresholds::from_config(const Config& config) {
-  VerdictThresholds t;
-  t.data_bound_share = config.get_float("profile.data_bound_share");
-  t.comm_bound_share = config.get_float("profile.comm_bound_share");
-  t.memory_bound_fraction = config.get_float("profile.memory_bound_fraction");
-  t.host_bound_op_us = config.get_float("profile.host_bound_op_us");
-  t.gpu_idle_share = config.get_float("profile.gpu_idle_share");
-  return t;
-}
-
 Verdict decide_bottleneck(const TraceAnalysis& analysis, const VerdictThresholds& thresholds,
                           const VerdictContext& context) {
   Verdict v;

@@ -14,6 +14,7 @@
 #include "kiln/plan.h"
 #include "kiln/results.h"
 #include "kiln/rungs.h"
+#include "rungs/options.h"
 
 namespace kiln {
 namespace {
@@ -64,9 +65,11 @@ void print_rung(const RungResult& result) {
 
 RungResult run_baseline(Session& session) {
   Trainer& trainer = *session.trainer;
-  const Config& config = session.config;
-  const int64_t warmup = config.get_int("baseline.warmup_steps");
-  const int64_t measured = config.get_int("baseline.steps");
+  const Config& config = session.job.config;
+  const BaselineRungOptions rung = BaselineRungOptions::from_config(config);
+  const TrainOptions& train = session.job.trainer.train;
+  const int64_t warmup = rung.warmup_steps;
+  const int64_t measured = rung.steps;
   log::info(fmt::format("baseline: {} warm-up + {} measured steps, eager, one process on {}",
                         warmup, measured, session.device.str()));
   const EvalStats initial_eval = trainer.evaluate();
@@ -129,7 +132,7 @@ RungResult run_baseline(Session& session) {
   const double achieved_flops = flops_per_sample * samples_per_second;
   // The device's peak for MFU: baseline.peak_flops_per_second overrides; else the hardware
   // catalog's dense peak for the training precision when the device is in it (kiln/plan.h).
-  double peak_flops = config.get_float("baseline.peak_flops_per_second");
+  double peak_flops = rung.peak_flops_per_second;
   std::string peak_source = "baseline.peak_flops_per_second";
   if (peak_flops <= 0) {
     const auto manifest_path = session.run->dir() / "manifest.json";
@@ -141,7 +144,7 @@ RungResult run_baseline(Session& session) {
     peak_flops = catalog_peak_flops(config, device_name, training_precision(config));
     peak_source = fmt::format("hardware catalog ({}, {})", device_name, training_precision(config));
   }
-  const double min_drop = config.get_float("baseline.min_loss_drop");
+  const double min_drop = rung.min_loss_drop;
   // The device's achievable matmul at the job's shape and precision, timed as the pilot times it
   // (kiln/plan.h): an MFU that means something where no catalog row does. A short budget (at
   // least 5 repetitions): the baseline is run often. Informational: a model the plan's shapes do
@@ -164,8 +167,8 @@ RungResult run_baseline(Session& session) {
   out.device = session.device.str();
   out.warmup_steps = warmup;
   out.measured_steps = measured;
-  out.batch_size = config.get_int("train.batch_size");
-  out.grad_accum_steps = config.get_int("train.grad_accum_steps");
+  out.batch_size = train.batch_size;
+  out.grad_accum_steps = train.grad_accum_steps;
   out.seq_len = seq_len;
   out.samples_per_second = samples_per_second;
   if (seq_len > 0) out.tokens_per_second = tokens_per_second;

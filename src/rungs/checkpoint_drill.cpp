@@ -20,6 +20,7 @@
 #include "kiln/results.h"
 #include "kiln/run.h"
 #include "kiln/rungs.h"
+#include "rungs/options.h"
 
 namespace kiln {
 namespace {
@@ -45,7 +46,7 @@ bool bitwise_equal(const std::vector<std::pair<std::string, torch::Tensor>>& a,
 CheckpointResult drill(const Config& config) {
   CheckpointResult result;
   const auto drill_begin = Clock::now();
-  const int64_t half = config.get_int("checkpoint.drill_steps");
+  const int64_t half = DrillRungOptions::from_config(config).drill_steps;
   const int64_t total = 2 * half;
   const std::filesystem::path run_dir = run_directory(config);
   const std::filesystem::path dir = std::filesystem::absolute(run_dir / "checkpoint-drill");
@@ -192,8 +193,9 @@ CheckpointResult drill(const Config& config) {
 RungResult run_checkpoint_drill(const Config& config, const SessionOptions& options) {
   auto comm = options.comm ? options.comm : single_process_communicator();
   // The drill's processes write in <run dir>/checkpoint-drill/ under this lock.
-  const auto lock = lock_run_directories(
-      config, options.comm ? *options.comm : *process_communicator(config), options.argv);
+  const auto lock =
+      lock_run_directories(resolve_job(config, JobRequest{.argv = options.argv}),
+                           options.comm ? *options.comm : *process_communicator(config));
   // Rank 0 runs the drill and writes checkpoint.json through its result's to_json; every rank
   // returns that result as rank 0 wrote it.
   CheckpointResult drilled;

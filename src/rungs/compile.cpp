@@ -141,8 +141,8 @@ CompileSide compile_side(const std::vector<double>& seconds, int64_t tokens_per_
 }  // namespace
 
 RungResult run_compile(Session& session) {
-  const Config& config = session.config;
-  CompileOptions options = CompileOptions::from_config(config);
+  const Config& config = session.job.config;
+  CompileOptions options = session.job.compile;
   Config compiled_config = config;
   if (options.backend == CompileOptions::Backend::kEager) {
     compiled_config.set("compile.backend", std::string("inductor"));
@@ -158,23 +158,17 @@ RungResult run_compile(Session& session) {
   RungResult result;
   result.rung = "compile";
   Trainer& eager = *session.trainer;
-  // The compiled side: the same job built again (same seed: same initial weights and batches).
-  Trainer compiled(compiled_config, make_model(compiled_config), make_datasets(compiled_config),
-                   eager.options());
-  // Under torchrun both sides are DDP (the session attached eager's): the compiled side's
-  // gradients come back from the package, and DDP reduces its buckets after it returns.
-  std::shared_ptr<DataParallel> compiled_ddp;
-  if (distributed) {
-    compiled_ddp =
-        DataParallel::attach(compiled, session.comm, data_parallel_options(compiled_config));
-  }
-  std::shared_ptr<CompiledStep> step;  // AOTInductor
-  if (options.inductor()) {
-    step = std::make_shared<CompiledStep>(compiled_config, compiled.model(),
-                                          compiled.options().device);
-    compiled.set_step_executor(step);
-  }
-  const auto captured = attach_captured_step(compiled, compiled_config);  // CUDA graphs
+  // The compiled side: the same job built again (same seed: same initial weights and batches),
+  // composed as the eager side (activation checkpointing, DDP under torchrun: its gradients come
+  // back from the package, and DDP reduces its buckets after it returns) plus the compiled step.
+  Job compiled_job = session.job;
+  compiled_job.config = compiled_config;
+  compiled_job.compile = options;
+  ComposedStep composed = compose_step(compiled_job, make_model(compiled_config),
+                                       make_datasets(compiled_config), eager.options());
+  Trainer& compiled = *composed.trainer;
+  std::shared_ptr<CompiledStep> step = composed.compiled;           // AOTInductor
+  std::shared_ptr<CapturedGraphStep> captured = composed.captured;  // CUDA graphs
   // The report of the compiler that decides graphs and recompiles: AOTInductor's when it runs
   // (the capture's is written beside it), else the capture's.
   auto report_of = [&]() -> const CompileReport& {
@@ -197,7 +191,7 @@ RungResult run_compile(Session& session) {
   // compile.json, filled as the rung goes and written once through its typed result.
   CompileResult out;
   out.backend = backend_name(options.backend);
-  out.precision = config.get_string("train.precision");
+  out.precision = precision_name(session.job.trainer.train.precision);
   out.dynamic = dynamic_name(options.dynamic);
   out.fullgraph = options.fullgraph;
   out.recompile_limit = options.recompile_limit;
@@ -421,7 +415,7 @@ RungResult run_compile(Session& session) {
     CompileDdp ddp;
     ddp.world_size = session.comm->world_size();
     ddp.backend = session.comm->backend_name();
-    ddp.bucket_bytes = compiled_ddp->bucket_bytes();
+    ddp.bucket_bytes = composed.ddp->bucket_bytes();
     ddp.eager = side(0);
     // A captured step replays its bucket all-reduces inside the CUDA graph, where the host sees
     // neither their start nor their end: only the eager side is measured then.
@@ -446,7 +440,8 @@ RungResult run_compile(Session& session) {
     out.ddp = std::move(ddp);
   }
 
-  result.table = compile_rung::compile_table(out, report, step ? &step->report() : nullptr, config);
+  result.table =
+      compile_rung::compile_table(out, report, step ? &step->report() : nullptr, options);
   const auto [passed, verdict] = compile_rung::compile_verdict(out, eager.step());
   return finish(passed, verdict);
 }

@@ -19,7 +19,7 @@ std::string ddp_overlap_text(const CompileDdp& ddp);
 /// the graphs (AOTInductor's, else the capture's), `eval_report` AOTInductor's (its eval graphs;
 /// nullptr without one).
 ResultRows compile_table(const CompileResult& numbers, const CompileReport& report,
-                         const CompileReport* eval_report, const Config& config);
+                         const CompileReport* eval_report, const CompileOptions& options);
 
 /// The gate and the verdict of a timed result: numerics within tolerance (steps, parameters,
 /// evaluations), then the speedup against compile.min_speedup. `steps` is the steps each side

@@ -63,7 +63,7 @@ std::string compile_time_text(const CompileSide& side) {
 }  // namespace
 
 ResultRows compile_table(const CompileResult& r, const CompileReport& report,
-                         const CompileReport* eval_report, const Config& config) {
+                         const CompileReport* eval_report, const CompileOptions& options) {
   ResultRows t;
   t.emplace_back("backend", fmt::format("{} (dynamic = {}, fullgraph = {}, precision {})",
                                         r.backend, r.dynamic, r.fullgraph, r.precision));
@@ -112,15 +112,14 @@ ResultRows compile_table(const CompileResult& r, const CompileReport& report,
   t.emplace_back("speedup", fmt::format("{:.2f}x (eager median / compiled median, {} interleaved "
                                         "steps after {} warm-up)",
                                         r.speedup.value_or(0.0), r.timed_steps, r.warmup_steps));
-  t.emplace_back(
-      "numerics",
-      fmt::format("losses max rel diff {:.2e}, parameters {:.2e} (most in {}: {:.2e}), "
-                  "eval losses {:.2e}; tolerance {:.0e}{}",
-                  r.max_relative_loss_difference, r.max_relative_parameter_difference,
-                  r.worst_parameter, r.worst_parameter_relative_difference,
-                  r.max_relative_eval_loss_difference, r.tolerance,
-                  config.get_float("compile.tolerance") > 0 ? std::string(" (compile.tolerance)")
-                                                            : " (" + r.precision + "'s default)"));
+  t.emplace_back("numerics",
+                 fmt::format("losses max rel diff {:.2e}, parameters {:.2e} (most in {}: {:.2e}), "
+                             "eval losses {:.2e}; tolerance {:.0e}{}",
+                             r.max_relative_loss_difference, r.max_relative_parameter_difference,
+                             r.worst_parameter, r.worst_parameter_relative_difference,
+                             r.max_relative_eval_loss_difference, r.tolerance,
+                             options.tolerance_configured ? std::string(" (compile.tolerance)")
+                                                          : " (" + r.precision + "'s default)"));
   if (r.ddp) t.emplace_back("DDP overlap", ddp_overlap_text(*r.ddp));
   t.emplace_back("peak memory",
                  fmt::format("eager {}, compiled {} ({})", format_bytes(r.eager.peak_memory_bytes),

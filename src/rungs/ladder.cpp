@@ -17,6 +17,7 @@
 #include "kiln/results.h"
 #include "kiln/run.h"
 #include "kiln/rungs.h"
+#include "rungs/options.h"
 
 namespace kiln {
 namespace {
@@ -107,7 +108,9 @@ const std::vector<Rung>& ladder_rungs() {
        }},
       // Between baseline and profile, when a compiled step is asked for (compile.backend).
       {"compile",
-       [](const Config& config) { return config.get_string("compile.backend") != "eager"; },
+       [](const Config& config) {
+         return CompileOptions::from_config(config).backend != CompileOptions::Backend::kEager;
+       },
        [](const Config& config, const SessionOptions& options) {
          auto session = open_session(config, options);  // setup checked by run_ladder
          return run_compile(*session);
@@ -118,12 +121,14 @@ const std::vector<Rung>& ladder_rungs() {
          return run_profile(*session);
        }},
       // After profile: data-parallel scaling, when dist.scale_processes asks for it.
-      {"scale", [](const Config& config) { return config.get_int("dist.scale_processes") > 0; },
+      {"scale",
+       [](const Config& config) { return ScaleRungOptions::from_config(config).processes > 0; },
        [](const Config& config, const SessionOptions& options) {
          return run_scale_rung(config, options);
        }},
       // Last: the restore drill (save, kill, restore in a fresh process, resume, compare).
-      {"checkpoint", [](const Config& config) { return config.get_bool("checkpoint.drill"); },
+      {"checkpoint",
+       [](const Config& config) { return DrillRungOptions::from_config(config).drill; },
        run_checkpoint_drill},
       // Then the pilot (the whole job once at its production shape) and the plan it calibrates.
       {"pilot", [](const Config&) { return true; }, run_pilot},
@@ -156,7 +161,8 @@ std::vector<RungResult> run_ladder(const Config& config, const SessionOptions& o
   const std::shared_ptr<Communicator> comm =
       options.comm ? options.comm : process_communicator(config);
   const bool writer = comm->rank() == 0;
-  const auto lock = lock_run_directories(config, *comm, options.argv);
+  const auto lock =
+      lock_run_directories(resolve_job(config, JobRequest{.argv = options.argv}), *comm);
   std::vector<RungResult> results;
   std::vector<std::string> skipped;
   bool stopped = false;

@@ -26,6 +26,7 @@
 #include "kiln/plan.h"
 #include "kiln/results.h"
 #include "kiln/rungs.h"
+#include "rungs/options.h"
 #include "rungs/pilot_memory.h"
 
 namespace kiln {
@@ -64,11 +65,10 @@ std::vector<std::string> differing(const std::vector<std::pair<std::string, torc
 // else the catalog row of the device, else 0 (unknown).
 double device_peak_flops(const Config& config, const std::string& device_name,
                          const JobShape& job) {
-  if (config.get_float("baseline.peak_flops_per_second") > 0)
-    return config.get_float("baseline.peak_flops_per_second");
+  const double configured = PilotRungOptions::from_config(config).peak_flops_per_second;
+  if (configured > 0) return configured;
   return catalog_peak_flops(config, device_name, job.precision);
 }
-
 
 // Fences on an async save's staging copy before the optimizer step, as kiln train's
 // CheckpointHook does (kiln/checkpoint.h), and adds up how long that blocked: armed while
@@ -118,23 +118,26 @@ std::vector<std::string> check_pins(const Config& config, const std::filesystem:
   return manifest_differences(pinned, current);
 }
 
-
 RungResult run_pilot(const Config& config, const SessionOptions& options) {
   const auto begin = Clock::now();
   RungResult result;
   result.rung = "pilot";
-  const int64_t steps = config.get_int("pilot.steps");
+  const PilotRungOptions rung = PilotRungOptions::from_config(config);
+  const int64_t steps = rung.steps;
   const ModelShape shape = model_shape(config);
   JobShape job = job_shape(config);
   // The step it runs (plan.activation_checkpointing is the plan's what-if, not this job's).
-  job.activation_checkpointing = config.get_string("train.activation_checkpointing") == "block";
+  job.activation_checkpointing = TrainOptions::from_config(config).activation_checkpointing ==
+                                 TrainOptions::ActivationCheckpointing::kBlock;
 
   check_compile_start(config);  // compile.backend: Python, torch, cache, before anything is written
-  auto session = open_session(config, options);
-  Trainer& trainer = *session->trainer;
   // The job's own step: with compile.backend set, the compiled step as `kiln train` runs it (and
   // as the restore child runs it), so the cycle proves the step production will run.
-  const std::shared_ptr<CompiledStep> compiled = attach_compiled_step(trainer, config);
+  SessionOptions composed = options;
+  composed.compile = true;
+  auto session = open_session(config, composed);
+  Trainer& trainer = *session->trainer;
+  const std::shared_ptr<CompiledStep> compiled = session->compiled;
   const int world = session->comm->world_size();
   job.world_size = world;
   const bool writer = session->comm->rank() == 0;
@@ -225,7 +228,8 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   // is finished so, after its final evaluation, and the wait (what of the write and commit the
   // evaluation did not cover, and the save's bookkeeping) is part of what a save costs.
   if (writer) std::filesystem::remove_all(pilot_dir);
-  CheckpointOptions ckpt = checkpoint_options(config, run_dir);
+  CheckpointOptions ckpt = session->job.checkpoint.store;
+  const CheckpointRecord& record = session->job.checkpoint.record;
   ckpt.dir = pilot_dir / "checkpoints";
   ckpt.async = false;
   ckpt.background_staging = false;
@@ -237,8 +241,7 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   {
     Checkpointer checkpointer(ckpt, *session->comm);
     auto save_begin = Clock::now();
-    auto handle = checkpointer.save(
-        capture_training_state(trainer, *session->comm, run_dir / "manifest.json"));
+    auto handle = checkpointer.save(capture_training_state(trainer, *session->comm, record));
     checkpointer.wait();
     handle->rethrow_if_failed();
     save_seconds = seconds_since(save_begin);
@@ -251,8 +254,7 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
     async_ckpt.background_staging = true;
     Checkpointer checkpointer(async_ckpt, *session->comm);
     auto blocking_begin = Clock::now();
-    auto after = checkpointer.save(
-        capture_training_state(trainer, *session->comm, run_dir / "manifest.json"));
+    auto after = checkpointer.save(capture_training_state(trainer, *session->comm, record));
     save_blocking_seconds = seconds_since(blocking_begin);
     fence->checkpointer = &checkpointer;
     trainer.train_step(/*sync=*/true);
@@ -379,12 +381,12 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   // checkpoint.async the save at its step blocks, the final evaluation runs while it is written
   // and the save is waited for after it (as measured above); else the whole save, then the
   // evaluation.
-  const double child_end = config.get_bool("checkpoint.async")
-                               ? save_blocking_seconds + eval_seconds + save_end_wait_seconds
-                               : save_seconds + eval_seconds;
+  const bool async_save = session->job.checkpoint.store.async;
+  const double child_end = async_save ? save_blocking_seconds + eval_seconds + save_end_wait_seconds
+                                      : save_seconds + eval_seconds;
   restore.recovery_seconds = std::max(0.0, restore.seconds - child_end);
 
-  const double max_error = config.get_float("pilot.max_estimate_error");
+  const double max_error = rung.max_estimate_error;
   const bool estimate_ok = std::abs(ratio - 1.0) <= max_error;
   if (!estimate_ok) {
     problems.push_back(fmt::format(
@@ -404,7 +406,7 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   out.grad_accum_steps = job.grad_accum_steps;
   out.precision = job.precision;
   out.steps = steps;
-  out.compile_backend = config.get_string("compile.backend");
+  out.compile_backend = backend_name(session->job.compile.backend);
   out.step_seconds = measured.step_seconds;
   out.loss = measured.loss;
   out.flops_per_step = flops_per_step;
@@ -419,7 +421,7 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   out.checkpoint_bytes = checkpoint_bytes;
   out.save_seconds = save_seconds;
   out.write_bytes_per_second = save_seconds > 0 ? checkpoint_bytes / save_seconds : 0.0;
-  out.checkpoint_async = config.get_bool("checkpoint.async");
+  out.checkpoint_async = async_save;
   out.save_blocking_seconds = save_blocking_seconds;
   out.save_end_wait_seconds = save_end_wait_seconds;
   out.step_timing = timing;
@@ -467,16 +469,17 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
                                       job.micro_batch, job.seq_len, job.grad_accum_steps, world,
                                       job.precision));
   t.emplace_back(
-      "step", fmt::format("{}{}{}{}", format_duration(measured.step_seconds),
-                          timing.step_seconds.empty()
-                              ? std::string(" (the memory-measured step)")
-                              : fmt::format(" (median of {} steps)", timing.step_seconds.size()),
-                          fmt::format("{}, {:.1f}% of the measured matmul ({:.3g} FLOP/s)",
-                                      mfu > 0 ? fmt::format(", MFU {:.1f}%", 100 * mfu) : "",
-                                      100 * mfu_of_matmul, matmul.flops_per_second),
-                          config.get_string("compile.backend") != "eager"
-                              ? fmt::format(", compiled ({})", config.get_string("compile.backend"))
-                              : ""));
+      "step",
+      fmt::format("{}{}{}{}", format_duration(measured.step_seconds),
+                  timing.step_seconds.empty()
+                      ? std::string(" (the memory-measured step)")
+                      : fmt::format(" (median of {} steps)", timing.step_seconds.size()),
+                  fmt::format("{}, {:.1f}% of the measured matmul ({:.3g} FLOP/s)",
+                              mfu > 0 ? fmt::format(", MFU {:.1f}%", 100 * mfu) : "",
+                              100 * mfu_of_matmul, matmul.flops_per_second),
+                  session->job.compile.backend != CompileOptions::Backend::kEager
+                      ? fmt::format(", compiled ({})", backend_name(session->job.compile.backend))
+                      : ""));
   t.emplace_back("peak memory",
                  fmt::format("{} measured, {} estimated, ratio {:.2f}", format_bytes(measured_peak),
                              format_bytes(estimated_peak), ratio));
@@ -494,7 +497,7 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
           format_bytes(checkpoint_bytes), format_duration(save_seconds),
           format_bytes(save_seconds > 0 ? checkpoint_bytes / save_seconds : 0),
           format_duration(save_blocking_seconds), format_duration(save_end_wait_seconds),
-          config.get_bool("checkpoint.async") ? " (checkpoint.async: the plan's stall)" : ""));
+          async_save ? " (checkpoint.async: the plan's stall)" : ""));
   t.emplace_back("restore",
                  restore.passed
                      ? fmt::format("step {} restored in {} fresh process{}: loss and tensors {}",

@@ -49,7 +49,7 @@ ProfileResult profile_parts(const json& analysis, const json& verdict) {
 
 RungResult run_profile(Session& session, std::string* tables) {
   Trainer& trainer = *session.trainer;
-  const Config& config = session.config;
+  const Config& config = session.job.config;
   RungResult result;
   result.rung = "profile";
 
@@ -108,17 +108,14 @@ RungResult run_profile(Session& session, std::string* tables) {
   for (const auto& path : profiler->traces()) traces.push_back(read_trace(path));
   TraceAnalysis analysis = analyze_traces(traces);
 
-  VerdictContext context;
-  context.num_workers = static_cast<int>(config.get_int("data.num_workers"));
-  context.prefetch = static_cast<int>(config.get_int("data.prefetch"));
-  context.batch_size = config.get_int("train.batch_size");
-  context.grad_accum_steps = config.get_int("train.grad_accum_steps");
+  const TrainerSetup& setup = session.job.trainer;
+  VerdictContext context = verdict_context(setup.train, setup.loader);
   context.world_size = session.comm->world_size();
   context.cuda = session.device.is_cuda();
   if (!context.cuda) context.device_memory_bytes = host_memory_bytes();
   const Verdict verdict =
       decide_bottleneck(analysis, VerdictThresholds::from_config(config), context);
-  const int top = static_cast<int>(config.get_int("profile.top_operators"));
+  const int top = options.top_operators;
 
   // The gate: the capture worked. Every window written, every active step annotated, the step's
   // phases and operators present.

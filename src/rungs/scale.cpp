@@ -22,6 +22,7 @@
 #include "kiln/run.h"
 #include "kiln/rungs.h"
 #include "kiln/session.h"
+#include "rungs/options.h"
 #include "rungs/scale_parts.h"
 
 namespace kiln {
@@ -102,11 +103,13 @@ class MemoryProbe final : public TrainerHook {
 // One process alone: a fresh copy of the job with no communicator. `budget_seconds` counts from
 // the call (building the copy, warm-up and measured steps): warm-up stops early once it is spent
 // (after one step), the measured steps too (after two).
-Baseline measure_single_process(const Config& config, const torch::Device& device, int64_t warmup,
+Baseline measure_single_process(const Job& job, const torch::Device& device, int64_t warmup,
                                 int64_t max_steps, double budget_seconds) {
   const auto begin = Clock::now();
-  Trainer single(config, make_model(config), make_datasets(config),
-                 TrainerOptions{device, 0, 1, nullptr});
+  ComposedStep composed =
+      compose_step(job, make_model(job.config), make_datasets(job.config),
+                   TrainerOptions{device, 0, 1, nullptr}, StepComposition{.compile = false});
+  Trainer& single = *composed.trainer;
   int64_t warmed = 0;
   for (; warmed < warmup; ++warmed) {
     if (warmed >= 1 && seconds_since(begin) > budget_seconds) break;
@@ -141,15 +144,15 @@ Baseline measure_single_process(const Config& config, const torch::Device& devic
 Baseline measure_baseline(Session& session, int64_t warmup, int64_t baseline_steps) {
   Baseline baseline;
   if (baseline_steps <= 0) return baseline;
-  const Config& config = session.config;
   Communicator& comm = *session.comm;
   log::info(
       fmt::format("scale: single-process baseline on rank 0 ({} + up to {} steps); the other "
                   "ranks wait",
                   warmup, baseline_steps));
   if (comm.rank() == 0) {
-    baseline = measure_single_process(config, session.device, warmup, baseline_steps,
-                                      0.5 * config.get_float("dist.timeout_seconds"));
+    baseline = measure_single_process(
+        session.job, session.device, warmup, baseline_steps,
+        0.5 * ScaleRungOptions::from_config(session.job.config).timeout_seconds);
   }
   comm.barrier();
   const json mine = comm.rank() == 0 ? json{{"sps", baseline.samples_per_second},
@@ -317,14 +320,14 @@ RungResult launch_scale_ranks(const Config& config, int processes) {
 
 RungResult run_scale(Session& session) {
   using namespace scale_rung;
-  const Config& config = session.config;
+  const ScaleRungOptions rung = ScaleRungOptions::from_config(session.job.config);
   Communicator& comm = *session.comm;
   ScaleOutcome o;
   o.world = comm.world_size();
-  o.warmup = config.get_int("dist.scale_warmup_steps");
-  o.measured = config.get_int("dist.scale_steps");
+  o.warmup = rung.warmup_steps;
+  o.measured = rung.steps;
   o.seq_len = session.trainer->data().train->tokens_per_sample();
-  const int64_t baseline_steps = o.world > 1 ? config.get_int("dist.scale_baseline_steps") : 0;
+  const int64_t baseline_steps = o.world > 1 ? rung.baseline_steps : 0;
 
   // 1. The single-process baseline: rank 0 alone, the others waiting in a barrier.
   o.baseline = measure_baseline(session, o.warmup, baseline_steps);
@@ -333,7 +336,7 @@ RungResult run_scale(Session& session) {
   log::info(fmt::format(
       "scale: {} ranks ({}), {} warm-up + {} measured steps, {} samples per rank per "
       "micro-batch",
-      o.world, comm.backend_name(), o.warmup, o.measured, config.get_int("train.batch_size")));
+      o.world, comm.backend_name(), o.warmup, o.measured, session.job.trainer.train.batch_size));
   o.steps = run_measured_steps(session, o.warmup, o.measured);
 
   // 3. The replicas must still agree bit for bit; every rank gathers every rank's numbers (each
@@ -352,10 +355,11 @@ RungResult run_scale(Session& session) {
 RungResult run_scale_rung(const Config& config, const SessionOptions& options) {
   using scale_rung::launch_scale_ranks;
   auto comm = options.comm ? options.comm : process_communicator(config);
-  const int processes = static_cast<int>(config.get_int("dist.scale_processes"));
+  const int processes = ScaleRungOptions::from_config(config).processes;
   if (comm->world_size() == 1 && processes > 1) {
     // The ranks write in <run dir>/scale/ under this process's lock.
-    const auto lock = lock_run_directories(config, *comm, options.argv);
+    const auto lock =
+        lock_run_directories(resolve_job(config, JobRequest{.argv = options.argv}), *comm);
     return launch_scale_ranks(config, processes);
   }
   if (comm->world_size() == 1) {

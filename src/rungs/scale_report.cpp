@@ -20,6 +20,7 @@
 #include "kiln/run.h"
 #include "kiln/rungs.h"
 #include "kiln/session.h"
+#include "rungs/options.h"
 #include "rungs/scale_parts.h"
 
 namespace kiln::scale_rung {
@@ -94,7 +95,6 @@ void global_numbers(const ScaleOutcome& o, ScaleResult& out) {
 
 // scale.json without passed, verdict and table (see docs/scale.md).
 ScaleResult scale_numbers(const Session& session, const ScaleOutcome& o) {
-  const Config& config = session.config;
   ScaleResult out;
   out.world_size = o.world;
   out.strategy = session.strategy;
@@ -103,13 +103,13 @@ ScaleResult scale_numbers(const Session& session, const ScaleOutcome& o) {
   out.backend = session.comm->backend_name();
   out.device = session.device.str();
   out.threads_per_process = at::get_num_threads();
-  out.batch_size_per_process = config.get_int("train.batch_size");
-  out.grad_accum_steps = config.get_int("train.grad_accum_steps");
+  out.batch_size_per_process = session.job.trainer.train.batch_size;
+  out.grad_accum_steps = session.job.trainer.train.grad_accum_steps;
   out.global_batch_samples = out.batch_size_per_process * out.grad_accum_steps * o.world;
   out.seq_len = o.seq_len;
   out.warmup_steps = o.warmup;
   out.measured_steps = o.measured;
-  const DataParallelOptions buckets = data_parallel_options(config);
+  const DataParallelOptions buckets = session.job.ddp;
   out.first_bucket_cap_bytes = buckets.first_bucket_bytes;
   out.bucket_cap_bytes = buckets.bucket_bytes;
   global_numbers(o, out);
@@ -136,7 +136,7 @@ std::vector<std::string> gate_problems(const Config& config, const ScaleOutcome&
   const StepMeasurement& m = o.steps;
   const bool finite = m.failure.empty() && std::all_of(m.losses.begin(), m.losses.end(),
                                                        [](double l) { return std::isfinite(l); });
-  const double min_efficiency = config.get_float("dist.min_scaling_efficiency");
+  const double min_efficiency = ScaleRungOptions::from_config(config).min_scaling_efficiency;
   std::vector<std::string> problems;
   if (!finite) problems.push_back(m.failure.empty() ? "non-finite loss" : m.failure);
   if (!o.in_sync())
@@ -239,7 +239,7 @@ ResultRows scale_table(const Session& session, const ScaleResult& numbers) {
 
 RungResult scale_result(const Session& session, const ScaleOutcome& o) {
   ScaleResult numbers = scale_numbers(session, o);
-  const std::vector<std::string> problems = gate_problems(session.config, o, numbers);
+  const std::vector<std::string> problems = gate_problems(session.job.config, o, numbers);
   numbers.status.passed = problems.empty();
   numbers.status.verdict = scale_verdict(numbers, problems);
   numbers.table = scale_table(session, numbers);

@@ -12,15 +12,15 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "core/records.h"
 #include "core/strings.h"
+#include "data/tokens.h"
 #include "kiln/checkpoint.h"
 #include "kiln/dist.h"
 #include "kiln/error.h"
-#include "kiln/plan.h"
-#include "kiln/report.h"
+#include "kiln/job.h"
+#include "kiln/log.h"
+#include "kiln/models.h"
 #include "kiln/session.h"
-#include "rungs/plan_tracking.h"
 
 namespace kiln {
 
@@ -34,6 +34,9 @@ void check_job_inputs(const Config& config) {
                     "\" does not exist; point it at a text file or directory");
   }
   if (data != "tokens") return;
+  // A directory from `kiln data prepare`: its tokenizer must fit the model (data.json only).
+  if (std::filesystem::is_directory(path, ec))
+    check_prepared_vocabulary(path, model_vocab_size(config));
   for (const std::string& file : {path, config.get_string("data.val_path")}) {
     if (file.empty() || std::filesystem::is_directory(file, ec)) continue;  // a prepared directory
     const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);  // opened, never read or hashed
@@ -45,76 +48,56 @@ void check_job_inputs(const Config& config) {
   }
 }
 
-TrainingRunResult run_training(const Config& given, const TrainingRunOptions& options) {
-  if (options.overwrite && !options.resume.empty()) {
-    throw UserError("--overwrite starts a run afresh and --resume continues one: give one");
+TrainingRunResult run_training(const Config& config, const TrainingRunOptions& options) {
+  // Resolved once, before anything is written: the directories, the resume target (located,
+  // its index read, its checkpoint settings kept except the keys set), every options struct.
+  const Job job = resolve_job(config, options);
+  check_job_inputs(job.config);     // run.device, data.path: as `kiln config validate`
+  check_compile_start(job.config);  // compile.backend: Python, torch, cache (writes nothing)
+  // The run composed (kiln/job.h): one lock, one model, the resume checked before the run
+  // directory opens (bad input writes nothing; a resumed run appends to its metrics.jsonl; a
+  // fresh one does not mix with another run's records: refused, or moved aside with overwrite
+  // and resume = "auto" finding no checkpoint), then the step and the hooks.
+  TrainingComposition composition;
+  composition.checkpointing = true;
+  composition.preemption = true;
+  composition.tensorboard = true;
+  composition.plan_tracking = true;
+  composition.check_records = true;
+  auto session = compose_training(job, nullptr, composition);
+  // A layout asked for where there is none to run: said, not silently trained alone.
+  if (!session->comm->parallel() && job.group.strategy != "auto") {
+    log::warn(fmt::format(
+        "dist.strategy = \"{}\" but this is one process without a launcher: it trains alone, "
+        "unreplicated and unsharded; start it under torchrun (torchrun --no-python "
+        "--nproc-per-node=N kiln train CONFIG) or kiln scale to run {}",
+        job.group.strategy, job.group.strategy));
   }
-  // Before anything is written: resume keeps the saved run's checkpoint settings (the caller's
-  // set keys win) and must name a checkpoint; run.device and data.path as `kiln config validate`.
-  const Config config = resume_config(given, options.resume, options.set_keys);
-  check_job_inputs(config);
-  check_compile_start(config);  // compile.backend: Python, torch, cache (writes nothing)
-  // One run per directory: the lock comes first, so a second run into the same run.name is
-  // refused (naming the holder) before it reads or writes anything there.
-  const auto comm = process_communicator(config);
-  auto lock = lock_run_directories(config, *comm, options.argv);
-  // resume is checked before the session opens: bad input (a checkpoint of another model
-  // included) writes nothing, and a resumed run appends to its metrics.jsonl. A fresh run does
-  // not mix with another run's records: refused, or moved aside (overwrite, and resume = "auto"
-  // finding no checkpoint to continue).
-  const bool continues = check_train_start(config, options.resume);
-  const auto existing = continues ? RunOptions::Existing::kReplace
-                        : (options.overwrite || options.resume == "auto")
-                            ? RunOptions::Existing::kMoveAside
-                            : RunOptions::Existing::kRefuse;
-  if (!continues) {
-    std::string error;
-    if (comm->rank() == 0) {
-      try {
-        prepare_run_records(run_directory(config), "metrics.jsonl", existing);
-      } catch (const std::exception& e) {
-        error = one_line_error(e);
-      }
-    }
-    if (comm->world_size() > 1) error = comm->all_gather_bytes(error)[0];  // rank 0's
-    if (!error.empty()) throw UserError(error);
-  }
-  auto session = open_session(config, SessionOptions{.argv = options.argv,
-                                                     .comm = comm,
-                                                     .append_metrics = continues,
-                                                     .existing_records = existing});
-  // The plan's forecast for this run (kiln/plan.h), and, when it forecasts the step time (a
-  // pilot of this job on this device, or a catalog row), the run tracked against it: added
-  // before the checkpoint hook, so a save after a step is time between steps, not inside one.
-  std::shared_ptr<PlanTrackingHook> tracking;
-  auto forecast = log_plan_forecast(config, session->run->dir(), session->comm->rank());
-  if (forecast && forecast->step_seconds > 0) {
-    tracking = std::make_shared<PlanTrackingHook>(
-        *session->run, std::move(*forecast), config.get_int("train.steps"),
-        session->comm->world_size(), config.get_int("train.metrics_every"),
-        config.get_int("run.log_every"));
-    session->trainer->add_hook(tracking);
-  }
-  auto checkpointing = attach_checkpointing(*session->trainer, *session->comm, session->run->dir(),
-                                            options.resume);        // [checkpoint]
-  auto compiled = attach_compiled_step(*session->trainer, config);  // [compile]
-  // SIGTERM / SIGUSR1: finish the step, commit a checkpoint, throw Preempted (exit 75).
-  attach_preemption(*session->trainer, *session->comm, checkpointing);
-  session->trainer->add_hook(make_tensorboard_hook(*session->run));  // beside metrics.jsonl
-  // The final plan record after the checkpoint hook's final save.
-  if (tracking) session->trainer->add_hook(PlanTrackingHook::finisher(tracking));
   TrainingRunResult result;
+  result.run_dir = session->run->dir();
+  result.saved_nothing = job.checkpoint.every_steps <= 0;
+  if (session->trainer->step() >= job.last_step()) {
+    // Resumed at (or past) the step it would train to: nothing to train, no record appended.
+    result.already_at_step = session->trainer->step();
+    result.summary.steps = 0;
+    return result;
+  }
   // train.stop_after_step: this process ends early (evaluation and final save as at the end);
   // the schedule, read from train.steps by the Trainer, still spans the whole job.
-  const int64_t stop = config.get_int("train.stop_after_step");
-  result.summary =
-      session->trainer->fit(stop > 0 ? stop : config.get_int("train.steps"), session->run.get());
+  result.summary = session->trainer->fit(job.last_step(), session->run.get());
   result.run_dir = session->run->dir();
-  if (compiled) result.compile_report = compiled->report();
+  if (session->compiled) result.compile_report = session->compiled->report();
   return result;
 }
 
 std::string training_summary_text(const TrainingRunResult& result) {
+  if (result.already_at_step >= 0) {
+    return fmt::format(
+        "\nnothing to train: the run resumed at step {}, the step it trains to; raise "
+        "train.steps (--set train.steps=N) to train on, or start afresh with --overwrite\nrun "
+        "directory: {}\n",
+        result.already_at_step, result.run_dir.string());
+  }
   const TrainSummary& s = result.summary;
   const bool tokens = s.tokens_per_second > 0;
   std::string out = fmt::format(
@@ -149,6 +132,11 @@ std::string training_summary_text(const TrainingRunResult& result) {
           report.eval_recompiles.size(),
           report.fallback_to_eager ? ", graph breaks: ran eager" : "");
     }
+  }
+  if (result.saved_nothing) {
+    out +=
+        "nothing saved (checkpoint.every_steps = 0): add --set checkpoint.every_steps=N to keep "
+        "the trained state (the last step is saved too) for kiln export and --resume\n";
   }
   out += fmt::format("run directory: {}\n", result.run_dir.string());
   return out;

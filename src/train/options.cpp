@@ -28,6 +28,7 @@ OptimOptions OptimOptions::from_config(const Config& config) {
 TrainOptions TrainOptions::from_config(const Config& config) {
   TrainOptions o;
   o.steps = config.get_int("train.steps");
+  o.stop_after_step = config.get_int("train.stop_after_step");
   o.batch_size = config.get_int("train.batch_size");
   o.grad_accum_steps = static_cast<int>(config.get_int("train.grad_accum_steps"));
   o.clip_grad_norm = config.get_float("train.clip_grad_norm");
@@ -64,8 +65,33 @@ double learning_rate(const OptimOptions& o, int64_t total_steps, int64_t step) {
   return floor + 0.5 * (1.0 + std::cos(std::numbers::pi * progress)) * (peak - floor);
 }
 
-double learning_rate(const Config& config, int64_t step) {
-  return learning_rate(OptimOptions::from_config(config), config.get_int("train.steps"), step);
+TrainerSetup TrainerSetup::from_config(const Config& config) {
+  TrainerSetup setup;
+  setup.train = TrainOptions::from_config(config);
+  setup.optim = OptimOptions::from_config(config);
+  setup.loader.batch_size = setup.train.batch_size;
+  setup.loader.num_workers = static_cast<int>(config.get_int("data.num_workers"));
+  setup.loader.prefetch = static_cast<int>(config.get_int("data.prefetch"));
+  setup.loader.shuffle = config.get_bool("data.shuffle");
+  setup.loader.seed = data_seed(config);
+  return setup;
+}
+
+RuntimeOptions RuntimeOptions::from_config(const Config& config) {
+  RuntimeOptions o;
+  o.threads = config.get_int("run.threads");
+  o.deterministic = config.get_bool("run.deterministic");
+  o.seed = static_cast<uint64_t>(config.get_int("run.seed"));
+  o.device = config.get_string("run.device");
+  return o;
+}
+
+void apply_runtime_settings(const Config& config) {
+  apply_runtime_settings(RuntimeOptions::from_config(config));
+}
+
+torch::Device resolve_device(const Config& config) {
+  return resolve_device(config.get_string("run.device"));
 }
 
 }  // namespace kiln

@@ -1,5 +1,5 @@
-// train.precision and train.activation_checkpointing inside the step loop: the autocast scope,
-// the fp16 loss scaler, and the activation-checkpointing unit wrapper. The Trainer calls a
+// train.precision inside the step loop: the autocast scope and the fp16 loss scaler (activation
+// checkpointing is train/activation_checkpointing.h). The Trainer calls a
 // MixedPrecision at fixed points of a step (see trainer.cpp's device_step):
 //
 //   forward + loss    inside autocast_scope()
@@ -95,12 +95,5 @@ class MixedPrecision {
   torch::Tensor overflow_since_sync_;  // float64 0-dim
   int64_t overflow_steps_ = 0;
 };
-
-/// train.activation_checkpointing = "block": runs each unit's forward without keeping its
-/// activations (only its input) and recomputes them in backward, with the autocast and RNG
-/// state the forward had. Losses and gradients are bitwise those without it (CPU, deterministic
-/// ops). `units` are Model::units() with their parameters resolved from the model.
-std::shared_ptr<UnitWrapper> make_activation_checkpointing(Model& model,
-                                                           const std::vector<ModelUnit>& units);
 
 }  // namespace kiln

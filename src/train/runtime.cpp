@@ -7,28 +7,24 @@
 #include <cstdlib>
 #include <string>
 
-#include "kiln/config.h"
 #include "kiln/error.h"
 #include "kiln/train.h"
 
 namespace kiln {
 
-void apply_runtime_settings(const Config& config) {
-  if (int64_t threads = config.get_int("run.threads"); threads > 0) {
-    at::set_num_threads(static_cast<int>(threads));
-  }
-  if (config.get_bool("run.deterministic")) {
+void apply_runtime_settings(const RuntimeOptions& options) {
+  if (options.threads > 0) at::set_num_threads(static_cast<int>(options.threads));
+  if (options.deterministic) {
     // cuBLAS needs a fixed workspace for deterministic results; set before CUDA initialises.
     ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
     at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
     at::globalContext().setDeterministicCuDNN(true);
     at::globalContext().setBenchmarkCuDNN(false);
   }
-  torch::manual_seed(static_cast<uint64_t>(config.get_int("run.seed")));
+  torch::manual_seed(options.seed);
 }
 
-torch::Device resolve_device(const Config& config) {
-  const std::string& device = config.get_string("run.device");
+torch::Device resolve_device(const std::string& device) {
   const bool cuda = torch::cuda::is_available();
   if (device == "cuda" && !cuda) {
 #ifdef KILN_WITH_CUDA

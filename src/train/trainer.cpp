@@ -16,6 +16,7 @@
 #include "kiln/log.h"
 #include "kiln/run.h"
 #include "kiln/train.h"
+#include "train/activation_checkpointing.h"
 #include "train/executors.h"
 #include "train/hooks.h"
 #include "train/precision.h"
@@ -57,33 +58,22 @@ const char* phase_name(Phase phase) {
   return "?";
 }
 
-Trainer::Trainer(const Config& config, std::shared_ptr<Model> model, Datasets data,
+Trainer::Trainer(const TrainerSetup& setup, std::shared_ptr<Model> model, Datasets data,
                  TrainerOptions options)
-    : config_(std::make_unique<Config>(config)),
-      train_options_(TrainOptions::from_config(config)),
+    : train_options_(setup.train),
       model_(std::move(model)),
       data_(std::move(data)),
       options_(options) {
   model_->to(options_.device);
   precision_ = std::make_unique<MixedPrecision>(train_options_.precision, options_.device);
-  if (train_options_.activation_checkpointing == TrainOptions::ActivationCheckpointing::kBlock) {
-    // The first unit wrapper, so wrappers added later (FSDP's gather) run inside it and the
-    // recomputation in backward runs them again.
-    model_->add_unit_wrapper(make_activation_checkpointing(*model_, model_->units()));
-  }
   eager_ = make_eager_executor(*model_, *precision_);
   executor_ = eager_;
   direct_ = make_direct_runner();
   runner_ = direct_;
   layout_ = replicated_layout();
-  optimizer_ = std::make_unique<Optimizer>(OptimOptions::from_config(config),
-                                           layout_->optimizer_parameters(*model_));
-  LoaderOptions loader_options;
+  optimizer_ = std::make_unique<Optimizer>(setup.optim, layout_->optimizer_parameters(*model_));
+  LoaderOptions loader_options = setup.loader;
   loader_options.batch_size = train_options_.batch_size;
-  loader_options.num_workers = static_cast<int>(config.get_int("data.num_workers"));
-  loader_options.prefetch = static_cast<int>(config.get_int("data.prefetch"));
-  loader_options.shuffle = config.get_bool("data.shuffle");
-  loader_options.seed = data_seed(config);
   loader_options.rank = options_.rank;
   loader_options.world_size = options_.world_size;
   loader_options.device = options_.device;
@@ -107,6 +97,41 @@ Trainer::Trainer(const Config& config, std::shared_ptr<Model> model, Datasets da
 }
 
 Trainer::~Trainer() = default;
+
+const char* composition_stage_name(CompositionStage stage) {
+  switch (stage) {
+    case CompositionStage::kActivationCheckpointing:
+      return "activation checkpointing";
+    case CompositionStage::kParallelLayout:
+      return "parallel layout";
+    case CompositionStage::kCompilation:
+      return "compilation";
+    case CompositionStage::kCapture:
+      return "capture";
+  }
+  return "?";
+}
+
+void Trainer::enter_composition_stage(CompositionStage stage, const std::string& what) {
+  if (stage <= last_stage_) {
+    throw std::logic_error(fmt::format(
+        "cannot install {} ({}) after {}: a step is composed in the order activation "
+        "checkpointing -> parallel layout (DDP/FSDP) -> compilation -> capture, one piece each "
+        "(kiln/job.h compose_training; kiln/train.h CompositionStage says why)",
+        what, composition_stage_name(stage),
+        composition_.empty() ? std::string("?") : composition_.back()));
+  }
+  last_stage_ = stage;
+  composition_.push_back(what);
+}
+
+void install_activation_checkpointing(Trainer& trainer) {
+  trainer.enter_composition_stage(CompositionStage::kActivationCheckpointing,
+                                  "activation checkpointing (block)");
+  Model& model = trainer.model();
+  if (model.units().empty()) return;
+  model.add_unit_wrapper(make_activation_checkpointing(model, model.units()));
+}
 
 void Trainer::set_parallel_layout(std::shared_ptr<ParallelLayout> layout) {
   layout_ = std::move(layout);

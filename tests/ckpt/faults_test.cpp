@@ -98,7 +98,7 @@ TEST_P(CkptKill, TheNewestCommittedCheckpointAlwaysVerifiesAndResumes) {
 
     // A fresh trainer resumes from it (no fallback needed) and trains on.
     Config config = cli_config(args);
-    Trainer trainer(config, make_model(config), make_datasets(config));
+    Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
     auto loaded = restore_training_state(trainer, *single_process_communicator(), ckpts,
                                          /*dir_fallback=*/true);
     ASSERT_TRUE(loaded.has_value());

@@ -41,7 +41,7 @@ void with_layout(const std::filesystem::path& dir, const Layout& layout,
   apply_runtime_settings(config);
   run_ranks(layout.world, [&](Communicator& borrowed) {
     std::shared_ptr<Communicator> comm(&borrowed, [](Communicator*) {});
-    Trainer trainer(config, make_model(config), make_datasets(config),
+    Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config),
                     TrainerOptions{torch::kCPU, borrowed.rank(), layout.world, comm});
     if (layout.strategy == "fsdp") FullyShardedDataParallel::attach(trainer, comm, {});
     if (layout.strategy == "ddp") DataParallel::attach(trainer, comm, {});
@@ -50,7 +50,9 @@ void with_layout(const std::filesystem::path& dir, const Layout& layout,
 }
 
 void save(Trainer& trainer, Communicator& comm, const std::filesystem::path& run_dir) {
-  Checkpointer checkpointer(checkpoint_options(trainer.config(), run_dir), comm);
+  CheckpointOptions options;  // the [checkpoint] defaults, in <run dir>/checkpoints
+  options.dir = run_dir / "checkpoints";
+  Checkpointer checkpointer(options, comm);
   checkpointer.save(capture_training_state(trainer, comm, {}));
   checkpointer.wait();
 }
@@ -149,7 +151,7 @@ TEST(FsdpReshard, ConsolidateGivesTheFullModel) {
   apply_runtime_settings(config);
   run_ranks(kWorld, [&](Communicator& borrowed) {
     std::shared_ptr<Communicator> comm(&borrowed, [](Communicator*) {});
-    Trainer trainer(config, make_model(config), make_datasets(config),
+    Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config),
                     TrainerOptions{torch::kCPU, borrowed.rank(), kWorld, comm});
     auto fsdp = FullyShardedDataParallel::attach(trainer, comm, {});
     trainer.train_step();

@@ -24,7 +24,7 @@ int main(int argc, char** argv) {
     Config config =
         testing::gpt_config(out / "runs", {"data.num_workers=0", "optim.weight_decay=0.1"});
     apply_runtime_settings(config);
-    Trainer trainer(config, make_model(config), make_datasets(config));
+    Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
     for (int k = 0; k < 3; ++k) trainer.train_step();
 
     const auto rows = torch::arange(7 * 5, torch::kFloat).view({7, 5});

@@ -178,8 +178,8 @@ std::unique_ptr<Trainer> make_trainer(const Config& config, Communicator& comm) 
   TrainerOptions options;
   options.rank = comm.rank();
   options.world_size = comm.world_size();
-  auto trainer =
-      std::make_unique<Trainer>(config, make_model(config), make_datasets(config), options);
+  auto trainer = std::make_unique<Trainer>(TrainerSetup::from_config(config), make_model(config),
+                                           make_datasets(config), options);
   trainer->add_hook(std::make_shared<AverageGradients>(comm));
   return trainer;
 }
@@ -261,8 +261,14 @@ TEST(CkptResume, FallsBackWhenTheNewestIsDamagedAndVerifyFails) {
   auto verify = run_kiln("ckpt verify " + (ckpts / "step-6").string());
   EXPECT_EQ(verify.exit_code, 2);
   EXPECT_THAT(verify.out, HasSubstr("does not match the index"));
-  EXPECT_THAT(verify.err, HasSubstr("failed verification"));
+  EXPECT_THAT(verify.err, HasSubstr("failed verification (1 problem);"));
   EXPECT_EQ(run_kiln("ckpt verify " + (ckpts / "step-4").string()).exit_code, 0);
+  // The run directory given for its checkpoint directory: pointed at the one inside it.
+  auto run_dir = run_kiln("ckpt verify " + (dir / "r").string());
+  EXPECT_EQ(run_dir.exit_code, 2);
+  EXPECT_THAT(run_dir.err, HasSubstr("is a run directory, not a checkpoint directory: its "
+                                     "checkpoints are in " +
+                                     ckpts.string()));
 
   auto resume = [&](const std::string& log) {
     // Saving off: a resumed run keeps saving as it did, and a save beside the damaged newer
@@ -492,7 +498,8 @@ TEST(CkptResume, RestoreIntoAnotherModelThrowsWithoutFallingBack) {
   Config saved_config = gpt_config(dir.path(), {"train.steps=2", "checkpoint.every_steps=1"});
   {
     auto session = open_session(saved_config, {{"kiln"}});
-    attach_checkpointing(*session->trainer, *session->comm, session->run->dir(), "");
+    attach_checkpointing(*session->trainer, *session->comm, session->job.checkpoint,
+                         session->job.resume);
     session->trainer->fit(2, session->run.get());
   }
   const auto ckpts = dir / "t" / "checkpoints";
@@ -511,8 +518,9 @@ TEST(CkptResume, RestoreIntoAnotherModelThrowsWithoutFallingBack) {
   EXPECT_EQ(session->trainer->step(), 0);
 }
 
-// What check_train_start predicts from a config is what a Trainer built from it holds: the same
-// names, shapes and dtypes (gpt with AdamW, mlp with SGD momentum, and a buffer-free mlp).
+// What check_train_start predicts from the run's model (before the Trainer exists) is what the
+// Trainer built from it holds: the same names, shapes and dtypes (gpt with AdamW, mlp with SGD
+// momentum, and gpt under bf16-mixed).
 TEST(CkptResume, TheConfigsPredictedStateIsTheTrainersState) {
   TempDir dir;
   for (const Config& config :
@@ -520,7 +528,7 @@ TEST(CkptResume, TheConfigsPredictedStateIsTheTrainersState) {
         gpt_config(dir.path(), {"train.precision=bf16-mixed"})}) {
     auto session = open_session(config, {{"kiln"}});
     const auto live = ckpt::live_state_shapes(session->trainer->state(), *session->comm);
-    EXPECT_EQ(ckpt::config_state_shapes(config), live);
+    EXPECT_EQ(ckpt::model_state_shapes(*make_model(config), session->job.trainer.optim), live);
     EXPECT_GT(live.size(), 4u);
   }
 }

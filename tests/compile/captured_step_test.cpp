@@ -90,8 +90,8 @@ SideBySide train_side_by_side(Trainer& eager, Trainer& captured, int steps) {
 TEST(CapturedStep, ReplaysTrainExactlyAsTheEagerStep) {
   TempDir dir;
   const Config config = captured_gpt(dir.path());
-  Trainer eager(config, make_model(config), make_datasets(config));
-  Trainer captured(config, make_model(config), make_datasets(config));
+  Trainer eager(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
+  Trainer captured(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
   auto step = std::make_shared<CapturedGraphStep>(config, captured, rerun_recorders());
   captured.set_step_runner(step);
   const SideBySide logs = train_side_by_side(eager, captured, 7);
@@ -121,8 +121,10 @@ TEST(CapturedStep, UnderDdpReplaysTrainExactlyAsEagerDdp) {
     const int rank = borrowed.rank();
     std::shared_ptr<Communicator> comm(&borrowed, [](Communicator*) {});
     const TrainerOptions options{torch::kCPU, rank, kWorld, comm};
-    Trainer eager(config, make_model(config), make_datasets(config), options);
-    Trainer captured(config, make_model(config), make_datasets(config), options);
+    Trainer eager(TrainerSetup::from_config(config), make_model(config), make_datasets(config),
+                  options);
+    Trainer captured(TrainerSetup::from_config(config), make_model(config), make_datasets(config),
+                     options);
     auto eager_ddp = DataParallel::attach(eager, comm, data_parallel_options(config));
     auto captured_ddp = DataParallel::attach(captured, comm, data_parallel_options(config));
     auto step = std::make_shared<CapturedGraphStep>(config, captured, rerun_recorders());
@@ -149,7 +151,7 @@ TEST(CapturedStep, EachNewShapeIsARecaptureUpToTheLimit) {
   TempDir dir;
   const Config config =
       captured_gpt(dir.path(), {"compile.recompile_limit=2", "train.grad_accum_steps=1"});
-  Trainer captured(config, make_model(config), make_datasets(config));
+  Trainer captured(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
   auto step = std::make_shared<CapturedGraphStep>(config, captured, rerun_recorders());
   captured.set_step_runner(step);
   const Batch full = captured.next_batch();
@@ -176,7 +178,7 @@ TEST(CapturedStep, AHostSynchronisationIsAGraphBreakNamedByOperator) {
         dir.path(), {"model.data_dependent_branch=true", "compile.warmup_steps=1",
                      "data.num_workers=0", fmt::format("compile.fullgraph={}", fullgraph)});
     config.set_from_string("compile.backend=cudagraphs");  // after the rules, as captured_gpt
-    Trainer trainer(config, make_model(config), make_datasets(config));
+    Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
     auto step = std::make_shared<CapturedGraphStep>(config, trainer, rerun_recorders());
     trainer.set_step_runner(step);
     if (fullgraph) {
@@ -203,7 +205,7 @@ TEST(CapturedStep, AHostSynchronisationIsAGraphBreakNamedByOperator) {
 TEST(CapturedStep, RefusedWhereItCannotRun) {
   TempDir dir;
   const Config config = captured_gpt(dir.path());
-  Trainer trainer(config, make_model(config), make_datasets(config));
+  Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
   try {  // the CPU: CUDA graphs capture GPU work
     attach_captured_step(trainer, config);
     ADD_FAILURE() << "cudagraphs on the CPU must be refused";
@@ -212,7 +214,7 @@ TEST(CapturedStep, RefusedWhereItCannotRun) {
   }
   EXPECT_TRUE(trainer.eager_step());
   const Config slow = captured_gpt(dir.path(), {"optim.fused=false"});
-  Trainer reference(slow, make_model(slow), make_datasets(slow));
+  Trainer reference(TrainerSetup::from_config(slow), make_model(slow), make_datasets(slow));
   EXPECT_THROW(CapturedGraphStep(slow, reference, rerun_recorders()), UserError);
   // The CLI says so in one line and exits 2 before writing anything.
   const CommandResult r = run_kiln("train " + (source_dir() / "configs/mlp.toml").string() +

@@ -16,7 +16,9 @@
 #include "kiln/models.h"
 #include "kiln/run.h"
 #include "kiln/train.h"
+#include "support/compose.h"
 #include "support/helpers.h"
+#include "train/activation_checkpointing.h"
 #include "train/precision.h"
 
 namespace kiln::testing {
@@ -138,8 +140,10 @@ TEST(CompiledUnits, TheRootCompilesAsTwoPiecesAroundTheUnitsAndTrainsAsEager) {
   keys.push_back("data.num_workers=0");
   const Config config = gpt_config(dir.path(), keys);
   apply_runtime_settings(config);  // run.deterministic, as `kiln train` (part of the cache key)
-  Trainer eager(config, make_model(config), make_datasets(config));
-  Trainer compiled(config, make_model(config), make_datasets(config));
+  Trainer eager(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
+  install_configured_checkpointing(eager);
+  Trainer compiled(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
+  install_configured_checkpointing(compiled);
   const std::shared_ptr<CompiledStep> step = attach_compiled_step(compiled, config);
   ASSERT_TRUE(step && step->per_unit());
   auto eager_log = std::make_shared<StepLog>(), compiled_log = std::make_shared<StepLog>();

@@ -39,12 +39,20 @@ TEST(Cli, MissingConfigFile) {
 
 TEST(Cli, BadOverride) {
   expect_one_line_error(run_kiln("config show --set optim.lr=fast"), 2, "'fast' is not a float");
+  // A boolean names its two spellings (TOML's: lower case).
+  expect_one_line_error(run_kiln("config show --set run.deterministic=True"), 2,
+                        "'True' is not a boolean (true or false)");
 }
 
 TEST(Cli, UnknownSubcommandOrFlag) {
   expect_one_line_error(run_kiln("trian x.toml"), 2,
                         "kiln: error: unknown subcommand 'trian': did you mean 'train'?");
   expect_one_line_error(run_kiln("xyzzy"), 2, "kiln: error: unknown subcommand 'xyzzy' (see");
+  // One level down too: the group's own subcommands.
+  expect_one_line_error(run_kiln("ckpt verfy runs/x"), 2,
+                        "kiln: error: unknown subcommand 'verfy' of 'kiln ckpt': did you mean "
+                        "'verify'?");
+  expect_one_line_error(run_kiln("config shwo x.toml"), 2, "did you mean 'show'?");
   expect_one_line_error(run_kiln("train --frobnicate x.toml"), 2, "kiln: error:");
   auto help = run_kiln("--help");
   EXPECT_EQ(help.exit_code, 0);
@@ -182,7 +190,16 @@ TEST(Cli, EveryRefusalLeavesNoRunDirectory) {
       {"profile " + gpt + at + " --set data.name=text --set data.path=/nonexistent.txt",
        "does not exist"},
       {"compile " + mlp + at + " --set compile.backend=cudagraphs", "compile.backend"},
+      {"train " + gpt + at + " --set data.name=tokens --set data.path=" +
+           (dir / "prepared").string() + " --set model.vocab_size=1000",
+       "smaller than the tokenizer's (5000 tokens"},
+      {"config validate " + gpt + at + " --set data.name=tokens --set data.path=" +
+           (dir / "prepared").string() + " --set model.vocab_size=1000",
+       "smaller than the tokenizer's (5000 tokens"},
   };
+  // A `kiln data prepare` directory whose tokenizer is larger than the model's vocabulary.
+  std::filesystem::create_directories(dir / "prepared");
+  write_text(dir / "prepared" / "data.json", R"({"tokenizer": {"vocab_size": 5000}})");
   for (const auto& [command, message] : refusals) {
     SCOPED_TRACE(command);
     auto r = run_kiln(command);

@@ -2,6 +2,7 @@
 #include <torch/cuda.h>
 
 #include <nlohmann/json.hpp>
+#include <regex>
 
 #include "kiln/build_info.h"
 #include "kiln/models.h"
@@ -49,9 +50,16 @@ TEST(Manifest, PinsWhatReproducesTheRun) {
   ::unsetenv("KILN_CONTAINER_DIGEST");
   auto m = nlohmann::json::parse(slurp(dir / "t" / "manifest.json"));
   EXPECT_EQ(m["kiln"]["version"], build_info().version);
-  EXPECT_EQ(m["kiln"]["git_commit"].get<std::string>().size() == 40 ||
-                m["kiln"]["git_commit"] == "unknown",
-            true);
+  // The commit the build was made from: a git checkout (CI's fresh clone) has one, 40 hex digits;
+  // only a source tree without .git says "unknown".
+  EXPECT_EQ(m["kiln"]["git_commit"], build_info().git_commit);
+  if (std::filesystem::exists(source_dir() / ".git")) {
+    EXPECT_TRUE(
+        std::regex_match(m["kiln"]["git_commit"].get<std::string>(), std::regex("[0-9a-f]{40}")))
+        << m["kiln"]["git_commit"];
+  } else {
+    EXPECT_EQ(m["kiln"]["git_commit"], "unknown");
+  }
   EXPECT_TRUE(m["kiln"]["git_dirty"].is_boolean());
   EXPECT_FALSE(m["libtorch"]["version"].get<std::string>().empty());
   EXPECT_FALSE(m["build"]["compiler"].get<std::string>().empty());
@@ -66,7 +74,7 @@ TEST(Manifest, PinsWhatReproducesTheRun) {
   EXPECT_TRUE(m["libtorch"]["cuda_build"].is_null());
 #endif
 #ifdef KILN_WITH_CUDA
-  EXPECT_TRUE(m["libtorch"]["nccl"].is_string() || m["libtorch"]["nccl"].is_null());
+  EXPECT_TRUE(m["libtorch"]["nccl"].is_string());  // the CUDA wheels kiln builds against ship NCCL
 #else
   EXPECT_TRUE(m["libtorch"]["nccl"].is_null());  // a CPU LibTorch has no NCCL
 #endif

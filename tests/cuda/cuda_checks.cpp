@@ -102,7 +102,7 @@ TEST(Cuda, Bf16MixedRunsTheForwardInBf16OnTheGpu) {
   TempDir dir;
   const Config config = gpt_config(
       dir.path(), {"run.device=cuda", "train.precision=bf16-mixed", "data.num_workers=0"});
-  Trainer trainer(config, make_model(config), make_datasets(config),
+  Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config),
                   {.device = torch::Device(torch::kCUDA, 0)});
   auto probe = std::make_shared<AutocastProbe>();
   trainer.model().add_unit_wrapper(probe);
@@ -227,8 +227,10 @@ TEST(Cuda, CapturedStepReplaysMatchEager) {
       dir.path(), {"run.device=cuda", "compile.backend=cudagraphs", "compile.warmup_steps=3",
                    "train.grad_accum_steps=2", "optim.warmup_steps=5", "data.num_workers=0"});
   const torch::Device device(torch::kCUDA, 0);
-  Trainer eager(config, make_model(config), make_datasets(config), {.device = device});
-  Trainer captured(config, make_model(config), make_datasets(config), {.device = device});
+  Trainer eager(TrainerSetup::from_config(config), make_model(config), make_datasets(config),
+                {.device = device});
+  Trainer captured(TrainerSetup::from_config(config), make_model(config), make_datasets(config),
+                   {.device = device});
   auto step = attach_captured_step(captured, config);
   ASSERT_TRUE(step);
   auto eager_log = std::make_shared<StepLog>(), captured_log = std::make_shared<StepLog>();

@@ -244,6 +244,21 @@ TEST(TokenData, RejectsBadFilesWithClearErrors) {
               HasSubstr("outside the model's vocabulary"));
   EXPECT_THAT(token_error(dir, {"data.path=" + (dir / "nope.bin").string()}),
               HasSubstr("cannot be opened"));
+  // An llm.c file forced to raw tokens would train on its header: refused, naming the format.
+  EXPECT_THAT(token_error(dir, {"data.path=" + (dir / "ok.bin").string(), "data.format=nanogpt"}),
+              HasSubstr("data.format = \"nanogpt\" but the file is an llm.c token file (magic "
+                        "20240520, 500 tokens"));
+  // The control: the same file as llmc (or auto) opens; a raw file of the same tokens as nanogpt.
+  EXPECT_EQ(token_error(dir, {"data.path=" + (dir / "ok.bin").string(), "data.format=llmc"}), "");
+  // Text given as a token file: said to look like text, with the setting that reads it.
+  write_text(dir / "README.md", "# A project\n\nSome prose that is not token ids at all.\n");
+  EXPECT_THAT(token_error(dir, {"data.path=" + (dir / "README.md").string()}),
+              HasSubstr("it looks like text, not token ids: set data.name = \"text\""));
+  write_text(dir / "README2.md", "# A project\n\nSome prose, an odd count!\n");
+  EXPECT_THAT(token_error(dir, {"data.path=" + (dir / "README2.md").string()}),
+              HasSubstr("it looks like text"));
+  EXPECT_THAT(token_error(dir, {"data.path=" + (dir / "odd.bin").string()}),
+              ::testing::Not(HasSubstr("looks like text")));  // bytes of 1: not text
 }
 
 }  // namespace

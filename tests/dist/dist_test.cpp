@@ -25,10 +25,11 @@ using ::testing::HasSubstr;
 
 DistEnvironment read_env(const std::map<std::string, std::string>& vars,
                          const Config& config = Config::defaults()) {
-  return read_dist_environment(config, [&](const char* name) -> const char* {
-    auto it = vars.find(name);
-    return it == vars.end() ? nullptr : it->second.c_str();
-  });
+  return read_dist_environment(ProcessGroupOptions::from_config(config),
+                               [&](const char* name) -> const char* {
+                                 auto it = vars.find(name);
+                                 return it == vars.end() ? nullptr : it->second.c_str();
+                               });
 }
 
 std::string env_error(const std::map<std::string, std::string>& vars,
@@ -193,7 +194,7 @@ struct RunResult {
 
 RunResult train_single(const Config& config, int64_t steps) {
   apply_runtime_settings(config);
-  Trainer trainer(config, make_model(config), make_datasets(config));
+  Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
   RunResult out;
   for (int64_t k = 0; k < steps; ++k) out.losses.push_back(trainer.train_step().loss);
   for (const auto& p : trainer.model().parameters()) out.parameters.push_back(p.detach().clone());
@@ -211,8 +212,8 @@ std::vector<RunResult> train_two_threads(const Config& config, int64_t steps,
     std::shared_ptr<Communicator> comm(&borrowed, [](Communicator*) {});
     Config model_config = config;
     if (rank == 1) model_config.set("run.seed", int64_t{777});
-    Trainer trainer(config, make_model(model_config), make_datasets(config),
-                    TrainerOptions{torch::kCPU, rank, 2, comm});
+    Trainer trainer(TrainerSetup::from_config(config), make_model(model_config),
+                    make_datasets(config), TrainerOptions{torch::kCPU, rank, 2, comm});
     auto ddp = DataParallel::attach(trainer, comm, options);
     for (int64_t k = 0; k < steps; ++k) results[rank].losses.push_back(trainer.train_step().loss);
     for (const auto& p : trainer.model().parameters())
@@ -352,7 +353,7 @@ TEST(DataParallel, AGradientFromAnEarlierMicroStepOnlyIsAveragedNotDropped) {
     std::shared_ptr<Communicator> comm(&borrowed, [](Communicator*) {});
     auto model =
         std::make_shared<GatedModel>(make_model(config), config.get_int("model.num_classes"));
-    Trainer trainer(config, model, make_datasets(config),
+    Trainer trainer(TrainerSetup::from_config(config), model, make_datasets(config),
                     TrainerOptions{torch::kCPU, rank, 2, comm});
     // Hooks run in order: the local gradient, DDP's averaging, then the averaged gradient.
     before[rank] = std::make_shared<GateProbe>(model.get(), /*drives_gate=*/true);
@@ -387,7 +388,8 @@ TEST(DataParallel, AFailingRankStopsTheOtherInsteadOfHanging) {
                            if (comm.rank() == 1) throw TrainingError("rank 1 failed on purpose");
                            // Rank 0 enters the initial broadcast, which rank 1 never joins.
                            std::shared_ptr<Communicator> borrowed(&comm, [](Communicator*) {});
-                           Trainer trainer(config, make_model(config), make_datasets(config),
+                           Trainer trainer(TrainerSetup::from_config(config), make_model(config),
+                                           make_datasets(config),
                                            TrainerOptions{torch::kCPU, 0, 2, borrowed});
                            DataParallel::attach(trainer, borrowed, {});
                          }),
@@ -397,7 +399,7 @@ TEST(DataParallel, AFailingRankStopsTheOtherInsteadOfHanging) {
 TEST(DataParallel, WorldOfOneAddsNothing) {
   TempDir dir;
   Config config = mlp_config(dir.path());
-  Trainer trainer(config, make_model(config), make_datasets(config));
+  Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
   auto ddp = DataParallel::attach(trainer, single_process_communicator(), {});
   trainer.train_step();
   EXPECT_EQ(ddp->bucket_all_reduces(), 0);

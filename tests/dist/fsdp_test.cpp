@@ -13,6 +13,7 @@
 #include "kiln/error.h"
 #include "kiln/models.h"
 #include "kiln/session.h"
+#include "support/compose.h"
 #include "support/helpers.h"
 
 namespace kiln::testing::fsdp_test {  // its own: dist_test.cpp has a RunResult too (unity)
@@ -72,7 +73,8 @@ struct RunResult {
 
 RunResult train_single(const Config& config, int64_t steps) {
   apply_runtime_settings(config);
-  Trainer trainer(config, make_model(config), make_datasets(config));
+  Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
+  install_configured_checkpointing(trainer);
   RunResult out;
   for (int64_t k = 0; k < steps; ++k) out.losses.push_back(trainer.train_step().loss);
   for (const auto& item : trainer.model().named_parameters())
@@ -92,8 +94,9 @@ std::vector<RunResult> train_fsdp(const Config& config, int world, int64_t steps
     std::shared_ptr<Communicator> comm(&borrowed, [](Communicator*) {});
     Config model_config = config;
     if (rank > 0) model_config.set("run.seed", int64_t{777 + rank});
-    Trainer trainer(config, make_model(model_config), make_datasets(config),
-                    TrainerOptions{torch::kCPU, rank, world, comm});
+    Trainer trainer(TrainerSetup::from_config(config), make_model(model_config),
+                    make_datasets(config), TrainerOptions{torch::kCPU, rank, world, comm});
+    install_configured_checkpointing(trainer);
     auto fsdp = FullyShardedDataParallel::attach(trainer, comm, options);
     RunResult& out = results[static_cast<size_t>(rank)];
     for (int64_t k = 0; k < steps; ++k) {
@@ -367,13 +370,15 @@ TEST(Fsdp, EvaluateGathersAndFreesAgain) {
   const Config whole =
       gpt_config(dir.path(), {"data.num_workers=0", "train.batch_size=4", "train.eval_batches=2"});
   apply_runtime_settings(whole);
-  Trainer reference(whole, make_model(whole), make_datasets(whole));
+  Trainer reference(TrainerSetup::from_config(whole), make_model(whole), make_datasets(whole));
+  install_configured_checkpointing(reference);
   const double expected = reference.evaluate().loss;
   std::vector<double> losses(2);
   run_ranks(2, [&](Communicator& borrowed) {
     std::shared_ptr<Communicator> comm(&borrowed, [](Communicator*) {});
-    Trainer trainer(config, make_model(config), make_datasets(config),
+    Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config),
                     TrainerOptions{torch::kCPU, borrowed.rank(), 2, comm});
+    install_configured_checkpointing(trainer);
     FullyShardedDataParallel::attach(trainer, comm, {});
     losses[static_cast<size_t>(borrowed.rank())] = trainer.evaluate().loss;
     for (const auto& p : trainer.model().parameters())

@@ -14,7 +14,9 @@
 #include "kiln/hf.h"
 #include "kiln/train.h"
 #include "models/split_forward.h"
+#include "support/compose.h"
 #include "support/helpers.h"
+#include "train/activation_checkpointing.h"
 #include "train/precision.h"
 
 namespace kiln::testing {
@@ -350,7 +352,8 @@ TEST(Llama, ActivationCheckpointingRecomputesTheLayersBitwise) {
                              "model.vocab_size=0", "train.batch_size=4", "data.num_workers=0"});
     Config config = gpt_config(dir.path(), sets);
     apply_runtime_settings(config);
-    Trainer trainer(config, make_model(config), make_datasets(config));
+    Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
+    install_configured_checkpointing(trainer);
     EXPECT_EQ(trainer.model().has_unit_wrappers(), std::string(mode) == "block");
     losses.emplace_back();
     for (int k = 0; k < 3; ++k) losses.back().push_back(trainer.train_step().loss);

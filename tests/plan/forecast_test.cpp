@@ -57,10 +57,11 @@ TEST(Forecast, UncalibratedStepTimeIsFlopsOverPeakTimesMfu) {
   EXPECT_EQ(f.mfu_source, "plan.mfu (assumed)");
   EXPECT_DOUBLE_EQ(f.checkpoint_bytes, 427'008.0);
   EXPECT_DOUBLE_EQ(f.save_seconds, 427'008.0 / 2e9);  // plan.checkpoint_write_gb_per_second = 2
-  // The memory forecast is the memory model's step peak, uncalibrated.
-  JobShape job = job_shape(config);
-  job.world_size = 1;
-  EXPECT_DOUBLE_EQ(f.peak_memory_bytes, estimate_memory(model_shape(config), job).step_peak());
+  // The memory forecast, uncalibrated: the held state (427,008 B) and the gradients (142,336 B)
+  // live at the peak, and the activations of 4 x 16 tokens through 2 blocks of width 32 add
+  // under 1 MB (docs/plan.md; the memory table test measures the model itself).
+  EXPECT_GT(f.peak_memory_bytes, 427'008.0 + 142'336.0);
+  EXPECT_LT(f.peak_memory_bytes, 427'008.0 + 142'336.0 + 1e6);
   // A catalog row: H100's fp32 67 TFLOP/s x plan.mfu 0.4 = 2.68e13: step = 531.87 ns.
   const Forecast h100 = forecast_run(forecast_config(), nullptr, "NVIDIA H100 80GB HBM3", 1);
   EXPECT_NEAR(h100.step_seconds, 5.318686567e-7, 1e-15);
@@ -92,12 +93,12 @@ TEST(Forecast, APilotOnTheSameDeviceCalibratesEveryInput) {
   EXPECT_NEAR(f.tokens_per_second, 6400.0, 1e-9);
   EXPECT_NEAR(f.save_seconds, 4.27008e-3, 1e-15);
   EXPECT_EQ(f.calibration, "pilot runs/p");
-  JobShape job = job_shape(config);
-  job.world_size = 1;
-  const MemoryEstimate m = estimate_memory(model_shape(config), job);
-  const double held = m.parameters + m.optimizer;
-  EXPECT_DOUBLE_EQ(held, 427'008.0);
-  EXPECT_DOUBLE_EQ(f.peak_memory_bytes, held + 1.5 * (m.step_peak() - held));
+  // The calibration scales what the step adds over the held state and only that: against the
+  // uncalibrated forecast of the same job, (peak - 427,008) x 1.5.
+  const Forecast uncalibrated = forecast_run(config, nullptr, "cpu", 1);
+  EXPECT_GT(uncalibrated.peak_memory_bytes, 427'008.0);
+  EXPECT_DOUBLE_EQ(f.peak_memory_bytes,
+                   427'008.0 + 1.5 * (uncalibrated.peak_memory_bytes - 427'008.0));
   // Negative control: the same pilot does not calibrate another device.
   const Forecast other = forecast_run(config, &pilot, "NVIDIA H100 80GB HBM3", 1);
   EXPECT_DOUBLE_EQ(other.mfu, 0.4);

@@ -25,6 +25,7 @@
 #include "kiln/rungs.h"
 #include "kiln/session.h"
 #include "plan/catalog_fixture.h"
+#include "support/compose.h"
 #include "support/helpers.h"
 
 namespace kiln::testing {
@@ -124,15 +125,17 @@ std::vector<double> memory_ratios(const Config& config, int world) {
   job.strategy = world > 1 ? "fsdp" : "none";
   const MemoryEstimate estimate = estimate_memory(model_shape(config), job);
   if (world == 1) {
-    Trainer trainer(config, make_model(config), make_datasets(config));
+    Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
+    install_configured_checkpointing(trainer);
     trainer.run_steps(1);  // allocates the optimizer state
     return {measure_step_memory(trainer, torch::kCPU, 0).peak_bytes() / estimate.step_peak()};
   }
   std::vector<double> out(static_cast<size_t>(world));
   run_ranks(world, [&](Communicator& group) {
     auto comm = std::make_shared<DirectCommunicator>(group);
-    Trainer trainer(config, make_model(config), make_datasets(config),
+    Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config),
                     TrainerOptions{torch::kCPU, comm->rank(), world, comm});
+    install_configured_checkpointing(trainer);
     auto fsdp = FullyShardedDataParallel::attach(trainer, comm, fsdp_options(config));
     trainer.run_steps(1);
     const StepMemory m = measure_step_memory(trainer, torch::kCPU,
@@ -458,8 +461,8 @@ TEST(Pilot, FullCycleRestoreCheckPinsAndPlan) {
   EXPECT_EQ(foreign.exit_code, 2);
   EXPECT_THAT(foreign.err, HasSubstr("another job"));
   // ... with the command that plans the run's own job (its config.toml holds every override).
-  const std::string own = "plan " + (run_dir / "config.toml").string() + " --actual " +
-                          run_dir.string();
+  const std::string own =
+      "plan " + (run_dir / "config.toml").string() + " --actual " + run_dir.string();
   EXPECT_THAT(foreign.err, HasSubstr("kiln " + own));
   auto from_run = run_kiln(own);
   EXPECT_EQ(from_run.exit_code, 0) << from_run.out << from_run.err;

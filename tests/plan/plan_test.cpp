@@ -56,9 +56,67 @@ TEST(PlanModel, FlopsPerTokenMatchTheModel) {
   const int64_t seq = config.get_int("data.seq_len");
   EXPECT_DOUBLE_EQ(train_flops_per_token(model_shape(config), seq) * static_cast<double>(seq),
                    model->train_flops_per_sample(seq));
-  // Activation checkpointing adds one forward: 8/6 of the work.
-  EXPECT_DOUBLE_EQ(train_flops_per_token(model_shape(config), seq, true),
-                   train_flops_per_token(model_shape(config), seq) * 4.0 / 3.0);
+  // Activation checkpointing adds one forward, worked by hand for a 7-33-5 MLP: N = 7 x 33 + 33 +
+  // 33 x 5 + 5 = 434 parameters, 6 N = 2,604 FLOPs a sample trained, 8 N = 3,472 recomputing.
+  const Config mlp = config_with(
+      {"model.name=mlp", "model.input_dim=7", "model.hidden_dim=33", "model.num_classes=5"});
+  EXPECT_DOUBLE_EQ(train_flops_per_token(model_shape(mlp), 1), 2604.0);
+  EXPECT_DOUBLE_EQ(train_flops_per_token(model_shape(mlp), 1, true), 3472.0);
+  // Its largest unit: fc1's 7 x 33 + 33 = 264 (fc2 holds 33 x 5 + 5 = 170).
+  EXPECT_EQ(largest_unit_parameter_count(model_shape(mlp)), 264);
+}
+
+// The plan knows a model only through its ModelSpec::math: a model of another name whose math
+// is gpt's and names gpt's step layout is planned exactly as gpt (memory, FLOPs, the GEMM, the
+// strategy rule's input); the same math naming no layout gets the generic estimate instead.
+TEST(PlanModel, AModelIsPlannedFromItsMathNotItsName) {
+  const std::vector<std::string> shape = {"data.name=text", "model.preset=tiny", "data.seq_len=64",
+                                          "train.batch_size=4"};
+  std::vector<std::string> gpt_overrides = shape;
+  gpt_overrides.push_back("model.name=gpt");
+  const Config gpt = config_with(gpt_overrides);
+  const ModelMath math = model_math(gpt);
+  ASSERT_EQ(math.step_layout, ModelMath::StepLayout::kGptDecoder);
+  for (const auto& [name, layout] :
+       {std::pair{"test-plan-twin", ModelMath::StepLayout::kGptDecoder},
+        std::pair{"test-plan-generic", ModelMath::StepLayout::kGeneric}}) {
+    if (find_model(name)) continue;
+    ModelSpec spec;
+    spec.name = name;
+    spec.input = ModelInput::kTokens;
+    spec.build = [](const Config&, at::Generator&) -> std::shared_ptr<Model> {
+      throw UserError("planned, never built");
+    };
+    spec.vocab_size = [math](const Config&) { return math.vocab_size; };
+    spec.math = [math, layout](const Config&) {
+      ModelMath m = math;
+      m.step_layout = layout;
+      return m;
+    };
+    register_model(spec);
+  }
+  auto planned = [&](const std::string& name) {
+    std::vector<std::string> o = shape;
+    o.push_back("model.name=" + name);
+    return config_with(o);
+  };
+  const Config twin = planned("test-plan-twin"), generic = planned("test-plan-generic");
+  const JobShape job = job_shape(gpt);
+  const MemoryEstimate expected = estimate_memory(model_shape(gpt), job);
+  const MemoryEstimate got = estimate_memory(model_shape(twin), job_shape(twin));
+  EXPECT_DOUBLE_EQ(got.step_peak(), expected.step_peak());
+  EXPECT_DOUBLE_EQ(got.activations, expected.activations);
+  EXPECT_EQ(got.peak_at, expected.peak_at);
+  EXPECT_DOUBLE_EQ(train_flops_per_token(model_shape(twin), 64),
+                   train_flops_per_token(model_shape(gpt), 64));
+  EXPECT_EQ(job_matmul_shape(model_shape(twin), job).n, job_matmul_shape(model_shape(gpt), job).n);
+  EXPECT_DOUBLE_EQ(strategy_input(model_shape(twin), job, 80e9, 0.1).activation_bytes,
+                   strategy_input(model_shape(gpt), job, 80e9, 0.1).activation_bytes);
+  // The control: no layout named, the generic estimate (no activations known: held state and
+  // gradients only), which differs from the walk.
+  const MemoryEstimate plain = estimate_memory(model_shape(generic), job_shape(generic));
+  EXPECT_NE(plain.step_peak(), expected.step_peak());
+  EXPECT_DOUBLE_EQ(plain.parameters, expected.parameters);
 }
 
 // llama through its ModelSpec::math: the model's own FLOP count, and Llama 3 8B's published
@@ -470,21 +528,19 @@ TEST(PlanForecast, AnAsyncJobLosesThePilotsBlockingTimeAndEndWaitPerSaveASyncJob
   const std::string catalog = "plan.catalog=" + (dir / "cpu.toml").string();
   const Config async_job = stall_config({catalog});
   // The pilot as kiln pilot writes it (pilot.json), read back as the plan reads it.
-  write_text(
-      dir / "pilot.json",
-      nlohmann::json{
-          {"job_hash", job_hash(async_job)},
-          {"device_name", "cpu"},
-          {"step_seconds", 0.01},
-          {"eval_seconds", 1e-3},
-          {"matmul_peak", {{"flops_per_second", 2e9}}},
-          {"checkpoint",
-           {{"write_bytes_per_second", 1e8},
-            {"async", true},
-            {"save_blocking_seconds", 5e-4},
-            {"save_end_wait_seconds", 2.5e-4}}},
-          {"step_timing", {{"method", "the median of steps 3-6"}}}}
-          .dump());
+  write_text(dir / "pilot.json",
+             nlohmann::json{{"job_hash", job_hash(async_job)},
+                            {"device_name", "cpu"},
+                            {"step_seconds", 0.01},
+                            {"eval_seconds", 1e-3},
+                            {"matmul_peak", {{"flops_per_second", 2e9}}},
+                            {"checkpoint",
+                             {{"write_bytes_per_second", 1e8},
+                              {"async", true},
+                              {"save_blocking_seconds", 5e-4},
+                              {"save_end_wait_seconds", 2.5e-4}}},
+                            {"step_timing", {{"method", "the median of steps 3-6"}}}}
+                 .dump());
   const PilotCalibration pilot = read_pilot(dir.path(), async_job);
   EXPECT_DOUBLE_EQ(pilot.save_blocking_seconds, 5e-4);
   EXPECT_DOUBLE_EQ(pilot.save_end_wait_seconds, 2.5e-4);

@@ -159,7 +159,7 @@ TEST(Profiler, PlainJsonWhenGzipIsOffAndDistributedInfoWhenDistributed) {
   TempDir dir;
   Config config = mlp_config(dir.path(), profile_overrides({"data.num_workers=0"}));
   apply_runtime_settings(config);
-  Trainer trainer(config, make_model(config), make_datasets(config));
+  Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
   ProfilerOptions options =
       profiler_options(config, dir / "traces", torch::kCPU, /*rank=*/1, /*world_size=*/2);
   options.gzip = false;
@@ -185,7 +185,7 @@ TEST(Profiler, FinishSavesAWindowThatIsStillRecording) {
       mlp_config(dir.path(), {"data.num_workers=0", "profile.skip_first=0", "profile.wait=0",
                               "profile.warmup=0", "profile.active=10", "profile.repeat=1"});
   apply_runtime_settings(config);
-  Trainer trainer(config, make_model(config), make_datasets(config));
+  Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
   auto profiler =
       std::make_shared<Profiler>(profiler_options(config, dir / "traces", torch::kCPU, 0, 1));
   trainer.add_hook(profiler);
@@ -206,7 +206,7 @@ TEST(Profiler, LossesAreBitwiseEqualWithAndWithoutTheProfiler) {
         mlp_config(dir.path(), profile_overrides({workers, "profile.repeat=0", "run.threads=1"}));
     auto losses = [&](bool profiled) {
       apply_runtime_settings(config);
-      Trainer trainer(config, make_model(config), make_datasets(config));
+      Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
       std::shared_ptr<Profiler> profiler;
       if (profiled) {
         profiler =

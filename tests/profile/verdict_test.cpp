@@ -14,6 +14,7 @@
 #include "kiln/rungs.h"
 #include "kiln/session.h"
 #include "profile/trace_io.h"
+#include "support/compose.h"
 #include "support/helpers.h"
 
 namespace kiln::testing {
@@ -346,7 +347,8 @@ class SlowDataset final : public Dataset {
 // Trains `steps` steps under the profiler and returns the verdict on its traces.
 Verdict profiled_verdict(const Config& config, Datasets data, int64_t steps) {
   apply_runtime_settings(config);
-  Trainer trainer(config, make_model(config), std::move(data));
+  Trainer trainer(TrainerSetup::from_config(config), make_model(config), std::move(data));
+  install_configured_checkpointing(trainer);
   TempDir traces;
   auto profiler =
       std::make_shared<Profiler>(profiler_options(config, traces.path(), torch::kCPU, 0, 1));

@@ -2,8 +2,6 @@
 // Hugging Face config check and round trip, and the CLI's refusals. (report.html and the typed
 // rung results: html_test.cpp; the tools kiln did not write read the same files in
 // interop_test.py and browser_test.py.)
-#include "kiln/report.h"
-
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -12,6 +10,7 @@
 #include "kiln/hf.h"
 #include "kiln/pilot.h"
 #include "kiln/safetensors.h"
+#include "kiln/tensorboard.h"
 #include "support/helpers.h"
 
 namespace kiln {

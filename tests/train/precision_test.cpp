@@ -21,6 +21,7 @@
 #include "kiln/memory.h"
 #include "kiln/run.h"
 #include "kiln/session.h"
+#include "support/compose.h"
 #include "support/helpers.h"
 
 namespace kiln::testing {
@@ -30,7 +31,10 @@ using ::testing::HasSubstr;
 
 std::unique_ptr<Trainer> make_trainer(const Config& config) {
   apply_runtime_settings(config);
-  return std::make_unique<Trainer>(config, make_model(config), make_datasets(config));
+  auto trainer = std::make_unique<Trainer>(TrainerSetup::from_config(config), make_model(config),
+                                           make_datasets(config));
+  install_configured_checkpointing(*trainer);
+  return trainer;
 }
 
 std::vector<torch::Tensor> gradients(Trainer& trainer) {
@@ -105,7 +109,9 @@ TEST(Precision, Bf16MixedTrainsGptTinyWithin2PercentOfFp32AndKeepsFp32State) {
                                 fmt::format("train.precision={}", precision)});
     apply_runtime_settings(config);
     auto probe = std::make_shared<ForwardDtypeProbe>(make_model(config));
-    auto trainer = std::make_unique<Trainer>(config, probe, make_datasets(config));
+    auto trainer =
+        std::make_unique<Trainer>(TrainerSetup::from_config(config), probe, make_datasets(config));
+    install_configured_checkpointing(*trainer);
     StepStats last;
     for (int k = 0; k < 50; ++k) last = trainer->train_step();
     ASSERT_TRUE(std::isfinite(last.loss));

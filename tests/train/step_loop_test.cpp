@@ -86,7 +86,7 @@ class Wrapped : public Model {
 TEST(StepLoop, HooksRunInTheDocumentedOrder) {
   TempDir dir;
   Config config = mlp_config(dir.path(), {"train.grad_accum_steps=2", "data.num_workers=0"});
-  Trainer trainer(config, make_model(config), make_datasets(config));
+  Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
   auto recorder = std::make_shared<Recorder>();
   trainer.add_hook(recorder);
   trainer.train_step();
@@ -105,7 +105,8 @@ TEST(StepLoop, HooksRunInTheDocumentedOrder) {
 TEST(StepLoop, AThrowingStepClosesItsPhasesThenReportsTheFailedStep) {
   TempDir dir;
   Config config = mlp_config(dir.path(), {"data.num_workers=0"});
-  Trainer trainer(config, std::make_shared<Wrapped>(make_model(config), 0, /*throw_on=*/2),
+  Trainer trainer(TrainerSetup::from_config(config),
+                  std::make_shared<Wrapped>(make_model(config), 0, /*throw_on=*/2),
                   make_datasets(config));
   auto recorder = std::make_shared<Recorder>();
   trainer.add_hook(recorder);
@@ -128,7 +129,7 @@ TEST(StepLoop, AHookThrowingAtPhaseBeginStillClosesThatPhase) {
     }
   };
   Config config = mlp_config(dir.path(), {"data.num_workers=0"});
-  Trainer trainer(config, make_model(config), make_datasets(config));
+  Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
   auto recorder = std::make_shared<Recorder>();
   trainer.add_hook(recorder);
   trainer.add_hook(std::make_shared<ThrowOnDataWait>());
@@ -149,7 +150,7 @@ TEST(StepLoop, AHookThrowingAtPhaseEndPropagatesInsteadOfAborting) {
     }
   };
   Config config = mlp_config(dir.path(), {"data.num_workers=0"});
-  Trainer trainer(config, make_model(config), make_datasets(config));
+  Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
   auto recorder = std::make_shared<Recorder>();
   trainer.add_hook(recorder);
   trainer.add_hook(std::make_shared<ThrowOnBackwardEnd>());
@@ -180,7 +181,7 @@ void on_op_end(const at::RecordFunction&, at::ObserverContext*) {
 TEST(StepLoop, StepsBetweenReadBacksNeverReadAScalar) {
   TempDir dir;
   Config config = mlp_config(dir.path(), {"train.metrics_every=4", "data.num_workers=0"});
-  Trainer trainer(config, make_model(config), make_datasets(config));
+  Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
   const auto handle = at::addThreadLocalCallback(
       at::RecordFunctionCallback(on_op_begin, on_op_end).needsInputs(false));
   for (int k = 1; k <= 3; ++k) {
@@ -202,8 +203,8 @@ TEST(StepLoop, SkipPolicyCountsDeferredNonFiniteStepsAtTheReadBack) {
   Config config = mlp_config(dir.path(), {"train.metrics_every=4", "train.nonfinite=skip",
                                           "train.max_skipped_steps=5", "data.num_workers=0"});
   auto inner = make_model(config);
-  Trainer trainer(config, std::make_shared<Wrapped>(inner, /*poison_from=*/2),
-                  make_datasets(config));
+  Trainer trainer(TrainerSetup::from_config(config),
+                  std::make_shared<Wrapped>(inner, /*poison_from=*/2), make_datasets(config));
   trainer.train_step();
   const auto after_first = inner->parameters()[0].clone();
   trainer.train_step();
@@ -223,8 +224,8 @@ TEST(StepLoop, AbortPolicyStopsAtTheReadBackNamingTheFirstBadStep) {
   TempDir dir;
   Config config = mlp_config(dir.path(), {"train.metrics_every=4", "data.num_workers=0"});
   auto inner = make_model(config);
-  Trainer trainer(config, std::make_shared<Wrapped>(inner, /*poison_from=*/2),
-                  make_datasets(config));
+  Trainer trainer(TrainerSetup::from_config(config),
+                  std::make_shared<Wrapped>(inner, /*poison_from=*/2), make_datasets(config));
   trainer.train_step();
   const auto after_first = inner->parameters()[0].clone();
   trainer.train_step();
@@ -264,7 +265,8 @@ struct Outcome {
 Outcome run(const Config& config, bool split) {
   apply_runtime_settings(config);
   auto first_model = std::make_shared<Wrapped>(make_model(config));
-  auto first = std::make_unique<Trainer>(config, first_model, make_datasets(config));
+  auto first = std::make_unique<Trainer>(TrainerSetup::from_config(config), first_model,
+                                         make_datasets(config));
   Outcome out;
   Trainer* trainer = first.get();
   std::unique_ptr<Trainer> second;
@@ -274,7 +276,8 @@ Outcome run(const Config& config, bool split) {
       first.reset();            // nothing of the first trainer survives but the copied state
       torch::manual_seed(999);  // the restored RNG state must win over this
       auto model = std::make_shared<Wrapped>(make_model(config));
-      second = std::make_unique<Trainer>(config, model, make_datasets(config));
+      second = std::make_unique<Trainer>(TrainerSetup::from_config(config), model,
+                                         make_datasets(config));
       second->load_state(saved);
       trainer = second.get();
     }
@@ -330,7 +333,8 @@ TEST(TrainState, ASkippedStepAndAParameterWithoutGradientSurviveTheRestore) {
   // Straight: step 2 skipped (its forward poisoned), six steps.
   auto run_six = [&](bool split) {
     auto model = std::make_shared<Wrapped>(make_model(config), /*poison_from=*/2);
-    auto trainer = std::make_unique<Trainer>(config, model, make_datasets(config));
+    auto trainer =
+        std::make_unique<Trainer>(TrainerSetup::from_config(config), model, make_datasets(config));
     std::vector<double> losses;
     int unused = 0;
     for (int k = 0; k < 6; ++k) {
@@ -340,7 +344,8 @@ TEST(TrainState, ASkippedStepAndAParameterWithoutGradientSurviveTheRestore) {
         unused += model->unused();
         trainer.reset();
         model = std::make_shared<Wrapped>(make_model(config));
-        trainer = std::make_unique<Trainer>(config, model, make_datasets(config));
+        trainer = std::make_unique<Trainer>(TrainerSetup::from_config(config), model,
+                                            make_datasets(config));
         trainer->load_state(saved);
       }
       losses.push_back(trainer->train_step(true).loss);

@@ -15,7 +15,7 @@ using ::testing::HasSubstr;
 
 std::vector<double> losses_of(const Config& config, int64_t steps) {
   apply_runtime_settings(config);
-  Trainer trainer(config, make_model(config), make_datasets(config));
+  Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
   std::vector<double> out;
   for (int64_t k = 0; k < steps; ++k) out.push_back(trainer.train_step().loss);
   return out;
@@ -25,7 +25,7 @@ TEST(Trainer, SeedMlpLearnsTheTeacherTaskAbove90Percent) {
   Config config = Config::load(source_dir() / "configs/mlp.toml",
                                {"run.progress=off", "train.eval_every=0", "run.dir=/tmp/unused"});
   apply_runtime_settings(config);
-  Trainer trainer(config, make_model(config), make_datasets(config));
+  Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config));
   TrainSummary summary = trainer.fit(config.get_int("train.steps"), nullptr);
   EXPECT_GT(summary.final_eval.accuracy, 0.90);
   EXPECT_LT(summary.last_loss, summary.first_loss);
@@ -78,7 +78,8 @@ class NanAfter final : public Model {
 TEST(Trainer, InjectedNanAbortsNamingTheStep) {
   TempDir dir;
   Config config = mlp_config(dir.path());
-  Trainer trainer(config, std::make_shared<NanAfter>(make_model(config), 3), make_datasets(config));
+  Trainer trainer(TrainerSetup::from_config(config),
+                  std::make_shared<NanAfter>(make_model(config), 3), make_datasets(config));
   trainer.train_step();
   trainer.train_step();
   try {
@@ -94,7 +95,8 @@ TEST(Trainer, SkipPolicySkipsNonFiniteStepsThenGivesUp) {
   TempDir dir;
   Config config = mlp_config(dir.path(), {"train.nonfinite=skip", "train.max_skipped_steps=2"});
   auto model = make_model(config);
-  Trainer trainer(config, std::make_shared<NanAfter>(model, 2), make_datasets(config));
+  Trainer trainer(TrainerSetup::from_config(config), std::make_shared<NanAfter>(model, 2),
+                  make_datasets(config));
   EXPECT_FALSE(trainer.train_step().skipped);
   auto before = model->parameters()[0].clone();
   EXPECT_TRUE(trainer.train_step().skipped);
@@ -120,7 +122,7 @@ TEST(Trainer, ClippingBoundsTheUpdateNormButReportsTheRawNorm) {
   Config config =
       mlp_config(dir.path(), {"train.clip_grad_norm=1e-3", "optim.name=sgd", "optim.lr=1.0"});
   auto model = make_model(config);
-  Trainer trainer(config, model, make_datasets(config));
+  Trainer trainer(TrainerSetup::from_config(config), model, make_datasets(config));
   std::vector<torch::Tensor> before;
   for (auto& p : model->parameters()) before.push_back(p.detach().clone());
   StepStats s = trainer.train_step();
@@ -167,7 +169,7 @@ TEST(Trainer, AParallelLayoutOwnsTheOptimizedTensorsTheNormAndTheState) {
   Config config = mlp_config(dir.path(), {"optim.name=sgd"});
   auto run = [&](std::shared_ptr<Fc2Only> layout) {
     auto model = make_model(config);
-    Trainer trainer(config, model, make_datasets(config));
+    Trainer trainer(TrainerSetup::from_config(config), model, make_datasets(config));
     if (layout) trainer.set_parallel_layout(layout);
     const auto fc1 = model->named_parameters()["fc1.weight"].detach().clone();
     const StepStats s = trainer.train_step(/*sync=*/true);
@@ -250,7 +252,7 @@ TEST(Trainer, TheStepExecutorAndRunnerRunEveryStepAndADeclinedBatchRunsEager) {
   auto run = [&](std::shared_ptr<StepExecutor> executor, std::shared_ptr<StepRunner> runner) {
     apply_runtime_settings(config);
     auto model = make_model(config);
-    Trainer trainer(config, model, make_datasets(config));
+    Trainer trainer(TrainerSetup::from_config(config), model, make_datasets(config));
     auto phases = std::make_shared<Phases>();
     trainer.add_hook(phases);
     trainer.set_step_executor(std::move(executor));
@@ -296,13 +298,17 @@ TEST(Schedule, WarmupThenCosineToTheFloor) {
   Config c = Config::parse("", "x",
                            {"optim.lr=1.0", "optim.warmup_steps=10", "optim.schedule=cosine",
                             "train.steps=110", "optim.min_lr_ratio=0.1"});
-  EXPECT_DOUBLE_EQ(learning_rate(c, 0), 0.1);
-  EXPECT_DOUBLE_EQ(learning_rate(c, 9), 1.0);
-  EXPECT_DOUBLE_EQ(learning_rate(c, 10), 1.0);
-  EXPECT_NEAR(learning_rate(c, 60), 0.55, 1e-12);
-  EXPECT_NEAR(learning_rate(c, 110), 0.1, 1e-12);
+  const OptimOptions o = OptimOptions::from_config(c);
+  const int64_t steps = TrainOptions::from_config(c).steps;
+  EXPECT_DOUBLE_EQ(learning_rate(o, steps, 0), 0.1);
+  EXPECT_DOUBLE_EQ(learning_rate(o, steps, 9), 1.0);
+  EXPECT_DOUBLE_EQ(learning_rate(o, steps, 10), 1.0);
+  EXPECT_NEAR(learning_rate(o, steps, 60), 0.55, 1e-12);
+  EXPECT_NEAR(learning_rate(o, steps, 110), 0.1, 1e-12);
   Config constant = Config::parse("", "x", {"optim.lr=0.5"});
-  EXPECT_DOUBLE_EQ(learning_rate(constant, 1000), 0.5);
+  EXPECT_DOUBLE_EQ(learning_rate(OptimOptions::from_config(constant),
+                                 TrainOptions::from_config(constant).steps, 1000),
+                   0.5);
 }
 
 TEST(Optimizer, FusedAndReferenceKernelsAgree) {
@@ -324,7 +330,7 @@ TEST(Optimizer, StateRoundTripsThroughLoadState) {
   TempDir dir;
   Config config = mlp_config(dir.path());
   auto model = make_model(config);
-  Trainer trainer(config, model, make_datasets(config));
+  Trainer trainer(TrainerSetup::from_config(config), model, make_datasets(config));
   trainer.train_step();
   NamedTensors saved;
   for (auto& [name, t] : trainer.optimizer().state()) saved.emplace_back(name, t.clone());

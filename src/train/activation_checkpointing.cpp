@@ -6,6 +6,8 @@
 // bits match), and a unit whose input needs no gradient (the mlp's first layer) still trains.
 // The recomputation runs with the autocast state and the CPU/CUDA generator state the forward
 // had, so autocast casts and random ops (dropout, if a unit ever has one) repeat exactly.
+#include "train/activation_checkpointing.h"
+
 #include <ATen/Context.h>
 #include <fmt/format.h>
 #include <torch/autograd.h>

@@ -8,7 +8,7 @@
 #include "core/strategy_text.h"
 #include "core/strings.h"
 #include "kiln/results.h"
-#include "report/result_reader.h"
+#include "results/result_reader.h"
 
 namespace kiln {
 using namespace result_json;

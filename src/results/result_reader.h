@@ -303,9 +303,10 @@ class WriteIo {
 template <class T, class Walk>
 void read_fields(const json& j, T& value, Walk&& walk) {
   const int version = schema_version_of(j);
-  value = T{};
   const ReadIo io(j, "", version);
-  walk(io, value);
+  T fresh;  // read whole into a new value (every field at its default first), then moved in
+  walk(io, fresh);
+  value = std::move(fresh);
 }
 template <class T, class Walk>
 void write_fields(json& j, const T& value, Walk&& walk) {

@@ -1,4 +1,4 @@
-// TensorBoard event files (kiln/report.h): TFRecord framing with masked CRC-32C around
+// TensorBoard event files (kiln/tensorboard.h): TFRecord framing with masked CRC-32C around
 // tensorflow.Event protobufs, encoded by hand (the few fields a scalar needs), and the hook that
 // feeds them from the step loop.
 //
@@ -7,6 +7,8 @@
 //   Event   { double wall_time = 1; int64 step = 2; string file_version = 3; Summary summary = 5; }
 //   Summary { repeated Value value = 1; }   Value { string tag = 1; float simple_value = 2; }
 // (tensorflow/core/util/event.proto, tensorflow/core/framework/summary.proto.)
+#include "kiln/tensorboard.h"
+
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <unistd.h>
@@ -22,7 +24,6 @@
 #include "core/process.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
-#include "kiln/report.h"
 #include "kiln/run.h"
 
 namespace kiln {

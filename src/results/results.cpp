@@ -2,7 +2,7 @@
 // strict, names the key path of whatever is missing or mistyped) and by to_json (WriteIo).
 #include "kiln/results.h"
 
-#include "report/result_reader.h"
+#include "results/result_reader.h"
 
 namespace kiln {
 using namespace result_json;
