@@ -61,8 +61,7 @@ class ShellsDataset final : public kiln::Dataset {
 // x = r * u with u uniform on the unit sphere in D dimensions and r uniform in [0, C): the class
 // is floor(r), the shell x lies on. The same data seed gives the same bits (resume compares them).
 kiln::Datasets make_shells(const kiln::Config& config) {
-  const int64_t dim = config.get_int("model.input_dim"),
-                classes = config.get_int("model.num_classes");
+  const int64_t dim = config.get_int("data.dim"), classes = config.get_int("data.shells");
   const int64_t seed =
       config.get_int("data.seed") != 0 ? config.get_int("data.seed") : config.get_int("run.seed");
   auto generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed));
@@ -173,10 +172,43 @@ class ResidualMlp final : public kiln::Model {
 // ---- 3. the registrations -----------------------------------------------------------------------
 
 void register_shells_and_resmlp() {
-  kiln::register_dataset({.name = "shells",
-                          .description = "points on concentric shells in model.input_dim "
-                                         "dimensions; the class is the shell",
-                          .build = make_shells});
+  // The dataset's own keys, in the [data] section, and the rules that tie them to the model:
+  // `kiln config validate` refuses a mismatch before anything is built.
+  kiln::DatasetSpec shells;
+  shells.name = "shells";
+  shells.description = "points on data.shells concentric shells in data.dim dimensions";
+  shells.build = make_shells;
+  shells.keys = {{"data",
+                  "dim",
+                  kiln::ValueType::kInt,
+                  int64_t{8},
+                  1.0,
+                  4096.0,
+                  {},
+                  "shells: dimensions of a point (model.input_dim must match)"},
+                 {"data",
+                  "shells",
+                  kiln::ValueType::kInt,
+                  int64_t{4},
+                  2.0,
+                  1000.0,
+                  {},
+                  "shells: concentric shells, one class each (model.num_classes must match)"}};
+  auto matches = [](const char* data_key, const char* model_key) {
+    return [data_key, model_key](const kiln::Config& c) -> std::string {
+      if (c.get_string("data.name") != "shells" || c.get_int(data_key) == c.get_int(model_key))
+        return "";
+      return std::string(data_key) + " = " + std::to_string(c.get_int(data_key)) + " but " +
+             model_key + " = " + std::to_string(c.get_int(model_key)) + "; set them equal";
+    };
+  };
+  shells.rules = {{"shells: model.input_dim = data.dim",
+                   matches("data.dim", "model.input_dim"),
+                   {"data.name=shells", "data.dim=3"}},
+                  {"shells: model.num_classes = data.shells",
+                   matches("data.shells", "model.num_classes"),
+                   {"data.name=shells", "data.shells=3"}}};
+  kiln::register_dataset(std::move(shells));
   kiln::ModelSpec spec;
   spec.name = "resmlp";
   spec.description = "residual MLP: input_dim -> hidden_dim, model.blocks residual blocks, head";
@@ -232,7 +264,7 @@ int usage(const char* program) {
 // ---- 4. main ------------------------------------------------------------------------------------
 
 int main(int argc, char** argv) {
-  register_shells_and_resmlp();  // first: the config schema takes the model's keys
+  register_shells_and_resmlp();  // first: the config schema takes the dataset's and model's keys
   // `train`: kiln train on this program's model. The checkpoint drill and the pilot start this
   // program again with `train` for their fresh-process restores (KILN_EXECUTABLE is set to it).
   if (auto status = kiln::serve_training_command(argc, argv)) return *status;

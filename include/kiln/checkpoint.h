@@ -409,6 +409,7 @@ class CheckpointHook : public TrainerHook {
 /// Add it after the CheckpointHook (attach_preemption does).
 class PreemptionHook : public TrainerHook {
  public:
+  /// `comm` must outlive the hook (the session holds both).
   PreemptionHook(Communicator& comm, std::shared_ptr<CheckpointHook> checkpoints);
   void on_step_begin(Trainer& trainer, int64_t step) override;
 

@@ -8,14 +8,9 @@
 
 #include <torch/types.h>
 
-#include <condition_variable>
 #include <cstdint>
-#include <exception>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <nlohmann/json.hpp>
-#include <thread>
 #include <vector>
 
 namespace kiln {
@@ -73,8 +68,8 @@ class Sampler {
   bool shuffle_;
   uint64_t seed_;
   int64_t batches_per_epoch_;
-  mutable std::mutex mutex_;
-  mutable std::map<int64_t, std::shared_ptr<const std::vector<int64_t>>> cache_;
+  struct PermutationCache;  // the last two epochs' permutations, locked (src/data/sampler.cpp)
+  std::shared_ptr<PermutationCache> cache_;
 };
 
 /// Where the loader is: the next batch it returns is batch `batch` of epoch `epoch`.
@@ -131,16 +126,8 @@ class Loader {
   std::shared_ptr<const Dataset> dataset_;
   LoaderOptions options_;
   Sampler sampler_;
-  LoaderPosition start_;
-  int64_t next_deliver_ = 0;  // stream index of the next batch next() returns
-  int64_t next_claim_ = 0;    // stream index the next idle worker builds
-  std::map<int64_t, Batch> ready_;
-  std::exception_ptr error_;  // the failure of the lowest failed stream index, error_index_:
-  int64_t error_index_ = 0;   // next() raises it only there, after every batch before it
-  bool stopping_ = false;
-  mutable std::mutex mutex_;
-  std::condition_variable work_cv_, ready_cv_;
-  std::vector<std::jthread> workers_;
+  struct Stream;  // the batch stream and its worker threads (src/data/loader.cpp)
+  std::unique_ptr<Stream> stream_;
 };
 
 }  // namespace kiln

@@ -49,15 +49,17 @@ struct DistEnvironment {
 
 /// The [dist] keys that say how a process joins its group (dist/options.cpp reads them).
 struct ProcessGroupOptions {
-  std::string launcher = "auto";  // dist.launcher: "auto", "torchrun", "slurm", "none"
-  std::string backend = "auto";   // dist.backend: "auto" (NCCL on CUDA, else Gloo), "gloo", "nccl"
-  std::string master_addr;        // dist.master_addr (MASTER_ADDR wins)
-  int master_port = 29500;        // dist.master_port (MASTER_PORT wins)
-  double timeout_seconds = 300;   // dist.timeout_seconds
-  std::string torchrun;           // dist.torchrun ("": found, see find_torchrun)
-  std::string device = "cpu";     // run.device (the backend "auto" resolves by it)
-  std::string config_hash;        // Config::hash(): every rank must train the same job
-  std::string strategy = "auto";  // dist.strategy: "auto", "ddp", "fsdp" (resolve_strategy)
+  std::string launcher = "auto";   // dist.launcher: "auto", "torchrun", "slurm", "none"
+  std::string backend = "auto";    // dist.backend: "auto" (NCCL on CUDA, else Gloo), "gloo", "nccl"
+  std::string master_addr;         // dist.master_addr (MASTER_ADDR wins)
+  int master_port = 29500;         // dist.master_port (MASTER_PORT wins)
+  double timeout_seconds = 300;    // dist.timeout_seconds
+  std::string torchrun;            // dist.torchrun ("": found, see find_torchrun)
+  std::string device = "cpu";      // run.device (the backend "auto" resolves by it)
+  std::string config_hash;         // Config::hash(): every rank must train the same job
+  std::string strategy = "auto";   // dist.strategy: "auto", "ddp", "fsdp" (resolve_strategy)
+  double device_memory_bytes = 0;  // dist.device_memory_bytes (0: the device's own)
+  double memory_headroom = 0.1;    // dist.memory_headroom
   static ProcessGroupOptions from_config(const Config& config);
 };
 

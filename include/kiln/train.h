@@ -248,6 +248,7 @@ class TrainerHook {
 /// noexcept(false); while unwinding it is swallowed, the first exception wins.
 class PhaseScope {
  public:
+  /// `trainer` must outlive the scope (a scope lives inside one of the trainer's calls).
   PhaseScope(Trainer& trainer, Phase phase);
   ~PhaseScope() noexcept(false);
   PhaseScope(const PhaseScope&) = delete;
@@ -470,6 +471,7 @@ class Trainer {
   /// Kineto with no other thread running ops). Training thread only.
   class PausedData {
    public:
+    /// `trainer` (its loader) must outlive the scope.
     explicit PausedData(Trainer& trainer);
     ~PausedData();
     PausedData(const PausedData&) = delete;
@@ -553,6 +555,7 @@ void install_activation_checkpointing(Trainer& trainer);
 /// run's metrics file: step_record()'s fields plus whatever `annotate` adds.
 class MetricsHook : public TrainerHook {
  public:
+  /// `run` must outlive the hook (the session holds both; the trainer holds the hook).
   explicit MetricsHook(Run& run, std::function<void(nlohmann::json&)> annotate = nullptr,
                        bool record_evals = true);
   void on_step_end(Trainer&, const StepStats& stats) override;

@@ -9,11 +9,13 @@
 #include "cli/commands.h"
 #include "core/files.h"
 #include "kiln/config.h"
+#include "kiln/dist.h"
 #include "kiln/error.h"
 #include "kiln/pilot.h"
 #include "kiln/results.h"
 #include "kiln/run.h"
 #include "kiln/rungs.h"
+#include "plan/options.h"
 
 namespace kiln::cli {
 
@@ -161,8 +163,9 @@ int plan_against_actual(const Config& config, const std::string& pilot_dir,
   if (!pilot_dir.empty()) pilot = read_pilot(pilot_dir, config);
   const ActualRun actual = read_actual_run(run_dir);
   const std::string strategy =
-      actual.world_size <= 1 ? "none"
-                             : (config.get_string("dist.strategy") == "fsdp" ? "fsdp" : "ddp");
+      actual.world_size <= 1
+          ? "none"
+          : (ProcessGroupOptions::from_config(config).strategy == "fsdp" ? "fsdp" : "ddp");
   const Forecast forecast =
       forecast_run(config, pilot ? &*pilot : nullptr, actual.device, actual.world_size, strategy);
   json comparison = compare_forecast(forecast, actual);
@@ -194,7 +197,8 @@ void add_plan_command(CLI::App& app, Action& action) {
   command->callback([&action, args, pilot, actual, cost] {
     action = [args, pilot, actual, cost] {
       const Config config = args->load();
-      const std::string pilot_dir = pilot->empty() ? config.get_string("plan.pilot") : *pilot;
+      const std::string pilot_dir =
+          pilot->empty() ? PlanInputs::from_config(config).plan_pilot : *pilot;
       if (!actual->empty()) return plan_against_actual(config, pilot_dir, *actual);
       run_plan(config, pilot_dir, *cost);
       // The plan's Markdown as the rung wrote it beside plan.json (the planner's document).

@@ -17,6 +17,7 @@
 #include <sstream>
 
 #include "compile/compiler_run.h"
+#include "compile/internal.h"
 #include "core/files.h"
 #include "core/process.h"
 #include "core/strings.h"

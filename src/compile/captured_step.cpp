@@ -3,6 +3,7 @@
 // GraphRecorder (CUDA graphs in captured_step_cuda.cpp; a re-running recorder for CPU tests).
 #include <fmt/format.h>
 
+#include "compile/internal.h"
 #include "core/clock.h"
 #include "kiln/compile.h"
 #include "kiln/config.h"
@@ -74,7 +75,8 @@ CapturedGraphStep::CapturedGraphStep(const Config& config, Trainer& trainer,
       trainer_(trainer),
       recorders_(std::move(recorders)),
       probe_(std::make_shared<HostSyncProbe>()),
-      tracker_(CompileOptions::Dynamic::kStatic, options_.recompile_limit, 0) {
+      tracker_(std::make_unique<ShapeTracker>(CompileOptions::Dynamic::kStatic,
+                                              options_.recompile_limit, 0)) {
   // CUDA's fused kernels read a float32 rate (as they round a host one); the CPU kernels read the
   // tensor's value as a double, so a float64 tensor keeps the host rate's bits there.
   const torch::Device device = trainer.options().device;
@@ -105,11 +107,11 @@ torch::Tensor CapturedGraphStep::run_captured(const std::vector<Batch>& batches,
       return eager();
     }
   }
-  const ShapeTracker::Decision decision = tracker_.decide(shapes);
+  const ShapeTracker::Decision decision = tracker_->decide(shapes);
   if (decision.kind == Kind::kEager) {
-    if (tracker_.eager_shapes().empty() || !(tracker_.eager_shapes().back() == shapes)) {
-      tracker_.record(shapes, decision);
-      report_.recompiles = tracker_.recompiles();
+    if (tracker_->eager_shapes().empty() || !(tracker_->eager_shapes().back() == shapes)) {
+      tracker_->record(shapes, decision);
+      report_.recompiles = tracker_->recompiles();
       log::warn(fmt::format("compile: {} runs eager: compile.recompile_limit = {} captures reached",
                             shapes.str(), options_.recompile_limit));
     }
@@ -118,8 +120,8 @@ torch::Tensor CapturedGraphStep::run_captured(const std::vector<Batch>& batches,
   }
   Graph* graph = nullptr;
   if (decision.kind == Kind::kCompile) {
-    tracker_.record(shapes, decision);
-    report_.recompiles = tracker_.recompiles();
+    tracker_->record(shapes, decision);
+    report_.recompiles = tracker_->recompiles();
     auto fresh = std::make_unique<Graph>();
     fresh->shapes = shapes;
     fresh->recorder = recorders_();

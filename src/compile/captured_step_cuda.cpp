@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "compile/internal.h"
 #include "kiln/compile.h"
 
 namespace kiln {

@@ -11,6 +11,7 @@
 
 #include "compile/compiled_units.h"
 #include "compile/compiler_run.h"
+#include "compile/internal.h"
 #include "core/clock.h"
 #include "core/files.h"
 #include "core/process.h"
@@ -183,11 +184,15 @@ CompiledStep::CompiledStep(const Config& config, Model& model, torch::Device dev
       model_(model),
       device_(device),
       model_json_(model_json(model)),
-      cache_(options_.cache_dir),
-      train_{
-          false, ShapeTracker(options_.dynamic, options_.recompile_limit, max_seq_len(model)), {}},
-      eval_{
-          true, ShapeTracker(options_.dynamic, options_.recompile_limit, max_seq_len(model)), {}} {
+      cache_(std::make_unique<PackageCache>(options_.cache_dir)),
+      train_{false,
+             std::make_unique<ShapeTracker>(options_.dynamic, options_.recompile_limit,
+                                            max_seq_len(model)),
+             {}},
+      eval_{true,
+            std::make_unique<ShapeTracker>(options_.dynamic, options_.recompile_limit,
+                                           max_seq_len(model)),
+            {}} {
   // The [compile] rules (train.activation_checkpointing, dist.strategy, ...), also for a config
   // changed in code (the compile rung's compiled side): the line `kiln config validate` prints.
   config.validate();
@@ -214,7 +219,7 @@ CompiledStep::CompiledStep(const Config& config, Model& model, torch::Device dev
                       model.architecture()));
     }
     // Innermost: activation checkpointing and FSDP (added before) wrap the compiled units.
-    units_ = make_compiled_units(options_, precision_, options_.root, model, device, cache_,
+    units_ = make_compiled_units(options_, precision_, options_.root, model, device, *cache_,
                                  model_json_, report_);
     model.add_unit_wrapper(units_);
   }
@@ -240,21 +245,21 @@ size_t CompiledStep::resolve(Kind& kind, const InputShapes& shapes) {
   if (report_.fallback_to_eager) return SIZE_MAX;
   std::vector<Recompile>& recompiles = kind.eval ? report_.eval_recompiles : report_.recompiles;
   const std::string prefix = kind.eval ? "compile: eval graph: " : "compile: ";
-  ShapeTracker::Decision decision = kind.tracker.decide(shapes);
+  ShapeTracker::Decision decision = kind.tracker->decide(shapes);
   if (decision.kind == Decision::kReuse) return decision.graph;
   if (decision.kind == Decision::kEager) {
-    const auto& eager = kind.tracker.eager_shapes();
+    const auto& eager = kind.tracker->eager_shapes();
     if (std::find(eager.begin(), eager.end(), shapes) == eager.end()) {
       log::warn(prefix + decision.reason);
-      kind.tracker.record(shapes, decision);
-      recompiles = kind.tracker.recompiles();
+      kind.tracker->record(shapes, decision);
+      recompiles = kind.tracker->recompiles();
     }
     return SIZE_MAX;
   }
   const size_t graph = load_graph(kind, decision.shape);
   if (graph == SIZE_MAX) return SIZE_MAX;  // breaks, fullgraph = false: eager from now on
-  kind.tracker.record(shapes, decision);
-  recompiles = kind.tracker.recompiles();
+  kind.tracker->record(shapes, decision);
+  recompiles = kind.tracker->recompiles();
   if (!decision.reason.empty()) log::info(prefix + "recompile: " + decision.reason);
   return graph;
 }
@@ -340,17 +345,17 @@ size_t CompiledStep::load_graph(Kind& kind, GraphShape& shape) {
   entry.shape = shape;
   std::string why_not;
   // One builder per package across processes: the others wait here, then find it built.
-  PackageCache::BuildLock lock(cache_, fingerprint);
-  std::optional<PackageCache::Hit> hit = cache_.find(fingerprint, &why_not);
+  PackageCache::BuildLock lock(*cache_, fingerprint);
+  std::optional<PackageCache::Hit> hit = cache_->find(fingerprint, &why_not);
   entry.cache_hit = hit.has_value();
   if (!hit) {
     entry.cache_note = why_not;
     log::info(
         fmt::format("compile: building the {} graph for {} with AOTInductor ({}; cache {}: {})",
                     kind.eval ? "eval (forward and loss)" : "forward+backward", shape.str(),
-                    python.torch_version, cache_.dir().string(), why_not));
+                    python.torch_version, cache_->dir().string(), why_not));
     const auto begin = SteadyClock::now();
-    const fs::path scratch = cache_.scratch_dir(fingerprint);
+    const fs::path scratch = cache_->scratch_dir(fingerprint);
     const ModelSpec* model_spec = find_model(model_json_.value("name", ""));
     const bool tokens = model_spec && model_spec->input == ModelInput::kTokens;
     const json spec = {
@@ -381,7 +386,7 @@ size_t CompiledStep::load_graph(Kind& kind, GraphShape& shape) {
     }
     run.check_built("the step");
     const json& result = run.result;
-    hit = cache_.publish(fingerprint, scratch / "model.pt2", result);
+    hit = cache_->publish(fingerprint, scratch / "model.pt2", result);
     std::error_code ec;
     fs::remove_all(scratch, ec);
     entry.build_seconds = seconds_since(begin);

@@ -5,6 +5,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
+#include "compile/internal.h"
 #include "kiln/compile.h"
 #include "kiln/models.h"
 

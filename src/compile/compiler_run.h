@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "compile/internal.h"
 #include "kiln/compile.h"
 #include "kiln/train.h"
 

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <string_view>
 
+#include "compile/internal.h"
 #include "kiln/compile.h"
 
 namespace kiln {

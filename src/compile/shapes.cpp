@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "compile/internal.h"
 #include "core/strings.h"
 #include "kiln/compile.h"
 

@@ -1,16 +1,36 @@
 #include <ATen/ThreadLocalState.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <vector>
 
 #include "kiln/data.h"
 
 namespace kiln {
 
+struct Loader::Stream {
+  LoaderPosition start;
+  int64_t next_deliver = 0;  // stream index of the next batch next() returns
+  int64_t next_claim = 0;    // stream index the next idle worker builds
+  std::map<int64_t, Batch> ready;
+  std::exception_ptr error;  // the failure of the lowest failed stream index, error_index:
+  int64_t error_index = 0;   // next() raises it only there, after every batch before it
+  bool stopping = false;
+  mutable std::mutex mutex;
+  std::condition_variable work_cv, ready_cv;
+  std::vector<std::jthread> workers;
+};
+
 Loader::Loader(std::shared_ptr<const Dataset> dataset, LoaderOptions options)
     : dataset_(std::move(dataset)),
       options_(std::move(options)),
       sampler_(dataset_->size(), options_.batch_size, options_.rank, options_.world_size,
-               options_.shuffle, options_.seed) {
+               options_.shuffle, options_.seed),
+      stream_(std::make_unique<Stream>()) {
   if (options_.prefetch < 1) options_.prefetch = 1;
   start_workers();
 }
@@ -21,13 +41,13 @@ Loader::~Loader() {
 
 LoaderPosition Loader::position_of(int64_t stream_index) const {
   const int64_t per_epoch = sampler_.batches_per_epoch();
-  const int64_t absolute = start_.epoch * per_epoch + start_.batch + stream_index;
+  const int64_t absolute = stream_->start.epoch * per_epoch + stream_->start.batch + stream_index;
   return {absolute / per_epoch, absolute % per_epoch};
 }
 
 LoaderPosition Loader::position() const {
-  std::lock_guard lock(mutex_);
-  return position_of(next_deliver_);
+  std::lock_guard lock(stream_->mutex);
+  return position_of(stream_->next_deliver);
 }
 
 Batch Loader::build(int64_t stream_index) const {
@@ -44,35 +64,36 @@ void Loader::worker_loop() {
   while (true) {
     int64_t index;
     {
-      std::unique_lock lock(mutex_);
-      work_cv_.wait(lock, [&] {
-        return stopping_ || (next_claim_ < next_deliver_ + options_.prefetch &&
-                             (!error_ || next_claim_ < error_index_));
+      std::unique_lock lock(stream_->mutex);
+      stream_->work_cv.wait(lock, [&] {
+        return stream_->stopping ||
+               (stream_->next_claim < stream_->next_deliver + options_.prefetch &&
+                (!stream_->error || stream_->next_claim < stream_->error_index));
       });
-      if (stopping_) return;
-      index = next_claim_++;
+      if (stream_->stopping) return;
+      index = stream_->next_claim++;
     }
     try {
       Batch batch = build(index);
-      std::lock_guard lock(mutex_);
-      ready_.emplace(index, std::move(batch));
+      std::lock_guard lock(stream_->mutex);
+      stream_->ready.emplace(index, std::move(batch));
     } catch (...) {
-      std::lock_guard lock(mutex_);
-      if (!error_ || index < error_index_) {
-        error_ = std::current_exception();
-        error_index_ = index;
+      std::lock_guard lock(stream_->mutex);
+      if (!stream_->error || index < stream_->error_index) {
+        stream_->error = std::current_exception();
+        stream_->error_index = index;
       }
     }
-    ready_cv_.notify_all();
+    stream_->ready_cv.notify_all();
   }
 }
 
 void Loader::start_workers() {
-  stopping_ = false;
+  stream_->stopping = false;
   // Like at::launch: workers inherit the starting thread's thread-local state (profiler, modes).
   const at::ThreadLocalState state;
   for (int k = 0; k < options_.num_workers; ++k) {
-    workers_.emplace_back([this, state] {
+    stream_->workers.emplace_back([this, state] {
       at::ThreadLocalStateGuard guard(state);
       worker_loop();
     });
@@ -81,11 +102,11 @@ void Loader::start_workers() {
 
 void Loader::stop_workers() {
   {
-    std::lock_guard lock(mutex_);
-    stopping_ = true;
+    std::lock_guard lock(stream_->mutex);
+    stream_->stopping = true;
   }
-  work_cv_.notify_all();
-  workers_.clear();  // jthreads: each joins as it is destroyed
+  stream_->work_cv.notify_all();
+  stream_->workers.clear();  // jthreads: each joins as it is destroyed
 }
 
 Batch Loader::next() {
@@ -93,27 +114,28 @@ Batch Loader::next() {
   if (options_.num_workers == 0) {
     int64_t index;
     {
-      std::lock_guard lock(mutex_);
-      index = next_deliver_;
+      std::lock_guard lock(stream_->mutex);
+      index = stream_->next_deliver;
     }
     batch = build(index);
-    std::lock_guard lock(mutex_);
-    ++next_deliver_;
-    next_claim_ = next_deliver_;
+    std::lock_guard lock(stream_->mutex);
+    ++stream_->next_deliver;
+    stream_->next_claim = stream_->next_deliver;
   } else {
-    std::unique_lock lock(mutex_);
+    std::unique_lock lock(stream_->mutex);
     // A failure is raised at its own place in the stream, so what a run sees before it does not
     // depend on the worker count.
-    ready_cv_.wait(lock, [&] {
-      return ready_.count(next_deliver_) || (error_ && error_index_ == next_deliver_);
+    stream_->ready_cv.wait(lock, [&] {
+      return stream_->ready.count(stream_->next_deliver) ||
+             (stream_->error && stream_->error_index == stream_->next_deliver);
     });
-    auto it = ready_.find(next_deliver_);
-    if (it == ready_.end()) std::rethrow_exception(error_);
+    auto it = stream_->ready.find(stream_->next_deliver);
+    if (it == stream_->ready.end()) std::rethrow_exception(stream_->error);
     batch = std::move(it->second);
-    ready_.erase(it);
-    ++next_deliver_;
+    stream_->ready.erase(it);
+    ++stream_->next_deliver;
     lock.unlock();
-    work_cv_.notify_all();
+    stream_->work_cv.notify_all();
   }
   if (!options_.device.is_cpu()) {
     batch.inputs = batch.inputs.to(options_.device, /*non_blocking=*/true);
@@ -127,18 +149,18 @@ void Loader::pause_workers() {
 }
 
 void Loader::resume_workers() {
-  if (workers_.empty()) start_workers();
+  if (stream_->workers.empty()) start_workers();
 }
 
 void Loader::seek(LoaderPosition position) {
   stop_workers();
   {
-    std::lock_guard lock(mutex_);
-    start_ = position;
-    next_deliver_ = 0;
-    next_claim_ = 0;
-    ready_.clear();
-    error_ = nullptr;
+    std::lock_guard lock(stream_->mutex);
+    stream_->start = position;
+    stream_->next_deliver = 0;
+    stream_->next_claim = 0;
+    stream_->ready.clear();
+    stream_->error = nullptr;
   }
   start_workers();
 }

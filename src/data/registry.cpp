@@ -7,6 +7,7 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "data/internal.h"
 #include "kiln/dataset_registry.h"
 
 namespace kiln {
@@ -17,6 +18,7 @@ const std::vector<std::string> kBuiltinDatasetNames = {"synthetic", "text", "tok
 struct DatasetRegistry {
   std::mutex mutex;
   std::map<std::string, std::unique_ptr<const DatasetSpec>> specs;
+  bool schema_built = false;  // data_section() has taken the keys and rules
 };
 
 DatasetRegistry& dataset_registry() {
@@ -43,6 +45,17 @@ void register_dataset(DatasetSpec spec) {
       std::count(kBuiltinDatasetNames.begin(), kBuiltinDatasetNames.end(), spec.name)) {
     throw std::invalid_argument("register_dataset(\"" + spec.name + "\"): already registered");
   }
+  if (r.schema_built && (!spec.keys.empty() || !spec.rules.empty())) {
+    throw std::invalid_argument("register_dataset(\"" + spec.name +
+                                "\"): its keys and rules come after the config schema was "
+                                "built; register the dataset before the first config is read");
+  }
+  for (const KeyDef& key : spec.keys) {
+    if (key.section != "data") {
+      throw std::invalid_argument("register_dataset(\"" + spec.name + "\"): key " +
+                                  key.full_name() + " is not in the [data] section");
+    }
+  }
   std::string name = spec.name;
   r.specs.emplace(std::move(name), std::make_unique<const DatasetSpec>(std::move(spec)));
 }
@@ -62,6 +75,15 @@ std::vector<std::string> dataset_names() {
     for (const auto& [name, spec] : r.specs) out.push_back(name);
   }
   std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::vector<const DatasetSpec*> dataset_specs_for_schema() {
+  DatasetRegistry& r = dataset_registry();
+  std::lock_guard lock(r.mutex);
+  r.schema_built = true;
+  std::vector<const DatasetSpec*> out;
+  for (const auto& [name, spec] : r.specs) out.push_back(spec.get());
   return out;
 }
 

@@ -1,9 +1,16 @@
+#include <map>
+#include <mutex>
 #include <numeric>
 
 #include "kiln/data.h"
 #include "kiln/error.h"
 
 namespace kiln {
+
+struct Sampler::PermutationCache {
+  std::mutex mutex;
+  std::map<int64_t, std::shared_ptr<const std::vector<int64_t>>> epochs;
+};
 
 Sampler::Sampler(int64_t dataset_size, int64_t batch_size, int rank, int world_size, bool shuffle,
                  uint64_t seed)
@@ -12,7 +19,8 @@ Sampler::Sampler(int64_t dataset_size, int64_t batch_size, int rank, int world_s
       rank_(rank),
       world_size_(world_size),
       shuffle_(shuffle),
-      seed_(seed) {
+      seed_(seed),
+      cache_(std::make_shared<PermutationCache>()) {
   const int64_t global_batch = batch_size_ * world_size_;
   batches_per_epoch_ = dataset_size_ / global_batch;
   if (batches_per_epoch_ == 0) {
@@ -24,8 +32,9 @@ Sampler::Sampler(int64_t dataset_size, int64_t batch_size, int rank, int world_s
 }
 
 std::shared_ptr<const std::vector<int64_t>> Sampler::permutation(int64_t epoch) const {
-  std::lock_guard lock(mutex_);
-  if (auto it = cache_.find(epoch); it != cache_.end()) return it->second;
+  std::lock_guard lock(cache_->mutex);
+  auto& cache = cache_->epochs;
+  if (auto it = cache.find(epoch); it != cache.end()) return it->second;
   auto order = std::make_shared<std::vector<int64_t>>(dataset_size_);
   std::iota(order->begin(), order->end(), int64_t{0});
   if (shuffle_) {
@@ -50,8 +59,8 @@ std::shared_ptr<const std::vector<int64_t>> Sampler::permutation(int64_t epoch) 
     }
   }
   // Loader workers run at most a few batches ahead, so two epochs cover every live request.
-  while (cache_.size() >= 2) cache_.erase(cache_.begin());
-  cache_[epoch] = order;
+  while (cache.size() >= 2) cache.erase(cache.begin());
+  cache[epoch] = order;
   return order;
 }
 

@@ -5,13 +5,14 @@
 #include <string>
 
 #include "core/schema_sections.h"
+#include "data/internal.h"
 #include "kiln/dataset_registry.h"
 #include "kiln/models.h"
 
 namespace kiln {
 
 ConfigSection data_section() {
-  return {
+  ConfigSection section = {
       "data",
       {
           string_key("data", "name", "synthetic", {},
@@ -114,6 +115,16 @@ ConfigSection data_section() {
            },
            {"data.val_samples=16"}},
       }};
+  // The keys and rules of the registered datasets (the built-ins declare theirs above).
+  for (const DatasetSpec* spec : dataset_specs_for_schema()) {
+    for (const KeyDef& key : spec->keys) {
+      const bool declared = std::any_of(section.keys.begin(), section.keys.end(),
+                                        [&](const KeyDef& k) { return k.name == key.name; });
+      if (!declared) section.keys.push_back(key);
+    }
+    for (const ConfigRule& rule : spec->rules) section.rules.push_back(rule);
+  }
+  return section;
 }
 
 }  // namespace kiln

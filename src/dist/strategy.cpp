@@ -37,7 +37,8 @@ std::string gib(double bytes) {
 StrategyChoice resolve_strategy(const Config& config, const Model& model,
                                 const torch::Device& device, int world_size) {
   StrategyChoice out;
-  const std::string& asked = config.get_string("dist.strategy");
+  const ProcessGroupOptions dist = ProcessGroupOptions::from_config(config);
+  const std::string& asked = dist.strategy;
   if (asked != "auto") {
     out.strategy = asked;
     out.reason = fmt::format("dist.strategy = \"{}\"", asked);
@@ -77,9 +78,9 @@ StrategyChoice resolve_strategy(const Config& config, const Model& model,
   input.ddp_model_state_bytes = parameters * state_bytes_per_parameter(job);
   input.largest_unit_parameter_bytes = *std::max_element(group_bytes.begin(), group_bytes.end());
   input.activation_bytes = (estimate.activations + estimate.logits) * activation_ratio;
-  const double configured = config.get_float("dist.device_memory_bytes");
+  const double configured = dist.device_memory_bytes;
   input.device_memory_bytes = configured > 0 ? configured : device_total_memory(device);
-  input.headroom_fraction = config.get_float("dist.memory_headroom");
+  input.headroom_fraction = dist.memory_headroom;
   input.gpu_count = world_size;
   const StrategyDecision decision = choose_strategy(input);
   const std::string memory_source =

@@ -9,6 +9,7 @@
 #include "kiln/config.h"
 #include "kiln/error.h"
 #include "kiln/plan.h"
+#include "plan/options.h"
 
 #ifndef KILN_HARDWARE_CATALOG
 #define KILN_HARDWARE_CATALOG ""
@@ -216,13 +217,9 @@ const Device* device_for_name(const std::vector<Device>& catalog, std::string_vi
   return nullptr;
 }
 
-std::string training_precision(const Config& config) {
-  return find_key("train.precision") != nullptr ? config.get_string("train.precision") : "fp32";
-}
-
 double catalog_peak_flops(const Config& config, std::string_view device_name,
                           std::string_view precision) {
-  const auto catalog = load_catalog(config.get_string("plan.catalog"));
+  const auto catalog = load_catalog(PlanInputs::from_config(config).plan_catalog);
   const Device* device = device_for_name(catalog, device_name);
   return device != nullptr ? device->peak_flops_for(precision) : 0.0;
 }

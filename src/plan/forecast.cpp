@@ -15,6 +15,7 @@
 #include "kiln/log.h"
 #include "kiln/plan.h"
 #include "plan/calibration.h"
+#include "plan/options.h"
 #include "plan/save_stall.h"
 
 namespace kiln {
@@ -30,8 +31,9 @@ int forecast_cuda_index(const std::string& device) {
 }
 
 std::string forecast_strategy(const Config& config, int64_t world_size) {
+  const PlanInputs inputs = PlanInputs::from_config(config);
   if (world_size <= 1) return "none";
-  const std::string s = config.get_string("dist.strategy");
+  const std::string s = inputs.dist_strategy;
   return s == "fsdp" ? "fsdp" : "ddp";
 }
 
@@ -64,6 +66,7 @@ std::string forecast_value_text(double value, const std::string& unit) {
 
 Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
                       std::string_view device_name, int64_t world_size, std::string_view strategy) {
+  const PlanInputs inputs = PlanInputs::from_config(config);
   const ModelShape shape = model_shape(config);
   JobShape job = job_shape(config);
   job.world_size = std::max<int64_t>(1, world_size);
@@ -75,16 +78,16 @@ Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
   f.tokens_per_step = static_cast<double>(job.micro_batch * job.grad_accum_steps * job.seq_len);
   f.flops_per_step =
       train_flops_per_token(shape, job.seq_len, job.activation_checkpointing) * f.tokens_per_step;
-  f.steps = static_cast<double>(config.get_int("train.steps"));
+  f.steps = static_cast<double>(inputs.train_steps);
 
   // The pilot stands for this run when it ran on this device (its runtime name, or the same
   // catalog row); the peak and MFU by the rule the plan uses (plan/calibration.h).
-  const auto catalog = load_catalog(config.get_string("plan.catalog"));
+  const auto catalog = load_catalog(inputs.plan_catalog);
   const Device* row = device_for_name(catalog, f.device);
   const bool same_device = pilot_ran_on(pilot, catalog, row, f.device);
   const ComputeCalibration compute =
-      calibrate_compute(pilot, same_device, config.get_float("baseline.peak_flops_per_second"), row,
-                        job.precision, f.flops_per_step, config.get_float("plan.mfu"));
+      calibrate_compute(pilot, same_device, inputs.baseline_peak_flops_per_second, row,
+                        job.precision, f.flops_per_step, inputs.plan_mfu);
   f.peak_flops_per_second = compute.peak_flops_per_second;
   f.peak_source = compute.peak_source;
   f.mfu = compute.mfu;
@@ -104,26 +107,26 @@ Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
   f.checkpoint_bytes = memory.parameters + memory.optimizer;
   f.write_bytes_per_second = same_device && pilot->write_bytes_per_second > 0
                                  ? pilot->write_bytes_per_second
-                                 : config.get_float("plan.checkpoint_write_gb_per_second") * 1e9;
+                                 : inputs.plan_checkpoint_write_gb_per_second * 1e9;
   f.save_seconds = f.checkpoint_bytes / f.write_bytes_per_second;
-  f.async_save = config.get_bool("checkpoint.async");
+  f.async_save = inputs.checkpoint_async;
   const SaveStall stall = save_stall(f.async_save, pilot, same_device, f.save_seconds);
   f.save_stall_seconds = stall.seconds;
   f.save_stall_source = stall.source;
 
   // The run as a whole (Trainer::fit and CheckpointHook): an evaluation every eval_every steps
   // before the last and one at the end; a save every every_steps and the final one.
-  const auto steps = config.get_int("train.steps");
-  const auto eval_every = config.get_int("train.eval_every");
+  const auto steps = inputs.train_steps;
+  const auto eval_every = inputs.train_eval_every;
   f.evals = static_cast<double>((eval_every > 0 ? (steps - 1) / eval_every : 0) + 1);
-  const auto save_every = config.get_int("checkpoint.every_steps");
+  const auto save_every = inputs.checkpoint_every_steps;
   if (save_every > 0) {
     f.saves = static_cast<double>(steps / save_every) +
-              (config.get_bool("checkpoint.save_final") && steps % save_every != 0 ? 1.0 : 0.0);
+              (inputs.checkpoint_save_final && steps % save_every != 0 ? 1.0 : 0.0);
   }
   if (f.step_seconds > 0) {
     const double eval_tokens =
-        static_cast<double>(config.get_int("train.eval_batches") * job.micro_batch * job.seq_len);
+        static_cast<double>(inputs.train_eval_batches * job.micro_batch * job.seq_len);
     f.eval_seconds = same_device && pilot->eval_seconds > 0
                          ? pilot->eval_seconds
                          : eval_tokens * train_flops_per_token(shape, job.seq_len) / 3.0 /
@@ -133,7 +136,7 @@ Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
     // save after the final evaluation (save_final, the steps not a multiple of every_steps) is
     // waited for at once: nothing covers the rest of its write.
     const bool final_save_after_eval =
-        save_every > 0 && steps % save_every != 0 && config.get_bool("checkpoint.save_final");
+        save_every > 0 && steps % save_every != 0 && inputs.checkpoint_save_final;
     const double final_write_exposed = stall.measured && final_save_after_eval
                                            ? std::max(0.0, f.save_seconds - f.save_stall_seconds)
                                            : 0.0;
@@ -142,7 +145,7 @@ Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
     f.ettr = f.train_seconds / f.wall_seconds;
   }
   if (row != nullptr) {
-    const auto& prices = config.get_table("plan.price_7d_per_gpu_hour");
+    const auto& prices = inputs.plan_price_7d_per_gpu_hour;
     if (auto price = prices.find(row->name); price != prices.end()) {
       f.price_per_gpu_hour = price->second;
       f.cost = f.wall_seconds / 3600.0 * static_cast<double>(f.world_size) * price->second;
@@ -171,6 +174,7 @@ std::string forecast_text(const Forecast& f) {
 std::optional<Forecast> log_plan_forecast(const Config& config,
                                           const std::filesystem::path& run_dir, int rank) {
   if (rank != 0) return std::nullopt;
+  const PlanInputs inputs = PlanInputs::from_config(config);
   json manifest = nullptr;
   {
     std::ifstream in(run_dir / "manifest.json");
@@ -183,7 +187,7 @@ std::optional<Forecast> log_plan_forecast(const Config& config,
           ? manifest["world_size"].get<int64_t>()
           : 1;
   std::optional<PilotCalibration> pilot;
-  const std::string pilot_dir = config.get_string("plan.pilot");
+  const std::string pilot_dir = inputs.plan_pilot;
   if (!pilot_dir.empty()) {
     try {
       pilot = read_pilot(pilot_dir, config);

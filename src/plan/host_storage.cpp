@@ -9,6 +9,7 @@
 #include "core/strings.h"
 #include "kiln/config.h"
 #include "kiln/plan.h"
+#include "plan/options.h"
 
 namespace kiln {
 namespace {
@@ -34,9 +35,10 @@ constexpr double kSevenDaysSeconds = 7 * 86400.0;
 HostNeeds host_needs(const Config& config, const Device& device, int64_t gpus,
                      const StrategyDecision& decision, double checkpoint_bytes,
                      double checkpoint_interval_seconds) {
+  const PlanInputs inputs = PlanInputs::from_config(config);
   HostNeeds h;
   const int64_t ranks_per_node = std::max<int64_t>(1, std::min(gpus, device.gpus_per_node));
-  if (config.get_bool("checkpoint.async")) {
+  if (inputs.checkpoint_async) {
     if (decision.strategy == "fsdp" && decision.fsdp_degree > 1) {
       // One replica's shards save; a node holds min(degree, ranks on the node) of them.
       const double d = static_cast<double>(decision.fsdp_degree);
@@ -53,11 +55,11 @@ HostNeeds host_needs(const Config& config, const Device& device, int64_t gpus,
       !shape.tokens  // features (fp32) and a label per sample; else inputs and targets (int64)
           ? static_cast<double>(job.micro_batch) * static_cast<double>(shape.input_dim + 1) * 4.0
           : static_cast<double>(job.micro_batch * job.seq_len) * 2.0 * 8.0;
-  h.loader_bytes_per_node = static_cast<double>(ranks_per_node) *
-                            static_cast<double>(config.get_int("data.prefetch")) * batch_bytes;
+  h.loader_bytes_per_node =
+      static_cast<double>(ranks_per_node) * static_cast<double>(inputs.data_prefetch) * batch_bytes;
   h.host_bytes_per_node = h.staging_bytes_per_node + h.loader_bytes_per_node;
   h.host_memory_bytes = device.host_memory_bytes;
-  const double usable = h.host_memory_bytes * (1.0 - config.get_float("plan.headroom"));
+  const double usable = h.host_memory_bytes * (1.0 - inputs.plan_headroom);
   if (h.host_memory_bytes > 0 && h.host_bytes_per_node > usable) {
     h.host_fits = false;
     h.warnings.push_back(fmt::format(
@@ -69,22 +71,21 @@ HostNeeds host_needs(const Config& config, const Device& device, int64_t gpus,
         format_bytes(h.host_memory_bytes)));
   }
 
-  const double keep = static_cast<double>(config.get_int("checkpoint.keep_last_k"));
+  const double keep = static_cast<double>(inputs.checkpoint_keep_last_k);
   const double saves_in_7d = checkpoint_interval_seconds > 0
                                  ? std::ceil(kSevenDaysSeconds / checkpoint_interval_seconds)
                                  : keep;
-  const double data_bytes = host_storage_path_bytes(config.get_string("data.path")) +
-                            host_storage_path_bytes(config.get_string("data.val_path"));
+  const double data_bytes =
+      host_storage_path_bytes(inputs.data_path) + host_storage_path_bytes(inputs.data_val_path);
   h.storage_bytes = std::min(keep, std::max(1.0, saves_in_7d)) * checkpoint_bytes + data_bytes;
-  h.storage_limit_bytes = config.get_float("plan.storage_tb") * 1e12;
+  h.storage_limit_bytes = inputs.plan_storage_tb * 1e12;
   if (h.storage_limit_bytes > 0 && h.storage_bytes > h.storage_limit_bytes) {
     h.storage_fits = false;
     h.warnings.push_back(fmt::format(
         "{}: a 7-day reservation's checkpoints ({:.0f} kept x {}) and data ({}) need {} > "
         "plan.storage_tb = {:g} TB; lower checkpoint.keep_last_k or raise plan.storage_tb",
         device.name, std::min(keep, std::max(1.0, saves_in_7d)), format_bytes(checkpoint_bytes),
-        format_bytes(data_bytes), format_bytes(h.storage_bytes),
-        config.get_float("plan.storage_tb")));
+        format_bytes(data_bytes), format_bytes(h.storage_bytes), inputs.plan_storage_tb));
   }
   return h;
 }

@@ -8,15 +8,17 @@
 #include "kiln/error.h"
 #include "kiln/models.h"
 #include "kiln/plan.h"
+#include "plan/options.h"
 
 namespace kiln {
 
 // Every model through its ModelSpec::math (kiln/models.h): gpt's, llama's and the mlp's registered
 // math as any model of one's own; the plan never asks a model's name.
 ModelShape model_shape(const Config& config) {
+  const PlanInputs inputs = PlanInputs::from_config(config);
   const ModelMath math = model_math(config);  // UserError without ModelSpec::math
   ModelShape shape;
-  shape.architecture = config.get_string("model.name");  // for messages and plan.json only
+  shape.architecture = inputs.model_name;  // for messages and plan.json only
   shape.tokens = model_takes_tokens(config);
   shape.layout = math.step_layout;
   shape.math_parameters = math.parameters;
@@ -59,19 +61,20 @@ double train_flops_per_token(const ModelShape& s, int64_t seq_len, bool activati
 }
 
 JobShape job_shape(const Config& config) {
+  const PlanInputs inputs = PlanInputs::from_config(config);
   JobShape job;
-  job.micro_batch = config.get_int("train.batch_size");
-  job.seq_len = model_takes_tokens(config) ? config.get_int("data.seq_len") : 1;
-  job.grad_accum_steps = config.get_int("train.grad_accum_steps");
-  job.world_size = config.get_int("plan.gpus");
-  job.optimizer = config.get_string("optim.name");
-  job.momentum = config.get_float("optim.momentum") > 0;
-  job.precision = training_precision(config);
-  job.activation_checkpointing = config.get_bool("plan.activation_checkpointing") ||
-                                 config.get_string("train.activation_checkpointing") == "block";
-  job.fsdp_prefetch = config.get_bool("dist.fsdp_prefetch");
-  job.fsdp_reshard_after_forward = config.get_bool("dist.reshard_after_forward");
-  job.fsdp_accumulate_sharded = config.get_string("dist.fsdp_accumulate") == "sharded";
+  job.micro_batch = inputs.train_batch_size;
+  job.seq_len = model_takes_tokens(config) ? inputs.data_seq_len : 1;
+  job.grad_accum_steps = inputs.train_grad_accum_steps;
+  job.world_size = inputs.plan_gpus;
+  job.optimizer = inputs.optim_name;
+  job.momentum = inputs.optim_momentum > 0;
+  job.precision = inputs.train_precision;
+  job.activation_checkpointing =
+      inputs.plan_activation_checkpointing || inputs.train_activation_checkpointing == "block";
+  job.fsdp_prefetch = inputs.dist_fsdp_prefetch;
+  job.fsdp_reshard_after_forward = inputs.dist_reshard_after_forward;
+  job.fsdp_accumulate_sharded = inputs.dist_fsdp_accumulate == "sharded";
   return job;
 }
 

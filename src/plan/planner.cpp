@@ -15,6 +15,7 @@
 #include "kiln/error.h"
 #include "kiln/plan.h"
 #include "plan/calibration.h"
+#include "plan/options.h"
 #include "plan/save_stall.h"
 
 namespace kiln {
@@ -164,11 +165,12 @@ PilotCalibration read_pilot(const std::filesystem::path& run_dir, const Config& 
 }
 
 json make_plan(const Config& config, const PilotCalibration* pilot, bool require_cost) {
+  const PlanInputs inputs = PlanInputs::from_config(config);
   const ModelShape shape = model_shape(config);
   const JobShape job = job_shape(config);
-  const auto catalog = load_catalog(config.get_string("plan.catalog"));
+  const auto catalog = load_catalog(inputs.plan_catalog);
   std::vector<const Device*> rows;
-  const auto names = split_names(config.get_string("plan.hardware"));
+  const auto names = split_names(inputs.plan_hardware);
   if (names.empty()) {
     for (const auto& d : catalog) rows.push_back(&d);
   } else {
@@ -180,29 +182,28 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
   const int64_t gpus = job.world_size;
   const double tokens_per_step =
       static_cast<double>(job.micro_batch * job.grad_accum_steps * job.seq_len * gpus);
-  const double planned_tokens =
-      config.get_float("plan.tokens") > 0
-          ? config.get_float("plan.tokens")
-          : static_cast<double>(config.get_int("train.steps")) * tokens_per_step;
+  const double planned_tokens = inputs.plan_tokens > 0
+                                    ? inputs.plan_tokens
+                                    : static_cast<double>(inputs.train_steps) * tokens_per_step;
   const double steps = std::ceil(planned_tokens / tokens_per_step);
   const double flops_per_token =
       train_flops_per_token(shape, job.seq_len, job.activation_checkpointing);
   const double flops_per_step = flops_per_token * tokens_per_step;
-  const int64_t eval_every = config.get_int("train.eval_every");
+  const int64_t eval_every = inputs.train_eval_every;
   const double evals =
       (eval_every > 0 ? std::floor(steps / static_cast<double>(eval_every)) : 0) + 1;
   const double eval_tokens_per_rank =
-      static_cast<double>(config.get_int("train.eval_batches") * job.micro_batch * job.seq_len);
+      static_cast<double>(inputs.train_eval_batches * job.micro_batch * job.seq_len);
   const double checkpoint_bytes = memory.parameters + memory.optimizer;
   // The pilot's write speed is its own machine's storage: it calibrates only that device's row.
-  const double assumed_write_speed = config.get_float("plan.checkpoint_write_gb_per_second") * 1e9;
-  const double mtbf = config.get_float("plan.gpu_mtbf_hours");
-  const bool async_saves = config.get_bool("checkpoint.async");
-  const double headroom = config.get_float("plan.headroom");
+  const double assumed_write_speed = inputs.plan_checkpoint_write_gb_per_second * 1e9;
+  const double mtbf = inputs.plan_gpu_mtbf_hours;
+  const bool async_saves = inputs.checkpoint_async;
+  const double headroom = inputs.plan_headroom;
   const double activation_ratio =
       pilot && pilot->activation_ratio > 0 ? pilot->activation_ratio : 1.0;
-  const auto& price_7d = config.get_table("plan.price_7d_per_gpu_hour");
-  const auto& price_30d = config.get_table("plan.price_30d_per_gpu_hour");
+  const auto& price_7d = inputs.plan_price_7d_per_gpu_hour;
+  const auto& price_30d = inputs.plan_price_30d_per_gpu_hour;
   for (const auto& [key, prices] : {std::pair{"plan.price_7d_per_gpu_hour", &price_7d},
                                     std::pair{"plan.price_30d_per_gpu_hour", &price_30d}}) {
     for (const auto& [name, price] : *prices) {
@@ -243,7 +244,7 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
         static_cast<double>(job.micro_batch * job.grad_accum_steps * job.seq_len);
     const ComputeCalibration compute =
         calibrate_compute(pilot, measured_here, 0.0, device, job.precision,
-                          flops_per_token * per_device_tokens, config.get_float("plan.mfu"));
+                          flops_per_token * per_device_tokens, inputs.plan_mfu);
     const double catalog_peak = compute.catalog_peak_flops_per_second;
     if (catalog_peak <= 0) {
       throw UserError(
@@ -274,8 +275,7 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
     // the pilot measured them on this device, else the checkpoint's load at the write speed.
     const double recovery_seconds =
         measured_here && pilot->recovery_seconds > 0 ? pilot->recovery_seconds : save_seconds;
-    const double restart_seconds =
-        config.get_float("plan.restart_minutes") * 60.0 + recovery_seconds;
+    const double restart_seconds = inputs.plan_restart_minutes * 60.0 + recovery_seconds;
     const bool one_node = gpus <= device->gpus_per_node;
     const double bandwidth =
         one_node ? device->interconnect_bytes_per_second / 2.0 : device->network_bytes_per_second;
@@ -309,11 +309,11 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
     b.restart_seconds = restart_seconds;
     b.gpus = gpus;
     b.gpu_mtbf_hours = mtbf;
-    b.restore_drills = config.get_int("plan.restore_drills");
+    b.restore_drills = inputs.plan_restore_drills;
     b.pilot_seconds = pilot && pilot->wall_seconds > 0 && measured_here
                           ? pilot->wall_seconds
-                          : config.get_float("plan.pilot_hours") * 3600.0;
-    b.margin_fraction = config.get_float("plan.margin");
+                          : inputs.plan_pilot_hours * 3600.0;
+    b.margin_fraction = inputs.plan_margin;
     const Budget result = budget(b);
     const bool fits_memory = decision.strategy != "does-not-fit";
     const HostNeeds host = host_needs(config, *device, gpus, decision, checkpoint_bytes,
@@ -398,18 +398,18 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
                      : "on every row: no pilot given")
             : fmt::format("on {} (the pilot measured {})", fmt::join(assumed_rows, ", "),
                           fmt::join(measured_rows, ", "));
-    assumptions.push_back(fmt::format("MFU {} (plan.mfu) {}", config.get_float("plan.mfu"), where));
+    assumptions.push_back(fmt::format("MFU {} (plan.mfu) {}", inputs.plan_mfu, where));
     assumptions.push_back(
         fmt::format("checkpoint write speed {} GB/s (plan.checkpoint_write_gb_per_second) {}",
-                    config.get_float("plan.checkpoint_write_gb_per_second"), where));
+                    inputs.plan_checkpoint_write_gb_per_second, where));
     assumptions.push_back("eval time from FLOPs at the planned MFU " + where);
-    assumptions.push_back(fmt::format("pilot time {} h (plan.pilot_hours) {}",
-                                      config.get_float("plan.pilot_hours"), where));
+    assumptions.push_back(
+        fmt::format("pilot time {} h (plan.pilot_hours) {}", inputs.plan_pilot_hours, where));
   }
   if (!pilot) assumptions.push_back("activations from the analytic model, uncalibrated");
   assumptions.push_back(
       fmt::format("GPU MTBF {} h (plan.gpu_mtbf_hours), restart {} min (plan.restart_minutes)",
-                  mtbf, config.get_float("plan.restart_minutes")));
+                  mtbf, inputs.plan_restart_minutes));
   assumptions.push_back("communication not overlapped with compute (an upper bound)");
   if (!no_host_rows.empty()) {
     assumptions.push_back(

@@ -24,8 +24,8 @@ inline SaveStall save_stall(bool async_saves, const PilotCalibration* pilot, boo
                             double full_save_seconds) {
   SaveStall s;
   s.measured = async_saves && pilot_here && pilot->save_blocking_seconds > 0;
-  s.seconds = s.measured ? pilot->save_blocking_seconds + pilot->save_end_wait_seconds
-                         : full_save_seconds;
+  s.seconds =
+      s.measured ? pilot->save_blocking_seconds + pilot->save_end_wait_seconds : full_save_seconds;
   s.source = s.measured && pilot->save_end_wait_seconds > 0
                  ? "the blocking part of an async save and the wait that finished it after an "
                    "evaluation, measured by the pilot"

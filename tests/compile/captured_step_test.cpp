@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "ckpt/thread_comm.h"
+#include "compile/internal.h"
 #include "kiln/compile.h"
 #include "kiln/dist.h"
 #include "kiln/error.h"

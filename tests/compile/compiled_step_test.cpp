@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "compile/internal.h"
 #include "kiln/run.h"
 #include "support/helpers.h"
 

@@ -3,6 +3,7 @@
 // miss, stale, corrupt), the compiler Python's checks.
 #include <gtest/gtest.h>
 
+#include "compile/internal.h"
 #include "core/files.h"
 #include "kiln/compile.h"
 #include "kiln/error.h"

@@ -120,6 +120,19 @@ class CustomModel(unittest.TestCase):
         self.assertAlmostEqual(memory["measured_over_estimate"], 1.0, delta=0.1, msg=memory)
         self.assertIn("unit 0's recomputation and backward", memory["estimate"]["peak_at"])
 
+    def test_the_dataset_s_own_keys_and_rules_are_in_the_schema(self):
+        # data.dim is the dataset's key (DatasetSpec::keys); its rule ties it to the model.
+        result = self.run_program("train", ARGS.config, "--set", "data.dim=3",
+                                  "--set", "run.dir=" + ARGS.scratch)
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertIn("data.dim = 3 but model.input_dim = 8; set them equal", result.stderr)
+        self.assertEqual(len(result.stderr.strip().splitlines()), 1, result.stderr)
+        # The control: a key no one declared is refused as unknown.
+        result = self.run_program("train", ARGS.config, "--set", "data.dimm=3",
+                                  "--set", "run.dir=" + ARGS.scratch)
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertIn("unknown key data.dimm", result.stderr)
+
     def test_an_unknown_dataset_lists_the_registered_one(self):
         result = self.run_program("train", ARGS.config, "--set", "data.name=nonexistent",
                                   "--set", "run.dir=" + ARGS.scratch)
