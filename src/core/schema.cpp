@@ -2,6 +2,7 @@
 // Every other section is declared next to its component's code (core/schema_sections.h); the top
 // layer collects them in config_sections() (src/rungs/schema.cpp). A key declared in a section is
 // parsed, validated, shown by `kiln config show` and listed in docs/config.md.
+#include <algorithm>
 #include <stdexcept>
 
 #include "core/schema_sections.h"
@@ -65,6 +66,16 @@ const std::vector<KeyDef>& schema() {
     return out;
   }();
   return keys;
+}
+
+void add_registered_keys(ConfigSection& section, const std::vector<KeyDef>& keys,
+                         const std::vector<ConfigRule>& rules) {
+  for (const KeyDef& key : keys) {
+    const bool declared = std::any_of(section.keys.begin(), section.keys.end(),
+                                      [&](const KeyDef& k) { return k.name == key.name; });
+    if (!declared) section.keys.push_back(key);
+  }
+  for (const ConfigRule& rule : rules) section.rules.push_back(rule);
 }
 
 }  // namespace kiln

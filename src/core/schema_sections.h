@@ -26,6 +26,11 @@ KeyDef string_key(std::string section, std::string name, std::string def,
 KeyDef table_key(std::string section, std::string name, double lo, double hi,
                  std::vector<std::string> names, std::string doc);
 
+/// Adds a registered model's or dataset's keys and rules to its section: a key the section
+/// already declares (by name) is shared, not added twice.
+void add_registered_keys(ConfigSection& section, const std::vector<KeyDef>& keys,
+                         const std::vector<ConfigRule>& rules);
+
 /// Problems in a schema, one line each: a section or key declared twice, a key outside its
 /// section, a missing doc, a default of the wrong type or outside its range / choices, a rule
 /// without a description, check or example. Empty for a sound schema.

@@ -116,14 +116,8 @@ ConfigSection data_section() {
            {"data.val_samples=16"}},
       }};
   // The keys and rules of the registered datasets (the built-ins declare theirs above).
-  for (const DatasetSpec* spec : dataset_specs_for_schema()) {
-    for (const KeyDef& key : spec->keys) {
-      const bool declared = std::any_of(section.keys.begin(), section.keys.end(),
-                                        [&](const KeyDef& k) { return k.name == key.name; });
-      if (!declared) section.keys.push_back(key);
-    }
-    for (const ConfigRule& rule : spec->rules) section.rules.push_back(rule);
-  }
+  for (const DatasetSpec* spec : dataset_specs_for_schema())
+    add_registered_keys(section, spec->keys, spec->rules);
   return section;
 }
 

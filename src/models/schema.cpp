@@ -240,14 +240,8 @@ ConfigSection model_section() {
            {"model.name=gpt", "data.name=text", "model.init_from=/nonexistent/gpt2"}},
       }};
   // The keys and rules of the registered models (the built-ins declare theirs above).
-  for (const ModelSpec* spec : specs_for_schema()) {
-    for (const KeyDef& key : spec->keys) {
-      const bool declared = std::any_of(section.keys.begin(), section.keys.end(),
-                                        [&](const KeyDef& k) { return k.name == key.name; });
-      if (!declared) section.keys.push_back(key);
-    }
-    for (const ConfigRule& rule : spec->rules) section.rules.push_back(rule);
-  }
+  for (const ModelSpec* spec : specs_for_schema())
+    add_registered_keys(section, spec->keys, spec->rules);
   return section;
 }
 
