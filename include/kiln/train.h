@@ -404,6 +404,11 @@ struct TrainSummary {
   int64_t steps = 0;
   double first_loss = 0;  // first synced step's loss
   double last_loss = 0;   // last step's loss (the last step always syncs)
+  /// The mean of the last synced steps' finite losses, up to kSummaryLossSteps of them (one
+  /// step's loss is noisy), and how many it averages.
+  static constexpr int64_t kSummaryLossSteps = 10;
+  double last_loss_mean = 0;
+  int64_t last_loss_mean_steps = 0;
   EvalStats final_eval;
   double seconds = 0;
   double samples_per_second = 0;

@@ -100,9 +100,15 @@ std::string training_summary_text(const TrainingRunResult& result) {
   }
   const TrainSummary& s = result.summary;
   const bool tokens = s.tokens_per_second > 0;
+  // The loss at the end: one step's is noisy, so the mean of the last steps, saying so.
+  const std::string end_loss =
+      s.last_loss_mean_steps > 1
+          ? fmt::format("{:.4f} (mean of the last {} steps; the last {:.4f})", s.last_loss_mean,
+                        s.last_loss_mean_steps, s.last_loss)
+          : fmt::format("{:.4f}", s.last_loss);
   std::string out = fmt::format(
-      "\ntrained {} steps in {} | loss {:.4f} -> {:.4f} | val_loss {:.4f}{} | {:.0f} {}\n", s.steps,
-      format_duration(s.seconds), s.first_loss, s.last_loss, s.final_eval.loss,
+      "\ntrained {} steps in {} | loss {:.4f} -> {} | val_loss {:.4f}{} | {:.0f} {}\n", s.steps,
+      format_duration(s.seconds), s.first_loss, end_loss, s.final_eval.loss,
       s.final_eval.accuracy >= 0
           ? fmt::format(" | val_accuracy {:.2f}%", 100 * s.final_eval.accuracy)
           : "",

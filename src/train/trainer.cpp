@@ -436,6 +436,7 @@ TrainSummary Trainer::fit(int64_t total_steps, Run* run) {
   summary.final_eval = evaluate();
   int64_t samples = 0, tokens = 0;
   bool seen_loss = false;
+  std::vector<double> finite_losses;
   for (const StepStats& s : log->steps) {
     samples += s.samples;
     tokens += s.tokens;
@@ -443,7 +444,13 @@ TrainSummary Trainer::fit(int64_t total_steps, Run* run) {
     if (!seen_loss) summary.first_loss = s.loss;
     seen_loss = true;
     summary.last_loss = s.loss;
+    if (std::isfinite(s.loss)) finite_losses.push_back(s.loss);
   }
+  const size_t tail =
+      std::min(finite_losses.size(), static_cast<size_t>(TrainSummary::kSummaryLossSteps));
+  for (size_t k = finite_losses.size() - tail; k < finite_losses.size(); ++k)
+    summary.last_loss_mean += finite_losses[k] / static_cast<double>(tail);
+  summary.last_loss_mean_steps = static_cast<int64_t>(tail);
   summary.steps = static_cast<int64_t>(log->steps.size());
   summary.samples_per_second = static_cast<double>(samples) / summary.seconds;
   summary.tokens_per_second = static_cast<double>(tokens) / summary.seconds;

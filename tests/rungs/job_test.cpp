@@ -79,10 +79,28 @@ TEST(Job, AResumeAtTheLastStepSaysNothingToTrainAndAppendsNothing) {
   EXPECT_EQ(more.already_at_step, -1);
   EXPECT_EQ(more.summary.steps, 1);
   EXPECT_THAT(training_summary_text(more), HasSubstr("trained 1 steps"));
+  EXPECT_THAT(training_summary_text(more), ::testing::Not(HasSubstr("mean of the last")));
   EXPECT_THAT(training_summary_text(more), ::testing::Not(HasSubstr("nothing saved")));
   // A run that saves nothing says how to keep its state.
   TempDir plain;
-  const TrainingRunResult unsaved = run_training(mlp_config(plain.path(), {"train.steps=2"}), {});
+  const TrainingRunResult unsaved = run_training(mlp_config(plain.path(), {"train.steps=12"}), {});
+  // Its end loss is the mean of the last 10 steps' (steps 3..12), worked from its own records.
+  std::vector<double> losses;
+  {
+    std::ifstream in(unsaved.run_dir / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const auto r = nlohmann::json::parse(line);
+      if (r.contains("loss") && r.contains("step_seconds"))
+        losses.push_back(r["loss"].get<double>());
+    }
+  }
+  ASSERT_EQ(losses.size(), 12u);
+  double mean = 0;
+  for (size_t k = 2; k < 12; ++k) mean += losses[k] / 10.0;
+  EXPECT_NEAR(unsaved.summary.last_loss_mean, mean, 1e-6 * std::abs(mean));
+  EXPECT_EQ(unsaved.summary.last_loss_mean_steps, 10);
+  EXPECT_NE(unsaved.summary.last_loss_mean, unsaved.summary.last_loss);
+  EXPECT_THAT(training_summary_text(unsaved), HasSubstr("(mean of the last 10 steps; the last "));
   EXPECT_THAT(training_summary_text(unsaved),
               HasSubstr("nothing saved (checkpoint.every_steps = 0): add --set "
                         "checkpoint.every_steps=N"));
