@@ -88,8 +88,22 @@ def replay(out, steps, initial_loss_scale=None):
         torch.set_num_threads(cfg["run"]["threads"])
     if cfg["run"]["deterministic"]:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    model = models.from_config(cfg["model"])
-    model.load_state_dict(load_file(os.path.join(out, "init.safetensors")), strict=True)
+    initial = load_file(os.path.join(out, "init.safetensors"))
+    if cfg["model"]["name"] == "exported":
+        # A package `kiln model import` wrote: the original module (a Python factory's, or a
+        # Hugging Face model's), eager, with kiln's initial weights. The package's graph holds a
+        # tied weight once; the module's other name for it shares the loaded tensor.
+        from kiln_py import export_model
+        model = export_model.source_module(cfg["model"]["package"])
+        result = model.load_state_dict(initial, strict=False)
+        tied = {n for n, _ in model.named_parameters()}  # named_parameters lists a tied one once
+        missing = [k for k in result.missing_keys if k in tied]
+        if missing or result.unexpected_keys:
+            raise SystemExit(f"the package's weights do not fit its source module: missing "
+                             f"{missing}, unexpected {result.unexpected_keys}")
+    else:
+        model = models.from_config(cfg["model"])
+        model.load_state_dict(initial, strict=True)
     model.train()
     optimizer = make_optimizer(model, cfg["optim"])
     batches = load_file(os.path.join(out, "batches.safetensors"))

@@ -20,6 +20,7 @@
 #include "compile/internal.h"
 #include "core/files.h"
 #include "core/process.h"
+#include "core/python_child.h"
 #include "core/strings.h"
 #include "kiln/build_info.h"
 #include "kiln/compile.h"
@@ -45,16 +46,6 @@ std::string resolve_program(const std::string& program) {
     rest.remove_prefix(colon + 1);
   }
   return program;
-}
-
-fs::path python_package_dir() {
-  if (const char* env = std::getenv("KILN_PYTHON_DIR"); env && *env) return env;
-  const fs::path source = build_info().python_dir;
-  if (fs::exists(source / "kiln_py" / "compile.py")) return source;
-  std::error_code ec;
-  const fs::path installed = fs::read_symlink("/proc/self/exe", ec).parent_path().parent_path() /
-                             "share" / "kiln" / "python";
-  return installed;
 }
 
 std::string libtorch_version() {
@@ -184,7 +175,7 @@ const CompilerPython& CompilerPython::probe(const std::string& python) {
 
   CompilerPython out;
   out.python = resolve_program(python);
-  out.package_dir = python_package_dir();
+  out.package_dir = kiln_python_dir("compile.py");
   const fs::path script = out.package_dir / "kiln_py" / "compile.py";
   if (!fs::exists(script)) {
     throw UserError(fmt::format(

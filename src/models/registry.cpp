@@ -13,6 +13,7 @@
 #include "kiln/error.h"
 #include "kiln/hf.h"
 #include "kiln/models.h"
+#include "models/exported.h"
 #include "models/internal.h"
 
 namespace kiln {
@@ -50,7 +51,8 @@ void add(Registry& registry, ModelSpec spec) {
 Registry& registry() {
   static Registry* instance = [] {
     auto* r = new Registry;
-    for (ModelSpec spec : {mlp_spec(), gpt_spec(), llama_spec()}) add(*r, std::move(spec));
+    for (ModelSpec spec : {mlp_spec(), gpt_spec(), llama_spec(), exported_spec()})
+      add(*r, std::move(spec));
     return r;
   }();
   return *instance;

@@ -45,7 +45,7 @@ TEST(ConfigRules, TheSectionsDeclareTheKnownRules) {
   // `kiln train` runs, now declared next to their components.
   std::map<std::string, int> per_section;
   for (const auto& [section, rule] : every_rule()) ++per_section[section];
-  EXPECT_EQ(per_section["model"], 8);  // + registered name, llama heads, preset, init_from
+  EXPECT_EQ(per_section["model"], 9);  // + registered name, llama heads, preset, init_from, package
   EXPECT_EQ(per_section["data"], 7);   // + a registered dataset name (kiln/dataset_registry.h)
   EXPECT_EQ(per_section["optim"], 2);
   EXPECT_EQ(per_section["train"], 1);  // stop_after_step within train.steps

@@ -98,6 +98,27 @@ class AutocastProbe : public UnitWrapper {
   std::vector<std::string> devices;
 };
 
+// An exported program on the GPU: the example's Python model imported on this machine (its
+// torch is the LibTorch kiln was built with) and trained from C++ with run.device = "cuda": the
+// graph's device arguments take the input's device, and the loss falls as on the CPU.
+TEST(Cuda, ExportedProgramTrainsOnTheGpu) {
+  TempDir dir;
+  const std::string package = (dir / "convlm").string();
+  const CommandResult imported = run_shell(fmt::format(
+      "{} model import --module {}/examples/python_model/model.py:build --max-seq 64 --out {}",
+      KILN_CLI, source_dir().string(), package));
+  ASSERT_EQ(imported.exit_code, 0) << imported.err;
+  const CommandResult trained = run_shell(fmt::format(
+      "{} train {}/configs/gpt-tiny.toml --set run.dir={} --set run.device=cuda --set "
+      "run.progress=off --set model.name=exported --set model.package={} --set train.steps=30 "
+      "--set train.eval_every=0",
+      KILN_CLI, source_dir().string(), dir.path().string(), package));
+  ASSERT_EQ(trained.exit_code, 0) << trained.err;
+  const json manifest = read_json(dir / "gpt-tiny" / "manifest.json");
+  EXPECT_NE(manifest.dump().find("cuda"), std::string::npos);
+  EXPECT_NE(trained.out.find("trained 30 steps"), std::string::npos) << trained.out;
+}
+
 TEST(Cuda, Bf16MixedRunsTheForwardInBf16OnTheGpu) {
   TempDir dir;
   const Config config = gpt_config(

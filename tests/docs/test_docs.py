@@ -2,7 +2,7 @@
 examples").
 
 A fence whose info string holds the word `runnable` (```sh runnable) is run line by line, in page
-order, in one scratch directory per page: `configs/` links to the source tree's, `build/kiln` and a
+order, in one scratch directory per page: `configs/` and `examples/` link to the source tree's, `build/kiln` and a
 bare `kiln` are the built CLI, `/tmp/` paths are mapped into the scratch directory, and KILN_SET
 shrinks step counts. Each command must exit 0.
 
@@ -76,6 +76,7 @@ class RunnableExamples(unittest.TestCase):
             with tempfile.TemporaryDirectory() as scratch:
                 scratch = Path(scratch)
                 (scratch / "configs").symlink_to(source / "configs")
+                (scratch / "examples").symlink_to(source / "examples")
                 (scratch / "build").mkdir()
                 (scratch / "build" / "kiln").symlink_to(kiln)
                 (scratch / "tmp").mkdir()

@@ -508,10 +508,11 @@ TEST(Registry, BuiltinsAndAUserModelComeFromTheSameRegistry) {
     Config::parse("", "x", {"model.name=lama"}).validate();
     FAIL() << "accepted";
   } catch (const UserError& e) {
-    EXPECT_EQ(std::string(e.what()),
-              "x: model.name = \"lama\" is not a registered model; the registered ones: gpt, "
-              "llama, mlp, test-linear (a C++ model registers with kiln::register_model, "
-              "docs/models.md)");
+    EXPECT_EQ(
+        std::string(e.what()),
+        "x: model.name = \"lama\" is not a registered model; the registered ones: exported, gpt, "
+        "llama, mlp, test-linear (a C++ model registers with kiln::register_model, "
+        "docs/models.md)");
   }
   EXPECT_THROW(make_model(Config::parse("", "x", {"model.name=lama"})), UserError);
 }

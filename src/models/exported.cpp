@@ -1,0 +1,400 @@
+// The "exported" model (models/exported.h): a package `kiln model import` wrote, read and checked
+// once, its graph run by the dispatcher with kiln's own parameters.
+#include "models/exported.h"
+
+#include <fmt/format.h>
+#include <torch/headeronly/version.h>
+
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "core/files.h"
+#include "core/python_child.h"
+#include "core/schema_sections.h"
+#include "kiln/build_info.h"
+#include "kiln/error.h"
+#include "kiln/hf.h"
+#include "kiln/safetensors.h"
+#include "models/exported_graph.h"
+
+namespace kiln {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+std::string libtorch_version() {
+  return fmt::format("{}.{}.{}", TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH);
+}
+
+// "2.13.0+cpu" -> "2.13.0": CPU and CUDA builds of one release share their operators.
+std::string release_of(const std::string& version) {
+  return version.substr(0, version.find('+'));
+}
+
+std::string sizes_text(const std::vector<int64_t>& sizes) {
+  std::string out = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
+  return out + "]";
+}
+
+std::shared_ptr<const ExportedGraph> load_graph(const fs::path& dir, const json& manifest) {
+  const json& graphs = manifest.at("graphs");
+  if (graphs.size() != 1 || graphs[0].value("name", "") != "forward") {
+    throw UserError(
+        fmt::format("{}: package.json lists graphs kiln does not run (one 'forward' "
+                    "graph expected); re-import with this kiln",
+                    dir.string()));
+  }
+  const fs::path file = dir / graphs[0].at("file").get<std::string>();
+  json program;
+  try {
+    program = json::parse(read_file(file));
+  } catch (const json::exception& e) {
+    throw UserError(fmt::format("{}: not JSON ({})", file.string(), e.what()));
+  }
+  return std::make_shared<const ExportedGraph>(program, file.string());
+}
+
+class ExportedModel : public Model {
+ public:
+  ExportedModel(fs::path dir, json manifest, std::shared_ptr<const ExportedGraph> graph)
+      : dir_(std::move(dir)), manifest_(std::move(manifest)), graph_(std::move(graph)) {
+    std::map<std::string, torch::Tensor> weights;
+    const fs::path file = dir_ / manifest_.at("weights").at("file").get<std::string>();
+    for (auto& [name, tensor] : read_safetensors(file)) weights[name] = tensor;
+    for (size_t i = 0; i < graph_->inputs().size(); ++i) {
+      const GraphInput& input = graph_->inputs()[i];
+      if (input.kind == GraphInput::Kind::kUserInput) {
+        if (user_input_ >= 0) {
+          throw UserError(
+              fmt::format("{}: the graph takes more than one input; kiln feeds one "
+                          "(token ids [B, T])",
+                          dir_.string()));
+        }
+        user_input_ = static_cast<int64_t>(i);
+        tensors_.emplace_back();
+        continue;
+      }
+      auto it = weights.find(input.name);
+      if (it == weights.end()) {
+        throw UserError(
+            fmt::format("{}: {} holds no tensor '{}', which the graph takes; "
+                        "re-import the package",
+                        dir_.string(), file.string(), input.name));
+      }
+      torch::Tensor value = it->second;
+      std::vector<int64_t> sizes(value.sizes().begin(), value.sizes().end());
+      if (sizes != input.sizes || value.scalar_type() != input.dtype) {
+        throw UserError(fmt::format("{}: '{}' is {} {} in the weights but {} {} in the graph",
+                                    dir_.string(), input.name, c10::toString(value.scalar_type()),
+                                    sizes_text(sizes), c10::toString(input.dtype),
+                                    sizes_text(input.sizes)));
+      }
+      torch::nn::Module& owner = module_for(input.name);
+      const std::string leaf = input.name.substr(input.name.rfind('.') + 1);
+      if (input.kind == GraphInput::Kind::kParameter) {
+        tensors_.push_back(owner.register_parameter(leaf, value, /*requires_grad=*/true));
+      } else {
+        tensors_.push_back(owner.register_buffer(leaf, value));
+      }
+      by_name_[input.name] = tensors_.size() - 1;
+    }
+    if (user_input_ < 0) {
+      throw UserError(fmt::format("{}: the graph takes no input", dir_.string()));
+    }
+  }
+
+  torch::Tensor forward(const torch::Tensor& inputs) override {
+    if (std::string problem = graph_->check_user_input(static_cast<size_t>(user_input_), inputs);
+        !problem.empty()) {
+      throw UserError(fmt::format("model.package = \"{}\": {}", dir_.string(), problem));
+    }
+    std::vector<at::Tensor> args = tensors_;
+    args[static_cast<size_t>(user_input_)] = inputs;
+    std::vector<at::Tensor> outputs = graph_->run(args, inputs.device());
+    const auto& mutated = graph_->mutated_buffers();
+    if (!mutated.empty()) {
+      torch::NoGradGuard no_grad;
+      const size_t users = outputs.size() - mutated.size();
+      for (size_t k = 0; k < mutated.size(); ++k) {
+        tensors_[by_name_.at(mutated[k])].copy_(outputs[users + k]);
+      }
+    }
+    return outputs.at(0);
+  }
+
+  std::string architecture() const override { return "exported"; }
+
+  nlohmann::json describe() const override {
+    const json& graph = manifest_["graphs"][0];
+    return {{"name", "exported"},
+            {"package", fs::absolute(dir_).lexically_normal().string()},
+            {"source", manifest_.value("source", json::object())},
+            {"versions", manifest_.value("versions", json::object())},
+            {"graph_sha256", graph.value("sha256", "")},
+            {"weights_sha256", manifest_["weights"].value("sha256", "")},
+            {"nodes", graph_->node_count()},
+            {"vocab_size", manifest_["input"].value("vocab_size", int64_t{0})}};
+  }
+
+  double train_flops_per_sample(int64_t seq_len) const override {
+    const GraphMath m = graph_->math();
+    ModelMath math;
+    math.flop_parameters = m.flop_parameters;
+    math.n_layer = m.attention_layers;
+    math.attention_width = m.attention_width;
+    return math.train_flops_per_token(seq_len) * static_cast<double>(seq_len);
+  }
+
+  ExportedGraph& graph_for_test() { return const_cast<ExportedGraph&>(*graph_); }
+
+ private:
+  // The (empty) module that owns `name`'s leaf, made on the way: "model.layers.0.mlp.weight" ->
+  // model -> layers -> 0 -> mlp, so named_parameters() spells the state_dict names.
+  torch::nn::Module& module_for(const std::string& name) {
+    torch::nn::Module* at = this;
+    std::string path;
+    size_t start = 0;
+    for (size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', start)) {
+      const std::string part = name.substr(start, dot - start);
+      path += (path.empty() ? "" : ".") + part;
+      auto it = submodules_.find(path);
+      if (it == submodules_.end()) {
+        auto child = std::make_shared<torch::nn::Module>(part);
+        at->register_module(part, child);
+        it = submodules_.emplace(path, child).first;
+      }
+      at = it->second.get();
+      start = dot + 1;
+    }
+    return *at;
+  }
+
+  fs::path dir_;
+  json manifest_;
+  std::shared_ptr<const ExportedGraph> graph_;
+  std::vector<torch::Tensor> tensors_;  // per graph input (the user input's slot empty)
+  std::map<std::string, size_t> by_name_;
+  std::map<std::string, std::shared_ptr<torch::nn::Module>> submodules_;
+  int64_t user_input_ = -1;
+};
+
+bool is_exported(const Config& c) {
+  return c.get_string("model.name") == "exported";
+}
+
+// The configured package's manifest (no hashes) or the problem.
+std::string package_problem(const Config& c, json* manifest) {
+  try {
+    *manifest = read_package(c.get_string("model.package"), "model.package", false);
+    return "";
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+}  // namespace
+
+json read_package(const fs::path& dir, const std::string& key, bool hashes) {
+  const fs::path file = dir / "package.json";
+  if (!fs::is_regular_file(file)) {
+    throw UserError(
+        fmt::format("{} = \"{}\" holds no package.json; write a package with `kiln "
+                    "model import ... --out {}`",
+                    key, dir.string(), dir.string()));
+  }
+  json manifest;
+  try {
+    manifest = json::parse(read_file(file));
+  } catch (const json::exception& e) {
+    throw UserError(
+        fmt::format("{}: not JSON ({}); re-import the package", file.string(), e.what()));
+  }
+  if (!manifest.is_object() || manifest.value("format", "") != "kiln-exported-model") {
+    throw UserError(fmt::format("{} is not a kiln model package (format \"kiln-exported-model\")",
+                                file.string()));
+  }
+  if (manifest.value("format_version", 0) != kPackageFormatVersion) {
+    throw UserError(
+        fmt::format("{}: package format_version {} is not this kiln's {}; re-import "
+                    "with `kiln model import`",
+                    file.string(), manifest.value("format_version", 0), kPackageFormatVersion));
+  }
+  const std::string torch =
+      manifest.value("versions", json::object()).value("torch", std::string("?"));
+  if (release_of(torch) != libtorch_version()) {
+    throw UserError(
+        fmt::format("{} = \"{}\" was exported with torch {}, and this kiln runs "
+                    "LibTorch {}: operator schemas change between releases; re-import "
+                    "it with the Python of this LibTorch",
+                    key, dir.string(), torch, libtorch_version()));
+  }
+  if (!manifest.contains("graphs") || !manifest.contains("weights") ||
+      !manifest.contains("input")) {
+    throw UserError(
+        fmt::format("{}: package.json lacks graphs, weights or input; re-import", file.string()));
+  }
+  if (hashes) {
+    std::vector<json> files(manifest["graphs"].begin(), manifest["graphs"].end());
+    files.push_back(manifest["weights"]);
+    for (const json& entry : files) {
+      const fs::path path = dir / entry.value("file", "");
+      if (!fs::is_regular_file(path)) {
+        throw UserError(fmt::format("{} = \"{}\": {} is missing; re-import the package", key,
+                                    dir.string(), path.string()));
+      }
+      if (sha256_file(path) != entry.value("sha256", "")) {
+        throw UserError(
+            fmt::format("{} = \"{}\": {} does not match its SHA-256 in package.json "
+                        "(changed after import); re-import the package",
+                        key, dir.string(), path.string()));
+      }
+    }
+  }
+  return manifest;
+}
+
+json import_model(const ImportOptions& options) {
+  if (options.module.empty() == options.hf.empty()) {
+    throw UserError(
+        "kiln model import: give one source, --module path/to/model.py:factory or "
+        "--hf DIR");
+  }
+  if (options.out.empty()) throw UserError("kiln model import: --out DIR is required");
+  json spec = {{"out", fs::absolute(options.out).string()},
+               {"options", options.options},
+               {"max_seq", options.max_seq},
+               {"max_batch", options.max_batch},
+               {"kiln_version", build_info().version}};
+  if (!options.module.empty()) spec["module"] = options.module;
+  if (!options.hf.empty()) spec["hf"] = fs::absolute(options.hf).string();
+  if (!options.weights.empty()) spec["weights"] = fs::absolute(options.weights).string();
+  PythonChild child;
+  child.python = options.python;
+  child.module = "export_model";
+  child.what = "kiln model import";
+  child.python_hint = "torch (and transformers for --hf)";
+  return run_python_child(child, spec).at("manifest");
+}
+
+std::string inspect_package(const fs::path& dir) {
+  const json manifest = read_package(dir, "package", true);
+  const auto graph = load_graph(dir, manifest);
+  const GraphMath math = graph->math();
+  std::ostringstream out;
+  const json& source = manifest["source"];
+  out << fmt::format("package {} (format {})\n", fs::absolute(dir).lexically_normal().string(),
+                     manifest.value("format_version", 0));
+  if (source.value("kind", "") == "hf") {
+    out << fmt::format("source: Hugging Face {} ({}), {}\n", source.value("model_type", "?"),
+                       source.value("architectures", json::array()).dump(),
+                       source.value("path", "?"));
+  } else {
+    out << fmt::format("source: {} with options {} (sha256 {})\n", source.value("module", "?"),
+                       source.value("options", json::object()).dump(),
+                       source.value("sha256", "?").substr(0, 16));
+  }
+  out << "versions:";
+  for (const auto& [name, version] : manifest["versions"].items()) {
+    out << " " << name << " " << version.get<std::string>();
+  }
+  out << "\n";
+  const json& input = manifest["input"];
+  out << fmt::format("input: token ids [batch, seq] int64, vocabulary {}; batch in {}, seq in {}\n",
+                     input.value("vocab_size", int64_t{0}),
+                     input["dims"].value("batch", json::array()).dump(),
+                     input["dims"].value("seq", json::array()).dump());
+  const json& g = manifest["graphs"][0];
+  out << fmt::format("graph forward: {} nodes ({} run by kiln), {} operators, sha256 {}\n",
+                     g.value("nodes", 0), graph->node_count(), g["ops"].size(),
+                     g.value("sha256", "").substr(0, 16));
+  std::string ops;
+  for (const json& op : g["ops"]) {
+    std::string name = op.get<std::string>();
+    if (name.rfind("torch.ops.", 0) == 0) name = name.substr(10);
+    ops += (ops.empty() ? "" : ", ") + name;
+  }
+  out << "  " << ops << "\n";
+  int64_t parameters = 0, buffers = 0;
+  for (const GraphInput& in : graph->inputs()) {
+    parameters += in.kind == GraphInput::Kind::kParameter;
+    buffers += in.kind == GraphInput::Kind::kBuffer || in.kind == GraphInput::Kind::kConstant;
+  }
+  out << fmt::format(
+      "weights: {} parameters ({} tensors), {} buffers/constants; FLOP (6N) parameters {}, "
+      "attention "
+      "layers {} (width {})\n",
+      math.parameters, parameters, buffers, math.flop_parameters, math.attention_layers,
+      math.attention_width);
+  out << fmt::format("train with --set model.name=exported --set model.package={}\n",
+                     fs::absolute(dir).lexically_normal().string());
+  return out.str();
+}
+
+void set_exported_no_grad_op_for_test(Model& model, const std::string& target) {
+  dynamic_cast<ExportedModel&>(model).graph_for_test().set_no_grad_op_for_test(target);
+}
+
+ModelSpec exported_spec() {
+  ModelSpec spec;
+  spec.name = "exported";
+  spec.description =
+      "a PyTorch model exported by `kiln model import` (model.package), its graph run from C++";
+  spec.input = ModelInput::kTokens;
+  spec.build = [](const Config& config, at::Generator&) -> std::shared_ptr<Model> {
+    const fs::path dir = config.get_string("model.package");
+    json manifest = read_package(dir, "model.package", true);
+    auto graph = load_graph(dir, manifest);
+    return std::make_shared<ExportedModel>(dir, std::move(manifest), std::move(graph));
+  };
+  spec.vocab_size = [](const Config& config) -> int64_t {
+    json manifest;
+    if (!package_problem(config, &manifest).empty()) return 0;
+    return manifest["input"].value("vocab_size", int64_t{0});
+  };
+  spec.math = [](const Config& config) {
+    const fs::path dir = config.get_string("model.package");
+    const json manifest = read_package(dir, "model.package", false);
+    const GraphMath g = load_graph(dir, manifest)->math();
+    ModelMath math;
+    math.parameters = g.parameters;
+    math.largest_unit_parameters = g.parameters;
+    math.flop_parameters = g.flop_parameters;
+    math.n_layer = g.attention_layers;
+    math.attention_width = g.attention_width;
+    math.vocab_size = manifest["input"].value("vocab_size", int64_t{0});
+    math.block_size = manifest["input"]["dims"].value("seq", json::array({0, 0})).at(1);
+    return math;
+  };
+  spec.keys = {string_key("model", "package", "", {},
+                          "exported: the directory `kiln model import` wrote (package.json, the "
+                          "graph, the initial weights; docs/models.md)")};
+  spec.rules = {
+      {"exported: model.package names a package this kiln reads, and data.seq_len is inside "
+       "its exported sequence range",
+       [](const Config& c) -> std::string {
+         if (!is_exported(c)) return "";
+         if (c.get_string("model.package").empty()) {
+           return "model.name = \"exported\" needs model.package = DIR, a package written by "
+                  "`kiln model import --out DIR`";
+         }
+         json manifest;
+         if (std::string problem = package_problem(c, &manifest); !problem.empty()) return problem;
+         const json seq = manifest["input"]["dims"].value("seq", json::array({2, 0}));
+         const int64_t seq_len = c.get_int("data.seq_len");
+         if (seq_len >= seq.at(0).get<int64_t>() && seq_len <= seq.at(1).get<int64_t>()) return "";
+         return fmt::format(
+             "data.seq_len = {} is outside the sequence range [{}, {}] model.package "
+             "= \"{}\" was exported for; lower data.seq_len or re-import with "
+             "--max-seq {}",
+             seq_len, seq.at(0).get<int64_t>(), seq.at(1).get<int64_t>(),
+             c.get_string("model.package"), seq_len);
+       },
+       {"model.name=exported", "data.name=text", "model.package=/nonexistent/package"}},
+  };
+  return spec;
+}
+
+}  // namespace kiln
