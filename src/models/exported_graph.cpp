@@ -15,149 +15,24 @@
 #include <set>
 
 #include "kiln/error.h"
+#include "models/exported_graph_parts.h"
 
 namespace kiln {
 namespace {
 
 using nlohmann::json;
 
-// torch/_export/serde/schema.py's enums, to c10's.
-std::optional<c10::ScalarType> serde_scalar_type(int64_t v) {
-  using S = c10::ScalarType;
-  switch (v) {
-    case 1:
-      return S::Byte;
-    case 2:
-      return S::Char;
-    case 3:
-      return S::Short;
-    case 4:
-      return S::Int;
-    case 5:
-      return S::Long;
-    case 6:
-      return S::Half;
-    case 7:
-      return S::Float;
-    case 8:
-      return S::Double;
-    case 9:
-      return S::ComplexHalf;
-    case 10:
-      return S::ComplexFloat;
-    case 11:
-      return S::ComplexDouble;
-    case 12:
-      return S::Bool;
-    case 13:
-      return S::BFloat16;
-    case 28:
-      return S::UInt16;
-    case 29:
-      return S::Float8_e4m3fn;
-    case 30:
-      return S::Float8_e5m2;
-    case 31:
-      return S::Float8_e4m3fnuz;
-    case 32:
-      return S::Float8_e5m2fnuz;
-    case 34:
-      return S::UInt32;
-    case 35:
-      return S::UInt64;
-    default:
-      return std::nullopt;
-  }
-}
-
-std::optional<c10::Layout> serde_layout(int64_t v) {
-  switch (v) {
-    case 1:
-      return c10::Layout::Sparse;
-    case 2:
-      return c10::Layout::SparseCsr;
-    case 3:
-      return c10::Layout::SparseCsc;
-    case 4:
-      return c10::Layout::SparseBsr;
-    case 5:
-      return c10::Layout::SparseBsc;
-    case 6:
-      return c10::Layout::Mkldnn;
-    case 7:
-      return c10::Layout::Strided;
-    default:
-      return std::nullopt;
-  }
-}
-
-std::optional<c10::MemoryFormat> serde_memory_format(int64_t v) {
-  switch (v) {
-    case 1:
-      return c10::MemoryFormat::Contiguous;
-    case 2:
-      return c10::MemoryFormat::ChannelsLast;
-    case 3:
-      return c10::MemoryFormat::ChannelsLast3d;
-    case 4:
-      return c10::MemoryFormat::Preserve;
-    default:
-      return std::nullopt;
-  }
-}
-
-// The symbol a size expression is, or "" for an expression of symbols: "s95" or
-// "Symbol('s95', positive=True, integer=True)".
-std::string bare_symbol(const std::string& expr) {
-  std::string s = expr;
-  if (s.rfind("Symbol('", 0) == 0) {
-    const size_t end = s.find('\'', 8);
-    return end == std::string::npos ? "" : s.substr(8, end - 8);
-  }
-  for (char c : s) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_')) return "";
-  }
-  return s;
-}
-
 }  // namespace
-
-// The loaded graph's parts (named, not anonymous: ExportedGraph::Impl holds them).
-namespace graph_parts {
-
-// The argument of one schema position.
-struct ArgSource {
-  enum class Kind { kConstant, kSlot, kTensorList, kOptionalTensorList, kIntList, kDevice };
-  Kind kind = Kind::kConstant;
-  c10::IValue constant;
-  int slot = -1;
-  std::vector<int> slots;       // lists: a slot each, -1 for a constant (kIntList) or None
-  std::vector<int64_t> values;  // kIntList: the constants where slots[i] == -1
-};
-
-struct Output {
-  bool list = false;
-  std::vector<int> slots;  // -1: not used by the graph
-};
-
-struct Node {
-  enum class Kind { kOp, kSymSize, kSymNumel, kSymStride, kSymStorageOffset, kIntOp };
-  Kind kind = Kind::kOp;
-  std::string name, target;
-  std::optional<c10::OperatorHandle> op;
-  std::vector<ArgSource> args;
-  std::vector<Output> outputs;
-  std::vector<int> release;  // slots last used here
-  char int_op = 0;
-};
-
-}  // namespace graph_parts
 
 namespace {
 
 using graph_parts::ArgSource;
+using graph_parts::bare_symbol;
 using graph_parts::Node;
 using graph_parts::Output;
+using graph_parts::serde_layout;
+using graph_parts::serde_memory_format;
+using graph_parts::serde_scalar_type;
 
 // Nodes that only assert what export traced (dtypes, devices, shape facts): the inputs' dtypes
 // and symbolic ranges are checked when the graph is entered instead (check_user_input), so these
@@ -177,319 +52,303 @@ const std::set<std::string>& skipped_targets() {
 
 }  // namespace
 
-struct ExportedGraph::Impl {
-  using ArgSource = graph_parts::ArgSource;
-  using Node = graph_parts::Node;
-  using Output = graph_parts::Output;
-  std::string file;
-  std::vector<Node> nodes;
-  std::map<std::string, int> slot_of;
-  int slots = 0;
-  std::vector<int> input_slots;
-  std::vector<int> user_output_slots, buffer_output_slots;
-  std::map<std::string, std::pair<std::vector<int64_t>, bool>>
-      tensor_sizes;  // name -> (sizes, static)
-  GraphMath math;
+void ExportedGraph::Impl::fail(const std::string& node, const std::string& what) const {
+  throw UserError(fmt::format("{}: node '{}': {}", file, node, what));
+}
 
-  [[noreturn]] void fail(const std::string& node, const std::string& what) const {
-    throw UserError(fmt::format("{}: node '{}': {}", file, node, what));
-  }
+int ExportedGraph::Impl::define(const std::string& name, const std::string& node) {
+  if (slot_of.count(name)) fail(node, fmt::format("the value '{}' is defined twice", name));
+  slot_of[name] = slots;
+  return slots++;
+}
 
-  int define(const std::string& name, const std::string& node) {
-    if (slot_of.count(name)) fail(node, fmt::format("the value '{}' is defined twice", name));
-    slot_of[name] = slots;
-    return slots++;
+int ExportedGraph::Impl::use(const std::string& name, const std::string& node) const {
+  auto it = slot_of.find(name);
+  if (it == slot_of.end()) {
+    fail(node, fmt::format("uses '{}', which no earlier node defines (or only an assertion "
+                           "kiln does not run does)",
+                           name));
   }
-  int use(const std::string& name, const std::string& node) const {
-    auto it = slot_of.find(name);
-    if (it == slot_of.end()) {
-      fail(node, fmt::format("uses '{}', which no earlier node defines (or only an assertion "
-                             "kiln does not run does)",
-                             name));
-    }
-    return it->second;
-  }
+  return it->second;
+}
 
-  ArgSource convert(const json& arg, const c10::Argument& schema_arg, const Node& node) {
-    if (!arg.is_object() || arg.size() != 1) fail(node.name, "an argument is not a serde Argument");
-    const std::string tag = arg.begin().key();
-    const json& v = arg.begin().value();
-    c10::TypePtr type = schema_arg.type();
-    if (auto optional = type->cast<c10::OptionalType>()) type = optional->getElementType();
-    ArgSource out;
-    auto constant = [&](c10::IValue value) {
-      out.kind = ArgSource::Kind::kConstant;
-      out.constant = std::move(value);
-      return out;
-    };
-    auto tensor_list = [&](const json& items, bool optional_items) {
-      bool optional_elements = optional_items;
-      if (auto list = type->cast<c10::ListType>()) {
-        optional_elements = list->getElementType()->cast<c10::OptionalType>() != nullptr;
-      }
-      out.kind =
-          optional_elements ? ArgSource::Kind::kOptionalTensorList : ArgSource::Kind::kTensorList;
-      for (const json& item : items) {
-        if (!optional_items) {
-          out.slots.push_back(use(item.at("name"), node.name));
-        } else if (item.contains("as_tensor")) {
-          out.slots.push_back(use(item["as_tensor"].at("name"), node.name));
-        } else if (optional_elements) {
-          out.slots.push_back(-1);
-        } else {
-          fail(node.name,
-               fmt::format("argument '{}': a None in a list of tensors", schema_arg.name()));
-        }
-      }
-      return out;
-    };
-    // A Python number where the schema takes a Tensor (`x - 1` traced as sub.Tensor): a 0-dim
-    // CPU tensor marked as a wrapped number, as Python's binding makes it, so type promotion
-    // treats it as a scalar.
-    if (type->kind() == c10::TypeKind::TensorType &&
-        (tag == "as_int" || tag == "as_float" || tag == "as_bool")) {
-      const c10::Scalar value = tag == "as_int"     ? c10::Scalar(v.get<int64_t>())
-                                : tag == "as_float" ? c10::Scalar(v.get<double>())
-                                                    : c10::Scalar(v.get<bool>());
-      at::Tensor wrapped = c10::scalar_to_tensor(value);
-      wrapped.unsafeGetTensorImpl()->set_wrapped_number(true);
-      return constant(wrapped);
+ArgSource ExportedGraph::Impl::convert(const json& arg, const c10::Argument& schema_arg,
+                                       const Node& node) {
+  if (!arg.is_object() || arg.size() != 1) fail(node.name, "an argument is not a serde Argument");
+  const std::string tag = arg.begin().key();
+  const json& v = arg.begin().value();
+  c10::TypePtr type = schema_arg.type();
+  if (auto optional = type->cast<c10::OptionalType>()) type = optional->getElementType();
+  ArgSource out;
+  auto constant = [&](c10::IValue value) {
+    out.kind = ArgSource::Kind::kConstant;
+    out.constant = std::move(value);
+    return out;
+  };
+  auto tensor_list = [&](const json& items, bool optional_items) {
+    bool optional_elements = optional_items;
+    if (auto list = type->cast<c10::ListType>()) {
+      optional_elements = list->getElementType()->cast<c10::OptionalType>() != nullptr;
     }
-    if (tag == "as_none") return constant(c10::IValue());
-    if (tag == "as_tensor") {
-      out.kind = ArgSource::Kind::kSlot;
-      out.slot = use(v.at("name"), node.name);
-      return out;
-    }
-    if (tag == "as_optional_tensor") {
-      if (!v.contains("as_tensor")) return constant(c10::IValue());
-      out.kind = ArgSource::Kind::kSlot;
-      out.slot = use(v["as_tensor"].at("name"), node.name);
-      return out;
-    }
-    if (tag == "as_tensors") return tensor_list(v, false);
-    if (tag == "as_optional_tensors") return tensor_list(v, true);
-    if (tag == "as_int") {
-      if (type->kind() == c10::TypeKind::FloatType) return constant(v.get<double>());
-      return constant(v.get<int64_t>());
-    }
-    if (tag == "as_float") return constant(v.get<double>());
-    if (tag == "as_bool") return constant(v.get<bool>());
-    if (tag == "as_string") return constant(v.get<std::string>());
-    if (tag == "as_ints") return constant(c10::List<int64_t>(v.get<std::vector<int64_t>>()));
-    if (tag == "as_floats") return constant(c10::List<double>(v.get<std::vector<double>>()));
-    if (tag == "as_bools") {
-      c10::List<bool> list;
-      for (const json& b : v) list.push_back(b.get<bool>());
-      return constant(std::move(list));
-    }
-    if (tag == "as_strings") {
-      return constant(c10::List<std::string>(v.get<std::vector<std::string>>()));
-    }
-    if (tag == "as_scalar_type") {
-      const auto dtype = serde_scalar_type(v.get<int64_t>());
-      if (!dtype) fail(node.name, fmt::format("unknown scalar type {}", v.dump()));
-      return constant(*dtype);
-    }
-    if (tag == "as_layout") {
-      const auto layout = serde_layout(v.get<int64_t>());
-      if (!layout) fail(node.name, fmt::format("unknown layout {}", v.dump()));
-      return constant(*layout);
-    }
-    if (tag == "as_memory_format") {
-      const auto format = serde_memory_format(v.get<int64_t>());
-      if (!format) fail(node.name, fmt::format("unknown memory format {}", v.dump()));
-      return constant(*format);
-    }
-    if (tag == "as_device") {
-      out.kind = ArgSource::Kind::kDevice;
-      return out;
-    }
-    if (tag == "as_sym_int") {
-      if (v.contains("as_int")) return constant(v["as_int"].get<int64_t>());
-      out.kind = ArgSource::Kind::kSlot;
-      out.slot = use(v.at("as_name"), node.name);
-      return out;
-    }
-    if (tag == "as_sym_ints") {
-      out.kind = ArgSource::Kind::kIntList;
-      for (const json& item : v) {
-        if (item.contains("as_int")) {
-          out.slots.push_back(-1);
-          out.values.push_back(item["as_int"].get<int64_t>());
-        } else {
-          out.slots.push_back(use(item.at("as_name"), node.name));
-          out.values.push_back(0);
-        }
-      }
-      return out;
-    }
-    if (tag == "as_sym_float" && v.contains("as_float"))
-      return constant(v["as_float"].get<double>());
-    if (tag == "as_sym_bool" && v.contains("as_bool")) return constant(v["as_bool"].get<bool>());
-    if (tag == "as_graph") {
-      fail(node.name, fmt::format("a higher-order operator ({}) with a subgraph; kiln runs plain "
-                                  "ATen graphs (the importer decomposes with "
-                                  "run_decompositions)",
-                                  node.target));
-    }
-    fail(node.name, fmt::format("argument '{}' is a {}, which kiln's graph runner does not take",
-                                schema_arg.name(), tag));
-  }
-
-  void load_op(Node& node, const json& n) {
-    const std::string prefix = "torch.ops.";
-    if (node.target.rfind(prefix, 0) != 0) {
-      fail(node.name, fmt::format("'{}' is not an operator kiln can call (only torch.ops.* and "
-                                  "integer arithmetic on sizes)",
-                                  node.target));
-    }
-    const std::string rest = node.target.substr(prefix.size());
-    const size_t a = rest.find('.');
-    const size_t b = rest.rfind('.');
-    if (a == std::string::npos || a == b)
-      fail(node.name, "target '" + node.target + "' has no overload");
-    const std::string qualified = rest.substr(0, a) + "::" + rest.substr(a + 1, b - a - 1);
-    std::string overload = rest.substr(b + 1);
-    if (overload == "default") overload.clear();
-    node.op = c10::Dispatcher::singleton().findSchema({qualified, overload});
-    if (!node.op) {
-      fail(node.name, fmt::format("operator {} has no schema in this LibTorch (a custom op not "
-                                  "loaded, or a graph from another torch version)",
-                                  node.target));
-    }
-    const c10::FunctionSchema& schema = node.op->schema();
-    const auto& arguments = schema.arguments();
-    std::vector<std::optional<ArgSource>> given(arguments.size());
-    for (const json& input : n.at("inputs")) {
-      const std::string name = input.at("name");
-      auto it = std::find_if(arguments.begin(), arguments.end(),
-                             [&](const c10::Argument& x) { return x.name() == name; });
-      if (it == arguments.end()) {
-        fail(node.name, fmt::format("{} has no argument '{}' (a graph from another torch "
-                                    "version?)",
-                                    node.target, name));
-      }
-      given[it - arguments.begin()] = convert(input.at("arg"), *it, node);
-      if (name == "query" && qualified == "aten::scaled_dot_product_attention") {
-        const std::string q = input["arg"]["as_tensor"].value("name", "");
-        auto sizes = tensor_sizes.find(q);
-        ++math.attention_layers;
-        if (sizes != tensor_sizes.end() && sizes->second.first.size() == 4 &&
-            sizes->second.first[1] > 0 && sizes->second.first[3] > 0 && math.attention_width == 0) {
-          math.attention_width = sizes->second.first[1] * sizes->second.first[3];
-        }
-      }
-    }
-    for (size_t i = 0; i < arguments.size(); ++i) {
-      if (given[i]) {
-        node.args.push_back(std::move(*given[i]));
-      } else if (arguments[i].default_value()) {
-        ArgSource source;
-        source.constant = *arguments[i].default_value();
-        node.args.push_back(std::move(source));
+    out.kind =
+        optional_elements ? ArgSource::Kind::kOptionalTensorList : ArgSource::Kind::kTensorList;
+    for (const json& item : items) {
+      if (!optional_items) {
+        out.slots.push_back(use(item.at("name"), node.name));
+      } else if (item.contains("as_tensor")) {
+        out.slots.push_back(use(item["as_tensor"].at("name"), node.name));
+      } else if (optional_elements) {
+        out.slots.push_back(-1);
       } else {
-        fail(node.name, fmt::format("{}: argument '{}' is required and missing", node.target,
-                                    arguments[i].name()));
+        fail(node.name,
+             fmt::format("argument '{}': a None in a list of tensors", schema_arg.name()));
       }
     }
-    const auto& outputs = n.at("outputs");
-    if (outputs.size() != schema.returns().size()) {
-      fail(node.name, fmt::format("{} returns {} value(s), the node binds {}", node.target,
-                                  schema.returns().size(), outputs.size()));
-    }
+    return out;
+  };
+  // A Python number where the schema takes a Tensor (`x - 1` traced as sub.Tensor): a 0-dim
+  // CPU tensor marked as a wrapped number, as Python's binding makes it, so type promotion
+  // treats it as a scalar.
+  if (type->kind() == c10::TypeKind::TensorType &&
+      (tag == "as_int" || tag == "as_float" || tag == "as_bool")) {
+    const c10::Scalar value = tag == "as_int"     ? c10::Scalar(v.get<int64_t>())
+                              : tag == "as_float" ? c10::Scalar(v.get<double>())
+                                                  : c10::Scalar(v.get<bool>());
+    at::Tensor wrapped = c10::scalar_to_tensor(value);
+    wrapped.unsafeGetTensorImpl()->set_wrapped_number(true);
+    return constant(wrapped);
   }
-
-  void bind_outputs(Node& node, const json& n) {
-    for (const json& out : n.at("outputs")) {
-      Output o;
-      if (out.contains("as_tensor")) {
-        o.slots.push_back(define(out["as_tensor"].at("name"), node.name));
-      } else if (out.contains("as_tensors")) {
-        o.list = true;
-        for (const json& t : out["as_tensors"]) o.slots.push_back(define(t.at("name"), node.name));
-      } else if (out.contains("as_sym_int") && out["as_sym_int"].contains("as_name")) {
-        o.slots.push_back(define(out["as_sym_int"]["as_name"], node.name));
-      } else if (out.contains("as_optional_tensors")) {
-        o.list = true;
-        for (const json& t : out["as_optional_tensors"]) {
-          o.slots.push_back(t.contains("as_tensor") ? define(t["as_tensor"].at("name"), node.name)
-                                                    : -1);
-        }
-      } else if (out.contains("as_none") || out.contains("as_int")) {
-        o.slots.push_back(-1);
+  if (tag == "as_none") return constant(c10::IValue());
+  if (tag == "as_tensor") {
+    out.kind = ArgSource::Kind::kSlot;
+    out.slot = use(v.at("name"), node.name);
+    return out;
+  }
+  if (tag == "as_optional_tensor") {
+    if (!v.contains("as_tensor")) return constant(c10::IValue());
+    out.kind = ArgSource::Kind::kSlot;
+    out.slot = use(v["as_tensor"].at("name"), node.name);
+    return out;
+  }
+  if (tag == "as_tensors") return tensor_list(v, false);
+  if (tag == "as_optional_tensors") return tensor_list(v, true);
+  if (tag == "as_int") {
+    if (type->kind() == c10::TypeKind::FloatType) return constant(v.get<double>());
+    return constant(v.get<int64_t>());
+  }
+  if (tag == "as_float") return constant(v.get<double>());
+  if (tag == "as_bool") return constant(v.get<bool>());
+  if (tag == "as_string") return constant(v.get<std::string>());
+  if (tag == "as_ints") return constant(c10::List<int64_t>(v.get<std::vector<int64_t>>()));
+  if (tag == "as_floats") return constant(c10::List<double>(v.get<std::vector<double>>()));
+  if (tag == "as_bools") {
+    c10::List<bool> list;
+    for (const json& b : v) list.push_back(b.get<bool>());
+    return constant(std::move(list));
+  }
+  if (tag == "as_strings") {
+    return constant(c10::List<std::string>(v.get<std::vector<std::string>>()));
+  }
+  if (tag == "as_scalar_type") {
+    const auto dtype = serde_scalar_type(v.get<int64_t>());
+    if (!dtype) fail(node.name, fmt::format("unknown scalar type {}", v.dump()));
+    return constant(*dtype);
+  }
+  if (tag == "as_layout") {
+    const auto layout = serde_layout(v.get<int64_t>());
+    if (!layout) fail(node.name, fmt::format("unknown layout {}", v.dump()));
+    return constant(*layout);
+  }
+  if (tag == "as_memory_format") {
+    const auto format = serde_memory_format(v.get<int64_t>());
+    if (!format) fail(node.name, fmt::format("unknown memory format {}", v.dump()));
+    return constant(*format);
+  }
+  if (tag == "as_device") {
+    out.kind = ArgSource::Kind::kDevice;
+    return out;
+  }
+  if (tag == "as_sym_int") {
+    if (v.contains("as_int")) return constant(v["as_int"].get<int64_t>());
+    out.kind = ArgSource::Kind::kSlot;
+    out.slot = use(v.at("as_name"), node.name);
+    return out;
+  }
+  if (tag == "as_sym_ints") {
+    out.kind = ArgSource::Kind::kIntList;
+    for (const json& item : v) {
+      if (item.contains("as_int")) {
+        out.slots.push_back(-1);
+        out.values.push_back(item["as_int"].get<int64_t>());
       } else {
-        fail(node.name, fmt::format("an output of kind {} kiln does not bind", out.dump()));
+        out.slots.push_back(use(item.at("as_name"), node.name));
+        out.values.push_back(0);
       }
-      node.outputs.push_back(std::move(o));
+    }
+    return out;
+  }
+  if (tag == "as_sym_float" && v.contains("as_float")) return constant(v["as_float"].get<double>());
+  if (tag == "as_sym_bool" && v.contains("as_bool")) return constant(v["as_bool"].get<bool>());
+  if (tag == "as_graph") {
+    fail(node.name, fmt::format("a higher-order operator ({}) with a subgraph; kiln runs plain "
+                                "ATen graphs (the importer decomposes with "
+                                "run_decompositions)",
+                                node.target));
+  }
+  fail(node.name, fmt::format("argument '{}' is a {}, which kiln's graph runner does not take",
+                              schema_arg.name(), tag));
+}
+
+void ExportedGraph::Impl::load_op(Node& node, const json& n) {
+  const std::string prefix = "torch.ops.";
+  if (node.target.rfind(prefix, 0) != 0) {
+    fail(node.name, fmt::format("'{}' is not an operator kiln can call (only torch.ops.* and "
+                                "integer arithmetic on sizes)",
+                                node.target));
+  }
+  const std::string rest = node.target.substr(prefix.size());
+  const size_t a = rest.find('.');
+  const size_t b = rest.rfind('.');
+  if (a == std::string::npos || a == b)
+    fail(node.name, "target '" + node.target + "' has no overload");
+  const std::string qualified = rest.substr(0, a) + "::" + rest.substr(a + 1, b - a - 1);
+  std::string overload = rest.substr(b + 1);
+  if (overload == "default") overload.clear();
+  node.op = c10::Dispatcher::singleton().findSchema({qualified, overload});
+  if (!node.op) {
+    fail(node.name, fmt::format("operator {} has no schema in this LibTorch (a custom op not "
+                                "loaded, or a graph from another torch version)",
+                                node.target));
+  }
+  const c10::FunctionSchema& schema = node.op->schema();
+  const auto& arguments = schema.arguments();
+  std::vector<std::optional<ArgSource>> given(arguments.size());
+  for (const json& input : n.at("inputs")) {
+    const std::string name = input.at("name");
+    auto it = std::find_if(arguments.begin(), arguments.end(),
+                           [&](const c10::Argument& x) { return x.name() == name; });
+    if (it == arguments.end()) {
+      fail(node.name, fmt::format("{} has no argument '{}' (a graph from another torch "
+                                  "version?)",
+                                  node.target, name));
+    }
+    given[it - arguments.begin()] = convert(input.at("arg"), *it, node);
+    if (name == "query" && qualified == "aten::scaled_dot_product_attention") {
+      const std::string q = input["arg"]["as_tensor"].value("name", "");
+      auto sizes = tensor_sizes.find(q);
+      ++math.attention_layers;
+      if (sizes != tensor_sizes.end() && sizes->second.first.size() == 4 &&
+          sizes->second.first[1] > 0 && sizes->second.first[3] > 0 && math.attention_width == 0) {
+        math.attention_width = sizes->second.first[1] * sizes->second.first[3];
+      }
     }
   }
-
-  void load_node(const json& n) {
-    Node node;
-    node.name = n.value("name", "?");
-    node.target = n.at("target").get<std::string>();
-    if (skipped_targets().count(node.target)) return;
-    const json& outputs = n.at("outputs");
-    if (!outputs.empty() && std::all_of(outputs.begin(), outputs.end(), [](const json& o) {
-          return o.contains("as_sym_bool") || o.contains("as_none");
-        })) {
-      return;  // a shape fact feeding an assertion (not run, see skipped_targets)
-    }
-    static const std::map<std::string, Node::Kind> sym_ops = {
-        {"torch.ops.aten.sym_size.int", Node::Kind::kSymSize},
-        {"torch.ops.aten.sym_numel.default", Node::Kind::kSymNumel},
-        {"torch.ops.aten.sym_stride.int", Node::Kind::kSymStride},
-        {"torch.ops.aten.sym_storage_offset.default", Node::Kind::kSymStorageOffset}};
-    static const std::map<std::string, char> int_ops = {
-        {"_operator.add", '+'},      {"_operator.sub", '-'}, {"_operator.mul", '*'},
-        {"_operator.floordiv", '/'}, {"_operator.mod", '%'}, {"_operator.neg", 'n'}};
-    if (auto it = sym_ops.find(node.target); it != sym_ops.end()) {
-      node.kind = it->second;
-      for (const json& input : n.at("inputs")) {
-        const json& arg = input.at("arg");
-        ArgSource s;
-        if (arg.contains("as_tensor")) {
-          s.kind = ArgSource::Kind::kSlot;
-          s.slot = use(arg["as_tensor"].at("name"), node.name);
-        } else if (arg.contains("as_int")) {
-          s.constant = arg["as_int"].get<int64_t>();
-        } else {
-          fail(node.name, "a size query with an argument kiln does not take: " + arg.dump());
-        }
-        node.args.push_back(std::move(s));
-      }
-    } else if (auto op = int_ops.find(node.target); op != int_ops.end()) {
-      node.kind = Node::Kind::kIntOp;
-      node.int_op = op->second;
-      for (const json& input : n.at("inputs")) {
-        const json& arg = input.at("arg");
-        ArgSource s;
-        const json& value = arg.contains("as_sym_int") ? arg["as_sym_int"] : arg;
-        if (value.contains("as_int")) {
-          s.constant = value["as_int"].get<int64_t>();
-        } else if (value.contains("as_name")) {
-          s.kind = ArgSource::Kind::kSlot;
-          s.slot = use(value["as_name"], node.name);
-        } else {
-          fail(node.name, "integer arithmetic on a value that is not an integer: " + arg.dump());
-        }
-        node.args.push_back(std::move(s));
-      }
-      if (node.args.size() != (node.int_op == 'n' ? 1u : 2u)) fail(node.name, "wrong arity");
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    if (given[i]) {
+      node.args.push_back(std::move(*given[i]));
+    } else if (arguments[i].default_value()) {
+      ArgSource source;
+      source.constant = *arguments[i].default_value();
+      node.args.push_back(std::move(source));
     } else {
-      load_op(node, n);
-      const bool lookup = node.op->schema().name() == "aten::embedding";
-      for (const ArgSource& a : node.args) {
-        if (a.kind == ArgSource::Kind::kSlot) (lookup ? lookup_inputs : used_inputs).insert(a.slot);
-      }
+      fail(node.name, fmt::format("{}: argument '{}' is required and missing", node.target,
+                                  arguments[i].name()));
     }
-    bind_outputs(node, n);
-    nodes.push_back(std::move(node));
   }
+  const auto& outputs = n.at("outputs");
+  if (outputs.size() != schema.returns().size()) {
+    fail(node.name, fmt::format("{} returns {} value(s), the node binds {}", node.target,
+                                schema.returns().size(), outputs.size()));
+  }
+}
 
-  std::set<int> lookup_inputs, used_inputs;  // slots read by an embedding lookup, by others
-};
+void ExportedGraph::Impl::bind_outputs(Node& node, const json& n) {
+  for (const json& out : n.at("outputs")) {
+    Output o;
+    if (out.contains("as_tensor")) {
+      o.slots.push_back(define(out["as_tensor"].at("name"), node.name));
+    } else if (out.contains("as_tensors")) {
+      o.list = true;
+      for (const json& t : out["as_tensors"]) o.slots.push_back(define(t.at("name"), node.name));
+    } else if (out.contains("as_sym_int") && out["as_sym_int"].contains("as_name")) {
+      o.slots.push_back(define(out["as_sym_int"]["as_name"], node.name));
+    } else if (out.contains("as_optional_tensors")) {
+      o.list = true;
+      for (const json& t : out["as_optional_tensors"]) {
+        o.slots.push_back(t.contains("as_tensor") ? define(t["as_tensor"].at("name"), node.name)
+                                                  : -1);
+      }
+    } else if (out.contains("as_none") || out.contains("as_int")) {
+      o.slots.push_back(-1);
+    } else {
+      fail(node.name, fmt::format("an output of kind {} kiln does not bind", out.dump()));
+    }
+    node.outputs.push_back(std::move(o));
+  }
+}
+
+void ExportedGraph::Impl::load_node(const json& n) {
+  Node node;
+  node.name = n.value("name", "?");
+  node.target = n.at("target").get<std::string>();
+  if (skipped_targets().count(node.target)) return;
+  const json& outputs = n.at("outputs");
+  if (!outputs.empty() && std::all_of(outputs.begin(), outputs.end(), [](const json& o) {
+        return o.contains("as_sym_bool") || o.contains("as_none");
+      })) {
+    return;  // a shape fact feeding an assertion (not run, see skipped_targets)
+  }
+  static const std::map<std::string, Node::Kind> sym_ops = {
+      {"torch.ops.aten.sym_size.int", Node::Kind::kSymSize},
+      {"torch.ops.aten.sym_numel.default", Node::Kind::kSymNumel},
+      {"torch.ops.aten.sym_stride.int", Node::Kind::kSymStride},
+      {"torch.ops.aten.sym_storage_offset.default", Node::Kind::kSymStorageOffset}};
+  static const std::map<std::string, char> int_ops = {
+      {"_operator.add", '+'},      {"_operator.sub", '-'}, {"_operator.mul", '*'},
+      {"_operator.floordiv", '/'}, {"_operator.mod", '%'}, {"_operator.neg", 'n'}};
+  if (auto it = sym_ops.find(node.target); it != sym_ops.end()) {
+    node.kind = it->second;
+    for (const json& input : n.at("inputs")) {
+      const json& arg = input.at("arg");
+      ArgSource s;
+      if (arg.contains("as_tensor")) {
+        s.kind = ArgSource::Kind::kSlot;
+        s.slot = use(arg["as_tensor"].at("name"), node.name);
+      } else if (arg.contains("as_int")) {
+        s.constant = arg["as_int"].get<int64_t>();
+      } else {
+        fail(node.name, "a size query with an argument kiln does not take: " + arg.dump());
+      }
+      node.args.push_back(std::move(s));
+    }
+  } else if (auto op = int_ops.find(node.target); op != int_ops.end()) {
+    node.kind = Node::Kind::kIntOp;
+    node.int_op = op->second;
+    for (const json& input : n.at("inputs")) {
+      const json& arg = input.at("arg");
+      ArgSource s;
+      const json& value = arg.contains("as_sym_int") ? arg["as_sym_int"] : arg;
+      if (value.contains("as_int")) {
+        s.constant = value["as_int"].get<int64_t>();
+      } else if (value.contains("as_name")) {
+        s.kind = ArgSource::Kind::kSlot;
+        s.slot = use(value["as_name"], node.name);
+      } else {
+        fail(node.name, "integer arithmetic on a value that is not an integer: " + arg.dump());
+      }
+      node.args.push_back(std::move(s));
+    }
+    if (node.args.size() != (node.int_op == 'n' ? 1u : 2u)) fail(node.name, "wrong arity");
+  } else {
+    load_op(node, n);
+    const bool lookup = node.op->schema().name() == "aten::embedding";
+    for (const ArgSource& a : node.args) {
+      if (a.kind == ArgSource::Kind::kSlot) (lookup ? lookup_inputs : used_inputs).insert(a.slot);
+    }
+  }
+  bind_outputs(node, n);
+  nodes.push_back(std::move(node));
+}
 
 ExportedGraph::ExportedGraph(const json& program, const std::string& file)
     : impl_(std::make_unique<Impl>()) {
@@ -651,196 +510,6 @@ void ExportedGraph::set_no_grad_op_for_test(const std::string& target) {
     }
   }
   throw std::invalid_argument("no node calls " + target);
-}
-
-std::string ExportedGraph::check_user_input(size_t index, const at::Tensor& value) const {
-  const GraphInput& input = inputs_.at(index);
-  if (value.scalar_type() != input.dtype) {
-    return fmt::format("input '{}' is {}, the exported graph takes {}", input.name,
-                       c10::toString(value.scalar_type()), c10::toString(input.dtype));
-  }
-  if (value.dim() != static_cast<int64_t>(input.sizes.size())) {
-    return fmt::format("input '{}' has {} dimensions, the exported graph takes {}", input.name,
-                       value.dim(), input.sizes.size());
-  }
-  std::map<std::string, int64_t> bound;
-  for (size_t d = 0; d < input.sizes.size(); ++d) {
-    const int64_t size = value.size(static_cast<int64_t>(d));
-    if (input.sizes[d] >= 0) {
-      if (size != input.sizes[d]) {
-        return fmt::format(
-            "input '{}' dimension {} is {}; the graph was exported with it fixed "
-            "at {}",
-            input.name, d, size, input.sizes[d]);
-      }
-      continue;
-    }
-    const std::string& symbol = input.symbols[d];
-    if (symbol.empty()) continue;
-    if (auto it = bound.find(symbol); it != bound.end() && it->second != size) {
-      return fmt::format("input '{}' dimension {} is {}, but the graph needs it equal to {}",
-                         input.name, d, size, it->second);
-    }
-    bound[symbol] = size;
-    for (const SymbolRange& r : ranges_) {
-      if (r.symbol == symbol && (size < r.min || size > r.max)) {
-        return fmt::format(
-            "input '{}' dimension {} is {}, outside the exported range [{}, {}] "
-            "(re-import with a larger --max-seq / --max-batch)",
-            input.name, d, size, r.min, r.max);
-      }
-    }
-  }
-  return "";
-}
-
-std::vector<at::Tensor> ExportedGraph::run(const std::vector<at::Tensor>& inputs,
-                                           c10::Device device) const {
-  const Impl& g = *impl_;
-  if (inputs.size() != g.input_slots.size()) {
-    throw std::invalid_argument(fmt::format("ExportedGraph::run: {} inputs, the graph takes {}",
-                                            inputs.size(), g.input_slots.size()));
-  }
-  std::vector<c10::IValue> env(static_cast<size_t>(g.slots));
-  for (size_t i = 0; i < inputs.size(); ++i) env[g.input_slots[i]] = inputs[i];
-  std::vector<c10::IValue> stack;
-  for (size_t index = 0; index < g.nodes.size(); ++index) {
-    const Node& node = g.nodes[index];
-    try {
-      run_node(g, node, static_cast<int64_t>(index) == no_grad_node_, env, stack, device);
-    } catch (const c10::Error& e) {
-      throw std::runtime_error(fmt::format("{}: node '{}' ({}): {}", g.file, node.name, node.target,
-                                           e.what_without_backtrace()));
-    }
-    for (int s : node.release) env[s] = c10::IValue();
-  }
-  std::vector<at::Tensor> out;
-  for (int s : g.user_output_slots) out.push_back(env[s].toTensor());
-  for (int s : g.buffer_output_slots) out.push_back(env[s].toTensor());
-  return out;
-}
-
-void ExportedGraph::run_node(const Impl& g, const graph_parts::Node& node, bool no_grad,
-                             std::vector<c10::IValue>& env, std::vector<c10::IValue>& stack,
-                             c10::Device device) {
-  (void)g;
-  {
-    auto integer = [&](const ArgSource& a) {
-      return a.kind == ArgSource::Kind::kSlot ? env[a.slot].toInt() : a.constant.toInt();
-    };
-    switch (node.kind) {
-      case Node::Kind::kSymSize:
-      case Node::Kind::kSymStride: {
-        const at::Tensor& t = env[node.args.at(0).slot].toTensor();
-        const int64_t dim = integer(node.args.at(1));
-        env[node.outputs[0].slots[0]] =
-            node.kind == Node::Kind::kSymSize ? t.size(dim) : t.stride(dim);
-        break;
-      }
-      case Node::Kind::kSymNumel:
-        env[node.outputs[0].slots[0]] = env[node.args.at(0).slot].toTensor().numel();
-        break;
-      case Node::Kind::kSymStorageOffset:
-        env[node.outputs[0].slots[0]] = env[node.args.at(0).slot].toTensor().storage_offset();
-        break;
-      case Node::Kind::kIntOp: {
-        const int64_t x = integer(node.args[0]);
-        int64_t r = 0;
-        if (node.int_op == 'n') {
-          r = -x;
-        } else {
-          const int64_t y = integer(node.args[1]);
-          switch (node.int_op) {
-            case '+':
-              r = x + y;
-              break;
-            case '-':
-              r = x - y;
-              break;
-            case '*':
-              r = x * y;
-              break;
-            case '/':
-              r = (x / y) - ((x % y != 0) && ((x < 0) != (y < 0)) ? 1 : 0);
-              break;
-            default:
-              r = ((x % y) + y) % y;
-              break;
-          }
-        }
-        env[node.outputs[0].slots[0]] = r;
-        break;
-      }
-      case Node::Kind::kOp: {
-        stack.clear();
-        for (const ArgSource& a : node.args) {
-          switch (a.kind) {
-            case ArgSource::Kind::kConstant:
-              stack.push_back(a.constant);
-              break;
-            case ArgSource::Kind::kSlot:
-              stack.push_back(env[a.slot]);
-              break;
-            case ArgSource::Kind::kDevice:
-              stack.emplace_back(device);
-              break;
-            case ArgSource::Kind::kTensorList: {
-              c10::List<at::Tensor> list;
-              list.reserve(a.slots.size());
-              for (int s : a.slots) list.push_back(env[s].toTensor());
-              stack.emplace_back(std::move(list));
-              break;
-            }
-            case ArgSource::Kind::kOptionalTensorList: {
-              c10::List<std::optional<at::Tensor>> list;
-              list.reserve(a.slots.size());
-              for (int s : a.slots) {
-                list.push_back(s >= 0 ? std::optional<at::Tensor>(env[s].toTensor())
-                                      : std::nullopt);
-              }
-              stack.emplace_back(std::move(list));
-              break;
-            }
-            case ArgSource::Kind::kIntList: {
-              c10::List<int64_t> list;
-              list.reserve(a.slots.size());
-              for (size_t k = 0; k < a.slots.size(); ++k) {
-                list.push_back(a.slots[k] >= 0 ? env[a.slots[k]].toInt() : a.values[k]);
-              }
-              stack.emplace_back(std::move(list));
-              break;
-            }
-          }
-        }
-        if (no_grad) {
-          at::NoGradGuard no_grad;
-          node.op->callBoxed(&stack);
-        } else {
-          node.op->callBoxed(&stack);
-        }
-        for (size_t r = 0; r < node.outputs.size(); ++r) {
-          const Output& out = node.outputs[r];
-          if (out.list) {
-            const c10::IValue& value = stack[r];
-            if (value.isTensorList()) {
-              const auto list = value.toTensorList();
-              for (size_t k = 0; k < out.slots.size() && k < list.size(); ++k) {
-                if (out.slots[k] >= 0) env[out.slots[k]] = list.get(k);
-              }
-            } else {
-              const auto list = value.toListRef();
-              for (size_t k = 0; k < out.slots.size() && k < list.size(); ++k) {
-                if (out.slots[k] >= 0) env[out.slots[k]] = list[k];
-              }
-            }
-          } else if (out.slots[0] >= 0) {
-            env[out.slots[0]] = std::move(stack[r]);
-          }
-        }
-        break;
-      }
-    }
-  }
 }
 
 }  // namespace kiln
