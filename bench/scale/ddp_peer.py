@@ -51,12 +51,15 @@ def main():
     parser.add_argument("--result", required=True, help="rank 0 writes losses and step times here")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard instead of DDP")
     parser.add_argument("--checkpoint", action="store_true", help="--fsdp: checkpoint_wrapper per block")
+    parser.add_argument("--replicate", type=int, default=1,
+                        help="--fsdp: hybrid sharding over a 2-D DeviceMesh (replicate, shard) with this "
+                             "many replicas (fully_shard(mesh=...): HSDP)")
     parser.add_argument("--compile-units", action="store_true", help="--fsdp: torch.compile per block")
     parser.add_argument("--bf16", action="store_true",
                         help="--fsdp: MixedPrecisionPolicy(bf16 params, fp32 reduce) and autocast(bf16)")
     args = parser.parse_args()
-    if (args.checkpoint or args.compile_units or args.bf16) and not args.fsdp:
-        parser.error("--checkpoint, --compile-units and --bf16 go with --fsdp")
+    if (args.checkpoint or args.compile_units or args.bf16 or args.replicate > 1) and not args.fsdp:
+        parser.error("--checkpoint, --compile-units, --bf16 and --replicate go with --fsdp")
 
     with open(os.path.join(args.export, "config.toml"), "rb") as f:
         cfg = tomllib.load(f)
@@ -78,6 +81,11 @@ def main():
         if blocks is None and (args.checkpoint or args.compile_units):
             raise SystemExit("--checkpoint and --compile-units need a model with blocks (gpt)")
         units = list(blocks) if blocks is not None else [model.fc1, model.fc2]
+        mesh = None
+        if args.replicate > 1:  # HSDP: shard inside each row of the mesh, replicate across rows
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh("cpu", (args.replicate, world // args.replicate),
+                                    mesh_dim_names=("replicate", "shard"))
         for i, unit in enumerate(units):
             if args.checkpoint:
                 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -85,8 +93,8 @@ def main():
             if args.compile_units:
                 unit.compile()
             fully_shard(unit, reshard_after_forward=cfg["dist"].get("reshard_after_forward", True),
-                        mp_policy=policy)
-        ddp = fully_shard(model, mp_policy=policy)
+                        mp_policy=policy, mesh=mesh)
+        ddp = fully_shard(model, mp_policy=policy, mesh=mesh)
     else:
         ddp = DistributedDataParallel(model, bucket_cap_mb=cfg["dist"]["bucket_mb"])
     optimizer = make_optimizer(model, cfg["optim"])

@@ -107,6 +107,17 @@ class Communicator {
   void reduce_scatter_sum(const torch::Tensor& input, torch::Tensor& output) {
     reduce_scatter_sum_async(input, output)->wait();
   }
+
+  // ---- added for the device mesh (kiln/dist.h DeviceMesh) --------------------------------------
+  /// A communicator over `ranks`: this rank's group along one mesh dimension, world ranks in
+  /// ascending order, rank() among them; its rank() is this rank's index in `ranks`. Every rank of
+  /// this communicator calls it at the same point with its own group (the groups partition the
+  /// world), so the groups are created together; `tag` names the dimension ("dp_shard", ...) and
+  /// keeps the groups of different dimensions apart. The group lives until the process exits.
+  /// A group of one is single_process_communicator(). Default: only groups of one (a
+  /// communicator without subgroups throws std::logic_error for more).
+  virtual std::shared_ptr<Communicator> subgroup(const std::string& tag,
+                                                 const std::vector<int>& ranks);
 };
 
 /// The world of one process: rank 0 of 1; collectives return their input.

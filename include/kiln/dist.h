@@ -58,6 +58,7 @@ struct ProcessGroupOptions {
   std::string device = "cpu";      // run.device (the backend "auto" resolves by it)
   std::string config_hash;         // Config::hash(): every rank must train the same job
   std::string strategy = "auto";   // dist.strategy: "auto", "ddp", "fsdp" (resolve_strategy)
+  int64_t dp_replicate = 0;        // dist.dp_replicate: FSDP's replicas (0: auto, fsdp_mesh_shape)
   double device_memory_bytes = 0;  // dist.device_memory_bytes (0: the device's own)
   double memory_headroom = 0.1;    // dist.memory_headroom
   static ProcessGroupOptions from_config(const Config& config);
@@ -96,6 +97,43 @@ void die_with_launcher();
 /// config mismatch) or CommunicationError (the other ranks did not arrive within
 /// dist.timeout_seconds).
 std::shared_ptr<Communicator> process_communicator(const Config& config);
+
+// ---- the device mesh ---------------------------------------------------------------------------
+
+/// The data-parallel dimensions of a job: dp_replicate x dp_shard ranks (the world). FSDP shards
+/// the training state over dp_shard ranks and replicates it dp_replicate times (hybrid sharding,
+/// HSDP: reduce-scatter inside a shard group, all-reduce of the shards across the replicas);
+/// dp_replicate = 1 is FSDP over every rank, dp_shard = 1 with DDP is DDP.
+struct MeshShape {
+  int dp_replicate = 1;
+  int dp_shard = 1;
+  int size() const { return dp_replicate * dp_shard; }
+  /// "2 x 4 (dp_replicate x dp_shard)".
+  std::string text() const;
+};
+
+/// One rank's place in a mesh and a communicator per dimension. Ranks are laid out with dp_shard
+/// innermost: rank = replica * dp_shard + shard_index, so a shard group is consecutive ranks (one
+/// node's when dp_shard divides LOCAL_WORLD_SIZE, torchrun's local ranks being consecutive).
+struct DeviceMesh {
+  MeshShape shape;
+  std::shared_ptr<Communicator> world;      // every rank
+  std::shared_ptr<Communicator> shard;      // the dp_shard ranks of this replica (world when 1-D)
+  std::shared_ptr<Communicator> replicate;  // the dp_replicate ranks holding this shard; null at 1
+  int replica = 0;                          // this rank's index along dp_replicate
+  int shard_index = 0;                      // this rank's index along dp_shard (shard->rank())
+};
+
+/// The mesh of `shape` over `world` (a collective: every rank calls it, creating its dp_shard
+/// group, then its dp_replicate group, through Communicator::subgroup). A 1-D shape (dp_replicate
+/// = 1) creates no group: shard is `world`. Throws UserError naming dist.dp_replicate when the
+/// shape's size is not the world size.
+DeviceMesh build_device_mesh(std::shared_ptr<Communicator> world, const MeshShape& shape);
+
+/// The mesh dist.dp_replicate asks of a job of `world_size` ranks under FSDP: 0 ("auto") is
+/// `auto_replicas` (the plan's choice, 1 when it has none); n must divide the world (UserError
+/// naming the key, the world size and the divisors otherwise). Pure.
+MeshShape fsdp_mesh_shape(int64_t dp_replicate, int world_size, int auto_replicas = 1);
 
 // ---- data parallelism
 // ----------------------------------------------------------------------------
@@ -167,9 +205,11 @@ struct ParameterShard {
 /// gradient norm sums the ranks' squared shard norms (and their fp16 overflow flags) over
 /// `comm`, so clipping and the non-finite guard agree on every rank; the state lists each shard's
 /// own rows (padding dropped; none when it holds padding only) and the same rows of its
-/// optimizer state, as pieces (TrainState::pieces). FullyShardedDataParallel installs it.
+/// optimizer state, as pieces (TrainState::pieces), `saved` (false: another rank, replica 0 of
+/// hybrid sharding, saves the same pieces). FullyShardedDataParallel installs it.
 std::shared_ptr<ParallelLayout> sharded_layout(std::vector<ParameterShard> shards,
-                                               std::shared_ptr<Communicator> comm);
+                                               std::shared_ptr<Communicator> comm,
+                                               bool saved = true);
 
 struct FsdpOptions {
   /// dist.reshard_after_forward: free a unit's gathered parameters after its forward and gather
@@ -268,6 +308,17 @@ class FullyShardedDataParallel : public TrainerHook,
   static std::shared_ptr<FullyShardedDataParallel> attach(Trainer& trainer,
                                                           std::shared_ptr<Communicator> comm,
                                                           const FsdpOptions& options);
+  /// Hybrid sharding (HSDP) over `mesh`: rank 0's weights broadcast over mesh.world; the state
+  /// sharded over mesh.shard as above; each reduce-scattered gradient shard then summed over
+  /// mesh.replicate (the ranks holding the same shard) and divided by the mesh's size, so every
+  /// replica steps the same shard. The gradient norm sums over mesh.shard only (the replicas'
+  /// shards are equal); checkpoints hold one copy of each shard (replica 0's; the others load
+  /// theirs from it). With sharded accumulation the replicas all-reduce every micro-step. A 1-D
+  /// mesh is the overload above.
+  static std::shared_ptr<FullyShardedDataParallel> attach(Trainer& trainer, const DeviceMesh& mesh,
+                                                          const FsdpOptions& options);
+  /// All-reduces over the replicas since attach (0 without replicas).
+  int64_t replica_all_reduces() const;
 
   /// This rank's shard of every trainable parameter, named like the parameter (the tensors the
   /// optimizer steps; padding rows included).
@@ -309,6 +360,7 @@ class FullyShardedDataParallel : public TrainerHook,
 /// dist.strategy resolved for a job of `world_size` ranks, and why.
 struct StrategyChoice {
   std::string strategy;     // "ddp" or "fsdp"
+  MeshShape mesh;           // fsdp: dp_replicate x dp_shard (dp_replicate = 1: over every rank)
   std::string reason;       // one line with the numbers (logged, and in scale.json)
   nlohmann::json decision;  // auto: choose_strategy's decision (kiln/plan.h to_json); else null
 };

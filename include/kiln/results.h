@@ -408,7 +408,7 @@ struct PlanRow {
   std::optional<double> expected_failures;
   PlanReservation reservation_7d, reservation_30d;
 
-  /// "ddp", "fsdp x8", "does-not-fit": the strategy as every table prints it.
+  /// "ddp", "fsdp x8", "hsdp 2x4", "does-not-fit": the strategy as every table prints it.
   std::string strategy_text() const;
   /// The bytes per device the chosen strategy holds (FSDP's for "does-not-fit": the least).
   double bytes_per_device() const;

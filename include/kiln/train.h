@@ -266,6 +266,10 @@ class PhaseScope {
 struct TensorPiece {
   std::vector<int64_t> global_shape;
   std::vector<int64_t> offsets;  // index of the piece's first element in the whole tensor
+  /// Whether this rank writes the piece: false for a copy another rank holds too (hybrid
+  /// sharding's replicas beyond the first), which a checkpoint keeps once; it is loaded all the
+  /// same.
+  bool saved = true;
 };
 
 /// Everything a run needs to continue bitwise where it stopped, as one value (torchtitan's

@@ -228,14 +228,22 @@ SaveRequest capture_training_state(Trainer& trainer, Communicator& comm,
   // before a background save has staged them.
   const size_t buffers = trainer.model().named_buffers().size();
   const size_t parameters = state.model.size() - buffers;
+  // A piece another rank saves too (TensorPiece::saved) is left to that rank.
+  auto saved_elsewhere = [&](const std::string& name) {
+    auto piece = state.pieces.find(name);
+    return piece != state.pieces.end() && !piece->second.saved;
+  };
   for (size_t k = 0; k < state.model.size(); ++k) {
     const auto& [name, tensor] = state.model[k];
+    if (saved_elsewhere(name)) continue;
     torch::NoGradGuard no_grad;
     request.tensors.push_back(
         state_tensor("model/", name, k < parameters ? tensor : tensor.clone(), state));
   }
-  for (const auto& [name, tensor] : state.optimizer)
+  for (const auto& [name, tensor] : state.optimizer) {
+    if (saved_elsewhere(name)) continue;
     request.tensors.push_back(state_tensor("optim/", name, tensor, state));
+  }
   json rng = {{"cpu", nullptr}, {"cuda", nullptr}};
   for (const auto& [name, tensor] : state.rng) {
     request.tensors.push_back(own_tensor(rng_name(rank, name), tensor));

@@ -1,5 +1,5 @@
-// A data-parallel strategy as every table prints it: "ddp", "fsdp x8", "does-not-fit". In core so
-// that the plan (src/plan: plan.md) and the report (src/report: the plan rung's table,
+// A data-parallel strategy as every table prints it: "ddp", "fsdp x8", "hsdp 2x4", "does-not-fit".
+// In core so that the plan (src/plan: plan.md) and the report (src/report: the plan rung's table,
 // report.html), which may not include each other (tests/core/layering_test.cpp), print it one way.
 #pragma once
 
@@ -11,9 +11,15 @@
 
 namespace kiln {
 
-/// `strategy` as the plan writes it ("ddp", "fsdp", "does-not-fit"); FSDP with its degree.
-inline std::string strategy_text(std::string_view strategy, int64_t fsdp_degree) {
-  return strategy == "fsdp" ? fmt::format("fsdp x{}", fsdp_degree) : std::string(strategy);
+/// `strategy` as the plan writes it ("ddp", "fsdp", "does-not-fit"); FSDP with its degree over
+/// `gpus`: "fsdp x8" over every GPU, "hsdp 2x4" (hybrid sharding: 2 replicas, dp_replicate, of
+/// shard groups of 4, dp_shard; what dist.strategy = "auto" runs, or "fsdp" with
+/// dist.dp_replicate = 2) when the degree is below the GPU count.
+inline std::string strategy_text(std::string_view strategy, int64_t fsdp_degree, int64_t gpus) {
+  if (strategy != "fsdp") return std::string(strategy);
+  if (fsdp_degree > 0 && gpus > fsdp_degree)
+    return fmt::format("hsdp {}x{}", gpus / fsdp_degree, fsdp_degree);
+  return fmt::format("fsdp x{}", fsdp_degree);
 }
 
 }  // namespace kiln

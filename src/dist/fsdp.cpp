@@ -76,10 +76,14 @@ struct FullyShardedDataParallel::State {
     bool launched = false;  // this micro-step's reduce-scatter started
     torch::Tensor reduce_input, reduce_output;
     std::unique_ptr<PendingCollective> reduce;
-    bool has_gradient = false;  // flat_grad holds this step's gradient
+    std::unique_ptr<PendingCollective> replica_reduce;  // HSDP: reduce_output over the replicas
+    bool has_gradient = false;                          // flat_grad holds this step's gradient
   };
 
-  std::shared_ptr<Communicator> comm;
+  std::shared_ptr<Communicator> comm;       // the shard group (every rank without replicas)
+  std::shared_ptr<Communicator> replicate;  // HSDP: the ranks holding the same shards; or null
+  int replicas = 1;
+  int64_t replica_all_reduces = 0;
   Model* model = nullptr;
   FsdpOptions options;
   int rank = 0, world = 1;
@@ -242,8 +246,9 @@ struct FullyShardedDataParallel::State {
     }
   }
 
-  // Starts every reduce-scatter of this micro-step not yet started (in order), waits for all and
-  // adds them into the sharded gradients.
+  // Starts every reduce-scatter of this micro-step not yet started (in order), waits for all,
+  // all-reduces each shard over the replicas (HSDP; each started as its reduce-scatter is
+  // waited for, in the same order on every rank) and adds them into the sharded gradients.
   void finish_reduces() {
     while (next_launch < reduce_order.size()) launch_reduce(reduce_order[next_launch++]);
     torch::NoGradGuard no_grad;
@@ -252,7 +257,19 @@ struct FullyShardedDataParallel::State {
       if (!g.reduce) continue;
       g.reduce->wait();
       g.reduce.reset();
-      g.reduce_output.div_(static_cast<double>(world));
+      if (replicate) {
+        g.replica_reduce = replicate->all_reduce_sum_async(g.reduce_output);
+        ++replica_all_reduces;
+      }
+    }
+    for (size_t index : reduce_order) {
+      Group& g = groups[index];
+      if (!g.reduce_output.defined()) continue;
+      if (g.replica_reduce) {
+        g.replica_reduce->wait();
+        g.replica_reduce.reset();
+      }
+      g.reduce_output.div_(static_cast<double>(world) * replicas);
       if (g.has_gradient) {
         g.flat_grad.add_(g.reduce_output);
       } else {
@@ -330,16 +347,30 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
 
 std::shared_ptr<FullyShardedDataParallel> FullyShardedDataParallel::attach(
     Trainer& trainer, std::shared_ptr<Communicator> comm, const FsdpOptions& options) {
+  DeviceMesh mesh;
+  mesh.shape = {1, comm->world_size()};
+  mesh.shard_index = comm->rank();
+  mesh.world = comm;
+  mesh.shard = std::move(comm);
+  return attach(trainer, mesh, options);
+}
+
+std::shared_ptr<FullyShardedDataParallel> FullyShardedDataParallel::attach(
+    Trainer& trainer, const DeviceMesh& mesh, const FsdpOptions& options) {
   trainer.enter_composition_stage(CompositionStage::kParallelLayout, "FSDP");
   auto state = std::make_unique<State>();
   State& s = *state;
-  s.comm = std::move(comm);
+  s.comm = mesh.shard;
+  if (mesh.shape.dp_replicate > 1) {
+    s.replicate = mesh.replicate;
+    s.replicas = mesh.shape.dp_replicate;
+  }
   s.options = options;
   s.rank = s.comm->rank();
   s.world = s.comm->world_size();
   Model& model = trainer.model();
   s.model = &model;
-  s.weights_hash = dist::replicate_rank0(*s.comm, model);
+  s.weights_hash = dist::replicate_rank0(*mesh.world, model);
 
   // Groups: the units in forward order, then every other trainable parameter (the root).
   std::map<std::string, int> unit_of;
@@ -426,17 +457,20 @@ std::shared_ptr<FullyShardedDataParallel> FullyShardedDataParallel::attach(
     shards.push_back({p.layout.name, p.shard, p.layout.shape, raw->rank * p.layout.rows_per_rank,
                       p.layout.valid_rows(raw->rank)});
   }
-  trainer.set_parallel_layout(sharded_layout(std::move(shards), raw->comm));
+  // Replica 0's shards are the checkpoint's; the other replicas hold the same and load them.
+  trainer.set_parallel_layout(sharded_layout(std::move(shards), raw->comm, mesh.replica == 0));
   trainer.add_hook(hook);
   model.add_unit_wrapper(hook);
   const FsdpMemory memory = hook->memory();
   log::info(fmt::format(
-      "fully sharded data parallel over {} ranks ({}): {} parameters in {} groups, {:.2f} MiB of "
-      "parameter shards on this rank (largest unit {:.2f} MiB gathered), reshard after forward "
-      "{}, {} accumulation, prefetch {}; weights {} on every rank",
-      raw->world, raw->comm->backend_name(), raw->params.size(), raw->groups.size(),
-      memory.parameter_shards / 1048576.0, memory.largest_unit / 1048576.0,
-      options.reshard_after_forward ? "on" : "off",
+      "fully sharded data parallel over {} ranks ({}){}: {} parameters in {} groups, {:.2f} MiB "
+      "of parameter shards on this rank (largest unit {:.2f} MiB gathered), reshard after "
+      "forward {}, {} accumulation, prefetch {}; weights {} on every rank",
+      raw->world, mesh.world->backend_name(),
+      raw->replicas > 1 ? fmt::format(", replicated {} times (hybrid sharding)", raw->replicas)
+                        : "",
+      raw->params.size(), raw->groups.size(), memory.parameter_shards / 1048576.0,
+      memory.largest_unit / 1048576.0, options.reshard_after_forward ? "on" : "off",
       options.accumulate_sharded ? "sharded" : "unsharded", options.prefetch ? "on" : "off",
       raw->weights_hash));
   return hook;
@@ -492,6 +526,9 @@ int64_t FullyShardedDataParallel::all_gathers() const {
 }
 int64_t FullyShardedDataParallel::reduce_scatters() const {
   return state_->reduce_scatters;
+}
+int64_t FullyShardedDataParallel::replica_all_reduces() const {
+  return state_->replica_all_reduces;
 }
 
 FsdpMemory FullyShardedDataParallel::memory() const {

@@ -38,6 +38,7 @@ ProcessGroupOptions ProcessGroupOptions::from_config(const Config& config) {
   o.device = RuntimeOptions::from_config(config).device;
   o.config_hash = config.hash();
   o.strategy = config.get_string("dist.strategy");
+  o.dp_replicate = config.get_int("dist.dp_replicate");
   o.device_memory_bytes = config.get_float("dist.device_memory_bytes");
   o.memory_headroom = config.get_float("dist.memory_headroom");
   return o;

@@ -143,19 +143,33 @@ class PendingWork final : public PendingCollective {
 
 class ProcessGroupCommunicator final : public Communicator {
  public:
+  // The world's group (`group` empty: rank and size are the environment's) or a subgroup of it
+  // over `group` (world ranks), named `tag` in messages, its traffic counted in the world's
+  // ledger (`ledger`), so the world's stats() are every group's.
   ProcessGroupCommunicator(DistEnvironment env, c10::intrusive_ptr<c10d::Store> store,
                            c10::intrusive_ptr<c10d::Backend> backend, std::string backend_name,
-                           torch::Device device, double timeout_seconds)
+                           torch::Device device, double timeout_seconds, std::string tag = "",
+                           std::vector<int> group = {}, std::shared_ptr<Ledger> ledger = nullptr)
       : env_(std::move(env)),
         store_(std::move(store)),
         backend_(std::move(backend)),
         backend_name_(std::move(backend_name)),
         device_(device),
         timeout_seconds_(timeout_seconds),
-        ledger_(std::make_shared<Ledger>()) {}
+        ledger_(ledger ? std::move(ledger) : std::make_shared<Ledger>()),
+        tag_(std::move(tag)),
+        group_(std::move(group)) {
+    if (group_.empty()) {
+      rank_ = env_.rank;
+      size_ = env_.world_size;
+    } else {
+      rank_ = static_cast<int>(std::find(group_.begin(), group_.end(), env_.rank) - group_.begin());
+      size_ = static_cast<int>(group_.size());
+    }
+  }
 
-  int rank() const override { return env_.rank; }
-  int world_size() const override { return env_.world_size; }
+  int rank() const override { return rank_; }
+  int world_size() const override { return size_; }
   int local_rank() const override { return env_.local_rank; }
   int local_world_size() const override { return env_.local_world_size; }
   std::string backend_name() const override { return backend_name_; }
@@ -181,9 +195,9 @@ class ProcessGroupCommunicator final : public Communicator {
   }
 
   void broadcast(torch::Tensor& tensor, int root) override {
-    if (root < 0 || root >= env_.world_size) {
+    if (root < 0 || root >= size_) {
       throw std::invalid_argument(
-          fmt::format("broadcast root {} outside the world of {}", root, env_.world_size));
+          fmt::format("broadcast root {} outside the group of {}", root, size_));
     }
     torch::Tensor staged = stage(tensor);
     run_blocking("broadcast", staged, [&] {
@@ -207,7 +221,7 @@ class ProcessGroupCommunicator final : public Communicator {
     auto gathered =
         all_gather(padded.to(device_), "all-gather (bytes)").to(torch::kCPU).contiguous();
     std::vector<std::string> out;
-    for (int r = 0; r < env_.world_size; ++r) {
+    for (int r = 0; r < size_; ++r) {
       const auto* begin = gathered.data_ptr<uint8_t>() + r * longest;
       out.emplace_back(reinterpret_cast<const char*>(begin),
                        static_cast<size_t>(lengths[r].item<int64_t>()));
@@ -230,7 +244,7 @@ class ProcessGroupCommunicator final : public Communicator {
                                                       torch::Tensor& output) override {
     require_on_device("all_gather_async", mine);
     require_on_device("all_gather_async", output);
-    if (output.numel() != mine.numel() * env_.world_size || output.dtype() != mine.dtype()) {
+    if (output.numel() != mine.numel() * size_ || output.dtype() != mine.dtype()) {
       throw std::invalid_argument("all_gather_async: the output must hold world_size x input");
     }
     return start_async("all-gather", mine, {mine, output}, [&] {
@@ -246,7 +260,7 @@ class ProcessGroupCommunicator final : public Communicator {
                                                               torch::Tensor& output) override {
     require_on_device("reduce_scatter_sum_async", input);
     require_on_device("reduce_scatter_sum_async", output);
-    if (input.numel() != output.numel() * env_.world_size || output.dtype() != input.dtype()) {
+    if (input.numel() != output.numel() * size_ || output.dtype() != input.dtype()) {
       throw std::invalid_argument(
           "reduce_scatter_sum_async: the input must hold world_size x output");
     }
@@ -260,10 +274,55 @@ class ProcessGroupCommunicator final : public Communicator {
   }
 
   [[noreturn]] void fail(const std::string& what, const std::exception& e) const {
+    const std::string group =
+        tag_.empty() ? "" : fmt::format(" in its {} group of {}", tag_, size_);
     throw CommunicationError(fmt::format(
-        "rank {}/{}: {} failed: {} (a peer process died or hung, or the network failed; "
+        "rank {}/{}: {}{} failed: {} (a peer process died or hung, or the network failed; "
         "dist.timeout_seconds = {:g})",
-        env_.rank, env_.world_size, what, error_text(e), timeout_seconds_));
+        env_.rank, env_.world_size, what, group, error_text(e), timeout_seconds_));
+  }
+
+  // A c10d group of the same backend over `ranks`, its keys under its own prefix of the world's
+  // store (this attempt's, the tag and the ranks), so the groups of one dimension and of different
+  // dimensions never share keys. Kept until the process exits, as the world's group.
+  std::shared_ptr<Communicator> subgroup(const std::string& tag,
+                                         const std::vector<int>& ranks) override {
+    const bool member = std::find(ranks.begin(), ranks.end(), env_.rank) != ranks.end();
+    if (!member || !std::is_sorted(ranks.begin(), ranks.end()) ||
+        std::adjacent_find(ranks.begin(), ranks.end()) != ranks.end() || ranks.front() < 0 ||
+        ranks.back() >= env_.world_size || !group_.empty()) {
+      throw std::invalid_argument(fmt::format(
+          "subgroup {}: ranks must be distinct world ranks in ascending order, this rank's among "
+          "them, asked of the world's group",
+          tag));
+    }
+    if (ranks.size() == 1) return single_process_communicator();
+    std::string listed;
+    for (int r : ranks) listed += (listed.empty() ? "" : ",") + std::to_string(r);
+    auto prefix = c10::make_intrusive<c10d::PrefixStore>(
+        fmt::format("kiln/restart{}/{}/{}/{}", env_.restart_count, backend_name_, tag, listed),
+        store_);
+    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(1000 * timeout_seconds_));
+    const int index =
+        static_cast<int>(std::find(ranks.begin(), ranks.end(), env_.rank) - ranks.begin());
+    const int size = static_cast<int>(ranks.size());
+    c10::intrusive_ptr<c10d::Backend> backend;
+    try {
+      backend = backend_name_ == "nccl"
+                    ? dist::make_nccl_backend(prefix, index, size, timeout, device_.index())
+                    : dist::make_gloo_backend(prefix, index, size, timeout);
+    } catch (const std::exception& e) {
+      fail(fmt::format("creating the {} group [{}]", tag, listed), e);
+    }
+    static std::mutex mutex;
+    // Never destroyed, as the world's group (process_communicator): a Gloo destructor may block
+    // on a dead peer until the timeout, and a failing process must exit at once.
+    static auto* kept = new std::vector<std::shared_ptr<Communicator>>();
+    auto comm = std::make_shared<ProcessGroupCommunicator>(
+        env_, store_, backend, backend_name_, device_, timeout_seconds_, tag, ranks, ledger_);
+    std::lock_guard lock(mutex);
+    kept->push_back(comm);
+    return comm;
   }
 
   void account_blocked(double seconds) const { ledger_->add_blocked(seconds); }
@@ -312,7 +371,7 @@ class ProcessGroupCommunicator final : public Communicator {
 
   torch::Tensor all_gather(const torch::Tensor& mine, const char* what) {
     std::vector<at::Tensor> outputs_for_one;
-    for (int r = 0; r < env_.world_size; ++r) outputs_for_one.push_back(torch::empty_like(mine));
+    for (int r = 0; r < size_; ++r) outputs_for_one.push_back(torch::empty_like(mine));
     std::vector<std::vector<at::Tensor>> outputs{outputs_for_one};
     run_blocking(what, mine, [&] {
       std::vector<at::Tensor> inputs{mine};
@@ -341,6 +400,9 @@ class ProcessGroupCommunicator final : public Communicator {
   torch::Device device_;
   double timeout_seconds_;
   std::shared_ptr<Ledger> ledger_;
+  std::string tag_;         // the subgroup's mesh dimension; empty for the world's group
+  std::vector<int> group_;  // the subgroup's world ranks; empty for the world's group
+  int rank_ = 0, size_ = 1;
 };
 
 void PendingWork::wait() {

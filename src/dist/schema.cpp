@@ -41,6 +41,13 @@ ConfigSection dist_section() {
               "every rank, fsdp shards parameters, gradients and optimizer state (docs/scale.md); "
               "auto = ddp when its per-device memory fits dist.device_memory_bytes with "
               "dist.memory_headroom, else fsdp"),
+          int_key("dist", "dp_replicate", 0, 0, 4096,
+                  "fsdp: hybrid sharding (HSDP): the state is sharded over world / dp_replicate "
+                  "ranks (consecutive ranks, one node's) and replicated dp_replicate times, the "
+                  "gradient shards all-reduced across the replicas; 1 = shard over every rank; 0 "
+                  "= auto: 1 with dist.strategy = \"fsdp\", the plan's choice with \"auto\" "
+                  "(the smallest shard group that fits, replicated over the rest); must divide "
+                  "the world size"),
           bool_key("dist", "reshard_after_forward", true,
                    "fsdp: free a unit's gathered parameters after its forward and gather them "
                    "again for backward (ZeRO-3); false keeps them until its backward (ZeRO-2)"),
@@ -84,6 +91,17 @@ ConfigSection dist_section() {
                     "dist.backend = \"gloo\" (or \"auto\") or run.device = \"cuda\"";
            },
            {"dist.backend=nccl", "run.device=cpu"}},
+          {"dist.dp_replicate > 1 (hybrid sharding) needs dist.strategy = \"fsdp\"",
+           [](const Config& c) -> std::string {
+             if (c.get_int("dist.dp_replicate") <= 1 || c.get_string("dist.strategy") == "fsdp")
+               return "";
+             return "dist.dp_replicate = " + std::to_string(c.get_int("dist.dp_replicate")) +
+                    " asks for hybrid sharding, which shards the state, but dist.strategy = \"" +
+                    c.get_string("dist.strategy") +
+                    "\"; set dist.strategy = \"fsdp\" (or dist.dp_replicate = 0: \"auto\" "
+                    "picks the replicas itself)";
+           },
+           {"dist.dp_replicate=2", "dist.strategy=ddp"}},
       }};
 }
 

@@ -39,8 +39,8 @@ namespace {
 
 class ShardedLayout final : public ParallelLayout {
  public:
-  ShardedLayout(std::vector<ParameterShard> shards, std::shared_ptr<Communicator> comm)
-      : shards_(std::move(shards)), comm_(std::move(comm)) {}
+  ShardedLayout(std::vector<ParameterShard> shards, std::shared_ptr<Communicator> comm, bool saved)
+      : shards_(std::move(shards)), comm_(std::move(comm)), saved_(saved) {}
 
   NamedTensors optimizer_parameters(Model& /*model*/) override {
     NamedTensors out;
@@ -77,7 +77,7 @@ class ShardedLayout final : public ParallelLayout {
       std::vector<int64_t> offsets(s.global_shape.size(), 0);
       if (!offsets.empty()) offsets[0] = s.row_offset;
       into.emplace_back(name, s.global_shape.empty() ? t.view({}) : t.narrow(0, 0, s.rows));
-      state.pieces[name] = TensorPiece{s.global_shape, offsets};
+      state.pieces[name] = TensorPiece{s.global_shape, offsets, saved_};
     };
     for (const auto& s : shards_) add_piece(state.model, s.name, s.shard, s);
     for (const auto& item : model.named_buffers())
@@ -95,14 +95,15 @@ class ShardedLayout final : public ParallelLayout {
  private:
   std::vector<ParameterShard> shards_;
   std::shared_ptr<Communicator> comm_;  // null: one rank
+  bool saved_;                          // false: a replica's copy (TensorPiece::saved)
 };
 
 }  // namespace
 
 std::shared_ptr<ParallelLayout> sharded_layout(std::vector<ParameterShard> shards,
-                                               std::shared_ptr<Communicator> comm) {
+                                               std::shared_ptr<Communicator> comm, bool saved) {
   if (comm && comm->world_size() <= 1) comm = nullptr;
-  return std::make_shared<ShardedLayout>(std::move(shards), std::move(comm));
+  return std::make_shared<ShardedLayout>(std::move(shards), std::move(comm), saved);
 }
 
 }  // namespace kiln

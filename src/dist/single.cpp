@@ -1,4 +1,5 @@
 #include <stdexcept>
+#include <string>
 
 #include "kiln/dist.h"
 
@@ -53,6 +54,13 @@ std::unique_ptr<PendingCollective> Communicator::reduce_scatter_sum_async(
   all_reduce_sum(sum);
   output.view(-1).copy_(sum.narrow(0, n * rank(), n));
   return std::make_unique<Finished>();
+}
+
+std::shared_ptr<Communicator> Communicator::subgroup(const std::string& tag,
+                                                     const std::vector<int>& ranks) {
+  if (ranks.size() == 1 && ranks[0] == rank()) return single_process_communicator();
+  throw std::logic_error("this communicator has no subgroups (asked for " + tag + " of " +
+                         std::to_string(ranks.size()) + " ranks)");
 }
 
 std::shared_ptr<Communicator> single_process_communicator() {

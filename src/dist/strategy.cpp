@@ -41,7 +41,13 @@ StrategyChoice resolve_strategy(const Config& config, const Model& model,
   const std::string& asked = dist.strategy;
   if (asked != "auto") {
     out.strategy = asked;
+    out.mesh =
+        asked == "fsdp" ? fsdp_mesh_shape(dist.dp_replicate, world_size) : MeshShape{world_size, 1};
     out.reason = fmt::format("dist.strategy = \"{}\"", asked);
+    if (out.mesh.dp_replicate > 1 && asked == "fsdp") {
+      out.reason += fmt::format(", dist.dp_replicate = {}: hybrid sharding {}",
+                                out.mesh.dp_replicate, out.mesh.text());
+    }
     return out;
   }
   JobShape job = job_shape(config);
@@ -89,11 +95,21 @@ StrategyChoice resolve_strategy(const Config& config, const Model& model,
   out.decision = to_json(decision);
   out.decision["activation_source"] = activation_source;
   out.decision["device_memory_source"] = memory_source;
-  out.strategy = decision.strategy == "ddp" ? "ddp" : "fsdp";  // fsdp shards over every rank
+  out.strategy = decision.strategy == "ddp" ? "ddp" : "fsdp";
+  // FSDP at the plan's degree, replicated over the rest of the world (hybrid sharding); when
+  // even every rank does not fit, over every rank.
+  const int degree = decision.fsdp_degree > 0 ? static_cast<int>(decision.fsdp_degree) : world_size;
+  out.mesh = out.strategy == "ddp"
+                 ? MeshShape{world_size, 1}
+                 : fsdp_mesh_shape(dist.dp_replicate, world_size, world_size / std::max(1, degree));
+  std::string layout = out.strategy;
+  if (decision.strategy == "does-not-fit") {
+    layout += " over all ranks, though even that does not fit";
+  } else if (out.strategy == "fsdp" && out.mesh.dp_replicate > 1) {
+    layout = fmt::format("hybrid sharding {}", out.mesh.text());
+  }
   out.reason = fmt::format(
-      "dist.strategy = \"auto\": {}{}: {} (device memory {} from {}, activations from {})",
-      out.strategy,
-      decision.strategy == "does-not-fit" ? " over all ranks, though even that does not fit" : "",
+      "dist.strategy = \"auto\": {}: {} (device memory {} from {}, activations from {})", layout,
       decision.reason, gib(input.device_memory_bytes), memory_source, activation_source);
   return out;
 }

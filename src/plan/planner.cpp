@@ -506,7 +506,8 @@ std::string plan_markdown(const json& plan) {
   for (const auto& row : plan["rows"]) {
     const auto& s = row["strategy"];
     const std::string strategy =
-        strategy_text(s["strategy"].get<std::string>(), s["fsdp_degree"].get<int64_t>());
+        strategy_text(s["strategy"].get<std::string>(), s["fsdp_degree"].get<int64_t>(),
+                      row["gpus"].get<int64_t>());
     auto reservation = [&](const char* key) {
       const auto& r = row[key];
       std::string text = r["fits"].get<bool>() ? "fits" : "no";
@@ -536,8 +537,17 @@ std::string plan_markdown(const json& plan) {
   }
   out += "\nWhy each strategy:\n";
   for (const auto& row : plan["rows"]) {
-    out += fmt::format("- {}: {}\n", row["hardware"].get<std::string>(),
-                       row["strategy"]["reason"].get<std::string>());
+    const auto& s = row["strategy"];
+    const int64_t degree = s["fsdp_degree"].get<int64_t>(), gpus = row["gpus"].get<int64_t>();
+    std::string how;
+    if (s["strategy"] == "fsdp" && degree > 0 && gpus > degree) {
+      how = fmt::format(
+          "; hybrid sharding: {} replicas of shard groups of {}, run by dist.strategy = \"auto\" "
+          "(or \"fsdp\" with dist.dp_replicate = {})",
+          gpus / degree, degree, gpus / degree);
+    }
+    out += fmt::format("- {}: {}{}\n", row["hardware"].get<std::string>(),
+                       s["reason"].get<std::string>(), how);
   }
   return out;
 }

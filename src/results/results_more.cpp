@@ -320,7 +320,7 @@ void to_json(json& j, const MetricsRecord& value) {
 }
 
 std::string PlanRow::strategy_text() const {
-  return kiln::strategy_text(strategy, fsdp_degree);
+  return kiln::strategy_text(strategy, fsdp_degree, gpus);
 }
 
 double PlanRow::bytes_per_device() const {

@@ -110,7 +110,9 @@ ComposedStep compose_step(const Job& job, std::shared_ptr<Model> model, Datasets
     // fsdp with a compiled step: refused before this, by the [compile] rule (dist.strategy =
     // "fsdp") or by compose_training's pre-check (dist.strategy = "auto" resolving to fsdp).
     if (out.strategy.strategy == "fsdp") {
-      out.fsdp = FullyShardedDataParallel::attach(trainer, options.comm, job.fsdp);
+      // Hybrid sharding when the choice replicates: its groups are created here, on every rank.
+      out.fsdp = FullyShardedDataParallel::attach(
+          trainer, build_device_mesh(options.comm, out.strategy.mesh), job.fsdp);
     } else {
       out.ddp = DataParallel::attach(trainer, options.comm, job.ddp);
     }
@@ -153,6 +155,9 @@ std::unique_ptr<Session> compose_training(const Job& job, std::shared_ptr<Commun
   session->lock = lock_run_directories(job, group, [&] {
     if (composition.checkpointing)
       check_train_start(job.resume, job.checkpoint, *model, job.trainer.optim);
+    // A hybrid-sharding mesh the world cannot hold (throws UserError naming dist.dp_replicate).
+    if (parallel && job.group.strategy == "fsdp")
+      fsdp_mesh_shape(job.group.dp_replicate, world_size);
     return auto_strategy_problem(job, *model, session->device, group);
   });
   const bool continues = composition.checkpointing && job.resume.continues();

@@ -24,7 +24,7 @@ constexpr int64_t kGlobalBatch = 24;
 constexpr int64_t kSaveAt = 3, kMore = 3;
 
 struct Layout {
-  std::string strategy;  // "single", "ddp", "fsdp"
+  std::string strategy;  // "single", "ddp", "fsdp", "hsdp" (2 replicas x world / 2 shards)
   int world = 1;
   std::string text() const { return strategy + " " + std::to_string(world); }
 };
@@ -44,6 +44,9 @@ void with_layout(const std::filesystem::path& dir, const Layout& layout,
     Trainer trainer(TrainerSetup::from_config(config), make_model(config), make_datasets(config),
                     TrainerOptions{torch::kCPU, borrowed.rank(), layout.world, comm});
     if (layout.strategy == "fsdp") FullyShardedDataParallel::attach(trainer, comm, {});
+    if (layout.strategy == "hsdp") {
+      FullyShardedDataParallel::attach(trainer, build_device_mesh(comm, {2, layout.world / 2}), {});
+    }
     if (layout.strategy == "ddp") DataParallel::attach(trainer, comm, {});
     fn(trainer, borrowed);
   });
@@ -94,6 +97,11 @@ void reshard(const Layout& source, const Layout& target, bool bitwise) {
     EXPECT_EQ(fc1->placement, Placement::kSharded);
     EXPECT_EQ(fc1->chunks.size(), static_cast<size_t>(source.world));  // one shard per rank
   }
+  if (source.strategy == "hsdp") {  // each shard once: replica 0's
+    const TensorInfo* fc1 = index.find("model/fc1.weight");
+    ASSERT_NE(fc1, nullptr);
+    EXPECT_EQ(fc1->chunks.size(), static_cast<size_t>(source.world / 2));
+  }
 
   std::vector<double> resumed;
   with_layout(dir / "cfg", target, [&](Trainer& trainer, Communicator& comm) {
@@ -139,6 +147,17 @@ TEST(FsdpReshard, FsdpTwoToDdpTwo) {
 }
 TEST(FsdpReshard, FsdpTwoToFsdpTwoContinuesBitwise) {
   reshard({"fsdp", 2}, {"fsdp", 2}, true);
+}
+
+// Hybrid sharding (2 replicas x 2 shards): one copy of each shard saved, loaded by every replica.
+TEST(FsdpReshard, HsdpTwoByTwoToSingle) {
+  reshard({"hsdp", 4}, {"single", 1}, false);
+}
+TEST(FsdpReshard, FsdpThreeToHsdpTwoByTwo) {
+  reshard({"fsdp", 3}, {"hsdp", 4}, false);
+}
+TEST(FsdpReshard, HsdpTwoByTwoContinuesBitwise) {
+  reshard({"hsdp", 4}, {"hsdp", 4}, true);
 }
 
 TEST(FsdpReshard, ConsolidateGivesTheFullModel) {

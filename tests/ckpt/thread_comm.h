@@ -5,11 +5,13 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -47,9 +49,24 @@ class ThreadGroup {
   }
 
   void poison() {
+    std::vector<std::shared_ptr<ThreadGroup>> children;
+    {
+      std::lock_guard lock(mutex_);
+      broken_ = true;
+      cv_.notify_all();
+      for (auto& [key, child] : children_) children.push_back(child);
+    }
+    for (auto& child : children) child->poison();
+  }
+
+  /// The subgroup named `key` (its ranks' threads all ask for the same key), `size` ranks;
+  /// poisoned with this group.
+  std::shared_ptr<ThreadGroup> child(const std::string& key, int size) {
     std::lock_guard lock(mutex_);
-    broken_ = true;
-    cv_.notify_all();
+    auto& slot = children_[key];
+    if (!slot) slot = std::make_shared<ThreadGroup>(size);
+    if (broken_) slot->poison();
+    return slot;
   }
 
   int64_t collectives() const {
@@ -68,6 +85,7 @@ class ThreadGroup {
   int arrived_ = 0;
   uint64_t generation_ = 0;
   bool broken_ = false;
+  std::map<std::string, std::shared_ptr<ThreadGroup>> children_;
 };
 
 class ThreadCommunicator final : public Communicator {
@@ -88,6 +106,18 @@ class ThreadCommunicator final : public Communicator {
   }
   std::vector<std::string> all_gather_bytes(const std::string& mine) override {
     return group_->exchange(rank_, mine);
+  }
+  // A group of threads over `ranks` (of this group), as Communicator::subgroup.
+  std::shared_ptr<Communicator> subgroup(const std::string& tag,
+                                         const std::vector<int>& ranks) override {
+    if (ranks.size() == 1) return single_process_communicator();
+    std::string key = tag;
+    for (int r : ranks) key += "/" + std::to_string(r);
+    const auto index = std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin();
+    if (index == static_cast<std::ptrdiff_t>(ranks.size()))
+      throw std::invalid_argument("subgroup: this rank is not among the ranks");
+    return std::make_shared<ThreadCommunicator>(group_->child(key, static_cast<int>(ranks.size())),
+                                                static_cast<int>(index));
   }
   // FSDP's collectives, finished on return (the interface's async form allows that).
   std::unique_ptr<PendingCollective> all_gather_async(const torch::Tensor& mine,

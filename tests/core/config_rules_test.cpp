@@ -48,8 +48,8 @@ TEST(ConfigRules, TheSectionsDeclareTheKnownRules) {
   EXPECT_EQ(per_section["model"], 9);  // + registered name, llama heads, preset, init_from, package
   EXPECT_EQ(per_section["data"], 7);   // + a registered dataset name (kiln/dataset_registry.h)
   EXPECT_EQ(per_section["optim"], 2);
-  EXPECT_EQ(per_section["train"], 1);  // stop_after_step within train.steps
-  EXPECT_EQ(per_section["dist"], 1);
+  EXPECT_EQ(per_section["train"], 1);    // stop_after_step within train.steps
+  EXPECT_EQ(per_section["dist"], 2);     // nccl needs cuda; dp_replicate needs fsdp
   EXPECT_EQ(per_section["compile"], 9);  // probe_seq_lens + the step matrix's eight
 }
 

@@ -12,6 +12,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -333,6 +334,114 @@ def case_fsdp_train(args, work):
     compare_losses(work, "single", "fsdp", 8, 1e-5)
 
 
+def case_hsdp_train(args, work):
+    """`kiln train` with hybrid sharding (dist.dp_replicate = 2: 2 replicas x 2 shards) at world 4
+    under torchrun (Gloo subgroups: each shard group's all-gathers and reduce-scatters, each
+    replica group's all-reduces) against one process x 8: per-step losses within 1e-5. A rank
+    killed mid-run then stops the others within dist.timeout_seconds (hsdp_sigkill)."""
+    cfg = os.path.join(args.source, "configs/gpt-tiny.toml")
+    common = GPT_TINY_2L + ["train.steps=6", f"run.dir={work}", "data.seq_len=32", "run.threads=1"]
+    rc, _, err1, _ = run([args.kiln, "train", cfg] + sets(common + ["run.name=single", "train.batch_size=8"]))
+    check(rc == 0, f"single process trains (exit {rc})") or print(err1)
+    rc, _, err2, _ = run(torchrun(args, 4, [args.kiln, "train", cfg] +
+                                  sets(common + ["run.name=hsdp", "train.batch_size=2", "dist.strategy=fsdp",
+                                                 "dist.dp_replicate=2"])))
+    check(rc == 0, f"torchrun with 4 ranks as 2 x 2 HSDP trains (exit {rc})") or print(err2)
+    check("fully sharded data parallel over 2 ranks (gloo), replicated 2 times (hybrid sharding)" in err2
+          and "hybrid sharding 2 x 2 (dp_replicate x dp_shard)" in err2,
+          "the ranks log the mesh and the sharding")
+    compare_losses(work, "single", "hsdp", 6, 1e-5)
+    # A mesh the world cannot hold: refused at start, before the run directory exists.
+    rc, _, err3, _ = run(torchrun(args, 2, [args.kiln, "train", cfg] +
+                                  sets(common + ["run.name=refused", "train.batch_size=2", "dist.strategy=fsdp",
+                                                 "dist.dp_replicate=3"])))
+    check(rc != 0 and "dist.dp_replicate = 3 does not divide the world of 2 ranks" in err3
+          and not os.path.exists(os.path.join(work, "refused")),
+          f"3 replicas of 2 ranks are refused, nothing written (exit {rc})") or print(err3[-2000:])
+
+
+def case_hsdp_sigkill(args, work):
+    """Hybrid sharding at world 2 as 2 replicas x 1 shard: the gradients all-reduced in the
+    dp_replicate subgroup only. A rank killed with SIGKILL: the survivor, blocked in whichever
+    collective it was in (the world's loss sync or the subgroup's all-reduce), exits non-zero
+    within the timeout, naming it."""
+    fault_case(args, work, "kill", 30, ["dist.strategy=fsdp", "dist.dp_replicate=2"])
+
+
+class Skip(Exception):
+    """The case cannot run here (the reason says why); the test reports it skipped (exit 77)."""
+
+
+def netns(*cmd):
+    return subprocess.run(["ip", "netns"] + list(cmd), capture_output=True, text=True)
+
+
+def case_two_hosts(args, work):
+    """Two "hosts" on one machine: two network namespaces joined by a veth pair (10.77.<n>.1 and
+    .2), a torchrun agent in each (`--nnodes 2 --node-rank 0|1`, static rendezvous at host 0's
+    address), 2 ranks per node, hybrid sharding with the replicas across the hosts
+    (dist.dp_replicate = 2: each node's two ranks are one shard group, only the shards' all-reduce
+    crosses the veth). Losses within 1e-5 of one process x the same global batch. Skipped (exit
+    77) where network namespaces cannot be created (not root, no `ip`)."""
+    tag = f"k{os.getpid() % 100000}"
+    hosts = [f"{tag}a", f"{tag}b"]
+    subnet = f"10.77.{os.getpid() % 250 + 1}"
+    if shutil.which("ip") is None:
+        raise Skip("no `ip` command (iproute2)")
+    made = []
+    try:
+        for h in hosts:
+            r = netns("add", h)
+            if r.returncode != 0:
+                raise Skip(f"`ip netns add` is not permitted here: {r.stderr.strip()}")
+            made.append(h)
+        steps = [["ip", "link", "add", f"{tag}va", "type", "veth", "peer", "name", f"{tag}vb"],
+                 ["ip", "link", "set", f"{tag}va", "netns", hosts[0]],
+                 ["ip", "link", "set", f"{tag}vb", "netns", hosts[1]]]
+        for k, h in enumerate(hosts):
+            dev = f"{tag}v{'ab'[k]}"
+            steps += [["ip", "netns", "exec", h, "ip", "addr", "add", f"{subnet}.{k + 1}/24", "dev", dev],
+                      ["ip", "netns", "exec", h, "ip", "link", "set", dev, "up"],
+                      ["ip", "netns", "exec", h, "ip", "link", "set", "lo", "up"]]
+        for step in steps:
+            r = subprocess.run(step, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise Skip(f"`{' '.join(step)}` failed: {r.stderr.strip()}")
+        cfg = os.path.join(args.source, "configs/gpt-tiny.toml")
+        common = GPT_TINY_2L + ["train.steps=6", f"run.dir={work}", "data.seq_len=32", "run.threads=1"]
+        rc, _, err, _ = run([args.kiln, "train", cfg] + sets(common + ["run.name=single", "train.batch_size=8"]))
+        check(rc == 0, f"single process trains (exit {rc})") or print(err)
+        procs = []
+        for k, h in enumerate(hosts):
+            env = base_env()
+            env["GLOO_SOCKET_IFNAME"] = f"{tag}v{'ab'[k]}"  # the node's own link, as on a cluster
+            cmd = ["ip", "netns", "exec", h, args.torchrun, "--nnodes=2", f"--node-rank={k}",
+                   "--nproc-per-node=2", f"--master-addr={subnet}.1", "--master-port=29500",
+                   "--no-python", args.kiln, "train", cfg] + sets(
+                       common + ["run.name=hosts", "train.batch_size=2", "dist.strategy=fsdp",
+                                 "dist.dp_replicate=2", "dist.timeout_seconds=60"])
+            log = tempfile.TemporaryFile(mode="w+")
+            procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True), log))
+        codes = []
+        for p, _ in procs:
+            try:
+                codes.append(p.wait(timeout=240))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes.append(None)
+        logs = [stderr_of(pl) for pl in procs]
+        check(codes == [0, 0], f"both hosts' agents exit 0 (status {codes})") or print("\n".join(logs))
+        check("local 0 of 2" in logs[1] and "rank 2 of 4" in logs[1],
+              "host 1's agent started ranks 2 and 3 of 4, local ranks of 2")
+        check(all("replicated 2 times (hybrid sharding)" in log for log in logs)
+              and not any("spans more than one node" in log for log in logs),
+              "each host's ranks form one shard group, replicated across the hosts")
+        compare_losses(work, "single", "hosts", 6, 1e-5)
+    finally:
+        for h in made:
+            netns("del", h)  # takes its end of the veth pair (and so the pair) with it
+
+
 def case_pilot_world2(args, work):
     """`kiln pilot` under torchrun at 2 ranks: the restore check runs at the production world size
     (each rank starts a child, the children meet on a fresh port), bitwise on CPU, and the pilot's
@@ -512,6 +621,9 @@ def main():
         with tempfile.TemporaryDirectory(prefix=f"kiln-dist-{args.case}-") as work:
             try:
                 CASES[args.case](args, work)
+            except Skip as e:
+                print(f"skipped: {e}")
+                return 77
             except Exception as e:  # a crash is a failed check, with the reason
                 check(False, f"{type(e).__name__}: {e}")
         if not PORT_CLASH or all(ok for ok, _ in CHECKS):

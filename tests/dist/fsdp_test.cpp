@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <thread>
 
 #include "ckpt/thread_comm.h"
@@ -63,7 +64,7 @@ TEST(ShardingCollectives, AllGatherAndReduceScatterAtWorldThree) {
 struct RunResult {
   std::vector<double> losses;
   NamedTensors parameters;
-  int64_t all_gathers = 0, reduce_scatters = 0;
+  int64_t all_gathers = 0, reduce_scatters = 0, replica_all_reduces = 0;
   size_t groups = 0;
   FsdpMemory memory;
   bool storage_released = true;  // every full parameter held 0 bytes after every step
@@ -83,10 +84,13 @@ RunResult train_single(const Config& config, int64_t steps) {
   return out;
 }
 
+// The mesh a rank attaches FSDP over (null: 1-D over every rank).
+using MeshOf = std::function<DeviceMesh(std::shared_ptr<Communicator>)>;
+
 // `world` ranks as threads, each with FSDP attached; the other ranks' models start from another
 // seed, so the initial broadcast is what makes them equal.
 std::vector<RunResult> train_fsdp(const Config& config, int world, int64_t steps,
-                                  FsdpOptions options = {}) {
+                                  FsdpOptions options = {}, const MeshOf& mesh_of = nullptr) {
   std::vector<RunResult> results(static_cast<size_t>(world));
   apply_runtime_settings(config);
   run_ranks(world, [&](Communicator& borrowed) {
@@ -97,7 +101,8 @@ std::vector<RunResult> train_fsdp(const Config& config, int world, int64_t steps
     Trainer trainer(TrainerSetup::from_config(config), make_model(model_config),
                     make_datasets(config), TrainerOptions{torch::kCPU, rank, world, comm});
     install_configured_checkpointing(trainer);
-    auto fsdp = FullyShardedDataParallel::attach(trainer, comm, options);
+    auto fsdp = mesh_of ? FullyShardedDataParallel::attach(trainer, mesh_of(comm), options)
+                        : FullyShardedDataParallel::attach(trainer, comm, options);
     RunResult& out = results[static_cast<size_t>(rank)];
     for (int64_t k = 0; k < steps; ++k) {
       out.losses.push_back(trainer.train_step().loss);
@@ -113,6 +118,7 @@ std::vector<RunResult> train_fsdp(const Config& config, int world, int64_t steps
     out.parameters = fsdp->full_parameters();
     out.all_gathers = fsdp->all_gathers();
     out.reduce_scatters = fsdp->reduce_scatters();
+    out.replica_all_reduces = fsdp->replica_all_reduces();
     out.groups = fsdp->group_names().size();
     out.memory = fsdp->memory();
   });
@@ -221,6 +227,65 @@ TEST(Fsdp, GptAtWorldThreeMatchesOneProcess) {
   EXPECT_GT(ranks[0].memory.gathered_peak, root_bytes);
   EXPECT_LE(ranks[0].memory.gathered_peak, root_bytes + 3 * block_bytes + 4096);
   EXPECT_LT(ranks[0].memory.gathered_peak, full_bytes);
+}
+
+// Hybrid sharding, 2 replicas x 2 shards at world 4, against one process of the same global
+// batch: the same tolerance as FSDP (fp32 summation order; seen: within 1e-5 relative).
+TEST(Hsdp, TwoReplicasOfTwoShardsMatchOneProcess) {
+  TempDir dir;
+  const std::vector<std::string> shape = {"model.n_layer=4", "model.n_embd=32", "data.seq_len=16"};
+  const RunResult single = train_single(small_gpt(dir.path(), 8, shape), 12);
+  const MeshOf two_by_two = [](std::shared_ptr<Communicator> world) {
+    return build_device_mesh(std::move(world), {2, 2});
+  };
+  auto ranks = train_fsdp(small_gpt(dir.path(), 2, shape), 4, 12, {}, two_by_two);
+  expect_equivalent(single, ranks[0], 1e-5);
+  expect_replicas_agree(ranks);
+  EXPECT_EQ(ranks[0].groups, 5u);
+  EXPECT_EQ(ranks[0].reduce_scatters, 12 * 5);      // inside the shard group
+  EXPECT_EQ(ranks[0].replica_all_reduces, 12 * 5);  // each shard across the replicas
+  // Each rank holds half of the state (the shard group's size), not a quarter.
+  int64_t full_bytes = 0;
+  for (const auto& [name, p] : single.parameters) full_bytes += static_cast<int64_t>(p.nbytes());
+  EXPECT_GE(ranks[0].memory.parameter_shards, full_bytes / 2);
+  EXPECT_LE(ranks[0].memory.parameter_shards, full_bytes / 2 + 4096);
+
+  // Negative control: the replicas never all-reduce (a one-rank replicate communicator), so
+  // each replica steps with half the batch's gradient and they drift apart.
+  const MeshOf no_replica_reduce = [](std::shared_ptr<Communicator> world) {
+    DeviceMesh mesh = build_device_mesh(std::move(world), {2, 2});
+    mesh.replicate = single_process_communicator();
+    return mesh;
+  };
+  auto broken = train_fsdp(small_gpt(dir.path(), 2, shape), 4, 12, {}, no_replica_reduce);
+  double worst = 0;
+  for (size_t k = 0; k < single.parameters.size(); ++k) {
+    worst = std::max(
+        worst, relative_difference(broken[2].parameters[k].second, single.parameters[k].second));
+  }
+  EXPECT_GT(worst, 1e-3) << "the replicas' all-reduce is what makes HSDP equal one process";
+}
+
+TEST(Hsdp, MeshShapesAndRefusals) {
+  EXPECT_EQ(fsdp_mesh_shape(0, 8, 2).dp_shard, 4);   // auto: the plan's replicas
+  EXPECT_EQ(fsdp_mesh_shape(1, 8, 2).dp_shard, 8);   // 1: over every rank
+  EXPECT_EQ(fsdp_mesh_shape(4, 8).dp_replicate, 4);  // explicit
+  try {
+    fsdp_mesh_shape(3, 4);
+    FAIL() << "3 replicas of a world of 4 was accepted";
+  } catch (const UserError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("dist.dp_replicate = 3 does not divide the world "
+                                               "of 4 ranks"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("one of 1, 2, 4"));
+  }
+  run_ranks(2, [](Communicator& borrowed) {
+    std::shared_ptr<Communicator> comm(&borrowed, [](Communicator*) {});
+    EXPECT_THROW(build_device_mesh(comm, {2, 2}), UserError);  // 4 ranks asked of 2
+    const DeviceMesh mesh = build_device_mesh(comm, {2, 1});   // DDP-like: shards of one rank
+    EXPECT_EQ(mesh.shard->world_size(), 1);
+    EXPECT_EQ(mesh.replicate->world_size(), 2);
+    EXPECT_EQ(mesh.replica, borrowed.rank());
+  });
 }
 
 TEST(Fsdp, AccumulationUnshardedCommunicatesOnTheLastMicroStepOnly) {
@@ -409,6 +474,32 @@ TEST(DistStrategy, AutoPicksFsdpOnlyWhenDdpDoesNotFit) {
   EXPECT_EQ(tight.strategy, "fsdp");
   EXPECT_THAT(tight.reason, ::testing::HasSubstr("dist.strategy = \"auto\": fsdp"));
   EXPECT_THAT(tight.reason, ::testing::HasSubstr("dist.device_memory_bytes"));
+  // At world 4 the plan's degree is the shard group, replicated over the rest (hybrid sharding
+  // when the degree is below the world).
+  // Usable memory halfway between FSDP over 4 and DDP (as sized at world 4): FSDP over 2 fits.
+  const Config roomy4 = gpt_config(dir.path(), {"dist.strategy=auto", "dist.memory_headroom=0",
+                                                "dist.device_memory_bytes=1e12"});
+  const StrategyChoice sizes = resolve_strategy(roomy4, *make_model(roomy4), torch::kCPU, 4);
+  const double halfway = (sizes.decision["ddp_bytes_per_device"].get<double>() +
+                          sizes.decision["fsdp_bytes_per_device"].get<double>()) /
+                         2;
+  const Config tight4 =
+      gpt_config(dir.path(), {"dist.strategy=auto", "dist.memory_headroom=0",
+                              fmt::format("dist.device_memory_bytes={:.0f}", halfway)});
+  const StrategyChoice hybrid = resolve_strategy(tight4, *make_model(tight4), torch::kCPU, 4);
+  const int degree = hybrid.decision["fsdp_degree"].get<int>();
+  EXPECT_EQ(degree, 2);
+  EXPECT_EQ(hybrid.mesh.dp_shard, degree);
+  EXPECT_EQ(hybrid.mesh.dp_replicate, 4 / degree);
+  if (degree < 4) {
+    EXPECT_THAT(hybrid.reason, ::testing::HasSubstr("hybrid sharding"));
+  }
+  const Config asked = gpt_config(dir.path(), {"dist.strategy=fsdp", "dist.dp_replicate=2"});
+  const StrategyChoice two_by_two = resolve_strategy(asked, *make_model(asked), torch::kCPU, 4);
+  EXPECT_EQ(two_by_two.mesh.dp_replicate, 2);
+  EXPECT_EQ(two_by_two.mesh.dp_shard, 2);
+  const Config over_all = gpt_config(dir.path(), {"dist.strategy=fsdp"});
+  EXPECT_EQ(resolve_strategy(over_all, *make_model(over_all), torch::kCPU, 4).mesh.dp_shard, 4);
   const Config fixed = gpt_config(dir.path(), {"dist.strategy=ddp"});
   EXPECT_EQ(resolve_strategy(fixed, *make_model(fixed), torch::kCPU, 2).strategy, "ddp");
   EXPECT_TRUE(resolve_strategy(fixed, *make_model(fixed), torch::kCPU, 2).decision.is_null());
