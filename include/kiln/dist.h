@@ -59,6 +59,8 @@ struct ProcessGroupOptions {
   std::string config_hash;         // Config::hash(): every rank must train the same job
   std::string strategy = "auto";   // dist.strategy: "auto", "ddp", "fsdp" (resolve_strategy)
   int64_t dp_replicate = 0;        // dist.dp_replicate: FSDP's replicas (0: auto, fsdp_mesh_shape)
+  int64_t tp = 1;                  // dist.tp: tensor-parallel ranks (DeviceMesh)
+  bool tp_across_nodes = false;    // dist.tp_across_nodes
   double device_memory_bytes = 0;  // dist.device_memory_bytes (0: the device's own)
   double memory_headroom = 0.1;    // dist.memory_headroom
   static ProcessGroupOptions from_config(const Config& config);
@@ -100,40 +102,55 @@ std::shared_ptr<Communicator> process_communicator(const Config& config);
 
 // ---- the device mesh ---------------------------------------------------------------------------
 
-/// The data-parallel dimensions of a job: dp_replicate x dp_shard ranks (the world). FSDP shards
-/// the training state over dp_shard ranks and replicates it dp_replicate times (hybrid sharding,
-/// HSDP: reduce-scatter inside a shard group, all-reduce of the shards across the replicas);
-/// dp_replicate = 1 is FSDP over every rank, dp_shard = 1 with DDP is DDP.
+/// The dimensions of a job's ranks: dp_replicate x dp_shard x tp (the world). Tensor parallelism
+/// splits each layer over tp ranks; data parallelism runs over the dp_replicate x dp_shard ranks
+/// holding the same tensor-parallel slice. FSDP shards the training state over dp_shard of them
+/// and replicates it dp_replicate times (hybrid sharding, HSDP: reduce-scatter inside a shard
+/// group, all-reduce of the shards across the replicas); dp_replicate = 1 is FSDP over every
+/// data-parallel rank; DDP is dp_replicate = the data-parallel ranks, dp_shard = 1.
 struct MeshShape {
   int dp_replicate = 1;
   int dp_shard = 1;
-  int size() const { return dp_replicate * dp_shard; }
-  /// "2 x 4 (dp_replicate x dp_shard)".
+  int tp = 1;
+  int dp_size() const { return dp_replicate * dp_shard; }
+  int size() const { return dp_replicate * dp_shard * tp; }
+  /// "2 x 4 (dp_replicate x dp_shard)", "2 x 1 x 2 (dp_replicate x dp_shard x tp)" when tp > 1.
   std::string text() const;
 };
 
-/// One rank's place in a mesh and a communicator per dimension. Ranks are laid out with dp_shard
-/// innermost: rank = replica * dp_shard + shard_index, so a shard group is consecutive ranks (one
-/// node's when dp_shard divides LOCAL_WORLD_SIZE, torchrun's local ranks being consecutive).
+/// One rank's place in a mesh and a communicator per dimension. Ranks are laid out with tp
+/// innermost, then dp_shard: rank = (replica * dp_shard + shard_index) * tp + tp_index, so a
+/// tensor-parallel group is consecutive ranks, and so is a shard group when tp = 1 (one node's
+/// when it divides LOCAL_WORLD_SIZE, torchrun's local ranks being consecutive).
 struct DeviceMesh {
   MeshShape shape;
   std::shared_ptr<Communicator> world;      // every rank
-  std::shared_ptr<Communicator> shard;      // the dp_shard ranks of this replica (world when 1-D)
+  std::shared_ptr<Communicator> dp;         // the data-parallel ranks of this tp slice
+  std::shared_ptr<Communicator> shard;      // the dp_shard ranks of this replica and slice
   std::shared_ptr<Communicator> replicate;  // the dp_replicate ranks holding this shard; null at 1
+  std::shared_ptr<Communicator> tp;         // the tp ranks of this data-parallel rank; null at 1
   int replica = 0;                          // this rank's index along dp_replicate
   int shard_index = 0;                      // this rank's index along dp_shard (shard->rank())
+  int tp_index = 0;                         // this rank's index along tp
+  int dp_index() const { return replica * shape.dp_shard + shard_index; }  // dp->rank()
 };
 
-/// The mesh of `shape` over `world` (a collective: every rank calls it, creating its dp_shard
-/// group, then its dp_replicate group, through Communicator::subgroup). A 1-D shape (dp_replicate
-/// = 1) creates no group: shard is `world`. Throws UserError naming dist.dp_replicate when the
-/// shape's size is not the world size.
+/// The mesh of `shape` over `world` (a collective: every rank calls it, creating its groups in
+/// one order, tp, dp, dp_shard, dp_replicate, through Communicator::subgroup; a dimension
+/// spanning the whole world reuses `world`). Throws UserError naming dist.dp_replicate and
+/// dist.tp when the shape's size is not the world size.
 DeviceMesh build_device_mesh(std::shared_ptr<Communicator> world, const MeshShape& shape);
 
-/// The mesh dist.dp_replicate asks of a job of `world_size` ranks under FSDP: 0 ("auto") is
-/// `auto_replicas` (the plan's choice, 1 when it has none); n must divide the world (UserError
-/// naming the key, the world size and the divisors otherwise). Pure.
-MeshShape fsdp_mesh_shape(int64_t dp_replicate, int world_size, int auto_replicas = 1);
+/// The mesh dist.dp_replicate and dist.tp ask of a job of `world_size` ranks under FSDP: tp
+/// must divide the world; then dp_replicate 0 ("auto") is `auto_replicas` (the plan's choice, 1
+/// when it has none) and n must divide the data-parallel ranks (UserError naming the key, the
+/// sizes and the divisors otherwise). Pure.
+MeshShape fsdp_mesh_shape(int64_t dp_replicate, int world_size, int auto_replicas = 1,
+                          int64_t tp = 1);
+/// DDP's mesh (also a job without data parallelism) with tensor parallelism over `tp`:
+/// dp_replicate = world_size / tp, dp_shard = 1. Throws UserError naming dist.tp when tp does
+/// not divide the world.
+MeshShape ddp_mesh_shape(int world_size, int64_t tp = 1);
 
 // ---- data parallelism
 // ----------------------------------------------------------------------------
@@ -196,20 +213,39 @@ struct ParameterShard {
   std::string name;     // the parameter's name
   torch::Tensor shard;  // the tensor the optimizer steps: rows [row_offset, row_offset + rows) of
                         // the parameter along dim 0, then padding rows (zeros)
-  std::vector<int64_t> global_shape;  // the parameter's shape
+  std::vector<int64_t> global_shape;  // the parameter's shape (its tensor-parallel slice's)
   int64_t row_offset = 0;
   int64_t rows = 0;  // rows that are the parameter's (0: padding only)
+  /// Tensor parallelism: the parameter is this rank's slice of a larger one (its placement, see
+  /// Model::tensor_parallel()); the checkpoint's piece is placed in the whole parameter.
+  std::optional<TensorParallelPlacement> tensor_parallel;
+  /// Whether this rank writes the piece (TensorPiece::saved): false for a copy another rank
+  /// saves (hybrid sharding's replicas beyond the first; a parameter tensor parallelism keeps
+  /// whole, on tp ranks beyond the first).
+  bool saved = true;
 };
 
 /// The layout of sharded data parallelism over `comm`: the optimizer steps `shards`; the global
 /// gradient norm sums the ranks' squared shard norms (and their fp16 overflow flags) over
-/// `comm`, so clipping and the non-finite guard agree on every rank; the state lists each shard's
-/// own rows (padding dropped; none when it holds padding only) and the same rows of its
-/// optimizer state, as pieces (TrainState::pieces), `saved` (false: another rank, replica 0 of
-/// hybrid sharding, saves the same pieces). FullyShardedDataParallel installs it.
+/// `comm`, and those of tensor-parallel slices over `tp` too (null: no tensor parallelism), so
+/// clipping and the non-finite guard agree on every rank; the state lists each shard's own rows
+/// (padding dropped; none when it holds padding only) and the same rows of its optimizer state,
+/// as pieces of the whole parameters (TrainState::pieces). FullyShardedDataParallel installs it.
 std::shared_ptr<ParallelLayout> sharded_layout(std::vector<ParameterShard> shards,
                                                std::shared_ptr<Communicator> comm,
-                                               bool saved = true);
+                                               std::shared_ptr<Communicator> tp = nullptr);
+
+// ---- tensor parallelism ------------------------------------------------------------------------
+
+/// Tensor parallelism over mesh.tp, the first piece of the parallel layout
+/// (CompositionStage::kTensorParallel): rank 0's weights broadcast over mesh.world (every rank
+/// starts from the same whole model), then Model::shard_tensor_parallel(mesh.tp), then a layout
+/// whose optimizer steps every parameter (slices and whole ones), whose gradient norm sums the
+/// slices' squares over mesh.tp, and whose state lists each slice as a piece of the whole
+/// parameter (saved by data-parallel rank 0; DDP's other ranks hold the same slice). DDP
+/// (over mesh.dp) or FSDP (FullyShardedDataParallel::attach with the mesh) goes on after it.
+/// Throws UserError for a model without a tensor-parallel plan.
+void install_tensor_parallel(Trainer& trainer, const DeviceMesh& mesh);
 
 struct FsdpOptions {
   /// dist.reshard_after_forward: free a unit's gathered parameters after its forward and gather

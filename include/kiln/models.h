@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -50,6 +51,16 @@ class UnitWrapper {
   virtual ~UnitWrapper() = default;
   /// `unit` indexes Model::units().
   virtual torch::Tensor run(int unit, const UnitForward& forward, const torch::Tensor& input) = 0;
+};
+
+class Communicator;  // kiln/comm.h
+
+/// How one parameter is split over the tensor-parallel ranks (Model::tensor_parallel()): this
+/// rank holds indices [offset, offset + its size) of the whole parameter along `dim`.
+struct TensorParallelPlacement {
+  int dim = 0;  // 0: column-parallel (output features), 1: row-parallel (input features)
+  std::vector<int64_t> global_shape;  // the whole parameter's shape
+  int64_t offset = 0;
 };
 
 /// A trainable model: logits from inputs, and a loss from logits and targets.
@@ -91,7 +102,23 @@ class Model : public torch::nn::Module {
   void clear_unit_wrappers() { unit_wrappers_.clear(); }
   bool has_unit_wrappers() const { return !unit_wrappers_.empty(); }
 
+  /// Tensor parallelism (Megatron-LM's): shards the model over `tp`'s ranks in place. Each
+  /// split parameter keeps its name and becomes this rank's slice (its placement in
+  /// tensor_parallel()); every other parameter stays whole and equal on every rank; forward then
+  /// computes the local slice of each split layer with a collective at each block's edges (an
+  /// all-reduce of the input's gradient before the column-parallel layers, of the output after
+  /// the row-parallel ones). Call once, on every rank of `tp` with the same weights, before the
+  /// optimizer sees the parameters (kiln/dist.h install_tensor_parallel). The default throws
+  /// UserError: the model declares no tensor-parallel plan (ModelSpec::tensor_parallel_problem).
+  virtual void shard_tensor_parallel(std::shared_ptr<Communicator> tp);
+  /// The split parameters' placements by name (empty before shard_tensor_parallel).
+  const std::map<std::string, TensorParallelPlacement>& tensor_parallel() const {
+    return tensor_parallel_;
+  }
+
  protected:
+  std::map<std::string, TensorParallelPlacement> tensor_parallel_;
+
   /// Runs unit `unit` on `input` through the wrappers (directly when there are none).
   torch::Tensor run_unit(int unit, const UnitForward& forward, const torch::Tensor& input);
 
@@ -200,6 +227,10 @@ struct ModelSpec {
                                const std::string& key)>
       load_hf;
   std::function<void(Model& model, const std::filesystem::path& dir, bool force)> save_hf;
+  /// Tensor parallelism: why this model cannot be split over `tp` ranks as the config shapes it
+  /// ("" when it can: e.g. tp divides the heads), checked by a config rule when dist.tp > 1.
+  /// Null: the model has no tensor-parallel plan and dist.tp > 1 is refused.
+  std::function<std::string(const Config& config, int64_t tp)> tensor_parallel_problem;
 };
 
 /// Adds a model architecture under spec.name. Thread-safe. Registering before the first config is

@@ -104,16 +104,20 @@ struct RuntimeOptions {
 /// and free around each unit and its sharded layout, which the optimizer is rebuilt over), then
 /// compilation (the compiled step's executor, or per-unit packages innermost, next to the unit's
 /// own forward, binding the parameters the layout left in place), then capture (a CUDA graph of
-/// the whole step as composed so far). kiln/job.h's compose_training installs them in this
-/// order; each piece's own attach function records its stage here and refuses to go on out of
-/// order.
+/// the whole step as composed so far). Tensor parallelism comes between checkpointing and the
+/// data-parallel layout: it slices the model's parameters, which DDP or FSDP then replicate or
+/// shard over the data-parallel ranks (and a checkpointed unit's recomputation runs its
+/// collectives again). kiln/job.h's compose_training installs them in this order; each piece's
+/// own attach function records its stage here and refuses to go on out of order.
 enum class CompositionStage {
   kActivationCheckpointing = 1,
-  kParallelLayout = 2,
-  kCompilation = 3,
-  kCapture = 4
+  kTensorParallel = 2,
+  kParallelLayout = 3,
+  kCompilation = 4,
+  kCapture = 5
 };
-/// "activation checkpointing", "parallel layout", "compilation", "capture".
+/// "activation checkpointing", "tensor parallelism", "parallel layout", "compilation",
+/// "capture".
 const char* composition_stage_name(CompositionStage stage);
 
 /// "fp32", "bf16-mixed", "fp16-mixed".

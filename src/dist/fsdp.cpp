@@ -351,6 +351,7 @@ std::shared_ptr<FullyShardedDataParallel> FullyShardedDataParallel::attach(
   mesh.shape = {1, comm->world_size()};
   mesh.shard_index = comm->rank();
   mesh.world = comm;
+  mesh.dp = comm;
   mesh.shard = std::move(comm);
   return attach(trainer, mesh, options);
 }
@@ -370,7 +371,9 @@ std::shared_ptr<FullyShardedDataParallel> FullyShardedDataParallel::attach(
   s.world = s.comm->world_size();
   Model& model = trainer.model();
   s.model = &model;
-  s.weights_hash = dist::replicate_rank0(*mesh.world, model);
+  // The data-parallel ranks start from rank 0's weights (tensor-parallel slices differ across
+  // mesh.tp: install_tensor_parallel made the whole model equal before slicing it).
+  s.weights_hash = dist::replicate_rank0(*mesh.dp, model);
 
   // Groups: the units in forward order, then every other trainable parameter (the root).
   std::map<std::string, int> unit_of;
@@ -453,12 +456,22 @@ std::shared_ptr<FullyShardedDataParallel> FullyShardedDataParallel::attach(
                                                    std::make_unique<ShardGradientHook>(raw, k));
   }
   std::vector<ParameterShard> shards;
+  const auto& placements = model.tensor_parallel();
   for (const auto& p : raw->params) {
-    shards.push_back({p.layout.name, p.shard, p.layout.shape, raw->rank * p.layout.rows_per_rank,
-                      p.layout.valid_rows(raw->rank)});
+    ParameterShard shard;
+    shard.name = p.layout.name;
+    shard.shard = p.shard;
+    shard.global_shape = p.layout.shape;
+    shard.row_offset = raw->rank * p.layout.rows_per_rank;
+    shard.rows = p.layout.valid_rows(raw->rank);
+    auto placement = placements.find(p.layout.name);
+    if (placement != placements.end()) shard.tensor_parallel = placement->second;
+    // Replica 0's shards are the checkpoint's (the other replicas hold the same and load them);
+    // of a parameter tensor parallelism keeps whole, tp rank 0's.
+    shard.saved = mesh.replica == 0 && (shard.tensor_parallel || mesh.tp_index == 0);
+    shards.push_back(std::move(shard));
   }
-  // Replica 0's shards are the checkpoint's; the other replicas hold the same and load them.
-  trainer.set_parallel_layout(sharded_layout(std::move(shards), raw->comm, mesh.replica == 0));
+  trainer.set_parallel_layout(sharded_layout(std::move(shards), raw->comm, mesh.tp));
   trainer.add_hook(hook);
   model.add_unit_wrapper(hook);
   const FsdpMemory memory = hook->memory();

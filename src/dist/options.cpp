@@ -39,6 +39,8 @@ ProcessGroupOptions ProcessGroupOptions::from_config(const Config& config) {
   o.config_hash = config.hash();
   o.strategy = config.get_string("dist.strategy");
   o.dp_replicate = config.get_int("dist.dp_replicate");
+  o.tp = config.get_int("dist.tp");
+  o.tp_across_nodes = config.get_bool("dist.tp_across_nodes");
   o.device_memory_bytes = config.get_float("dist.device_memory_bytes");
   o.memory_headroom = config.get_float("dist.memory_headroom");
   return o;

@@ -48,6 +48,13 @@ ConfigSection dist_section() {
                   "= auto: 1 with dist.strategy = \"fsdp\", the plan's choice with \"auto\" "
                   "(the smallest shard group that fits, replicated over the rest); must divide "
                   "the world size"),
+          int_key("dist", "tp", 1, 1, 4096,
+                  "tensor parallelism: each decoder layer split over this many consecutive ranks "
+                  "(column-parallel q/k/v and gate/up, row-parallel o and down; llama), data "
+                  "parallelism (dist.strategy) over world / tp; must divide the world size"),
+          bool_key("dist", "tp_across_nodes", false,
+                   "allow dist.tp larger than the ranks of one node (LOCAL_WORLD_SIZE): its "
+                   "all-reduces, two per layer each way, would then cross the network"),
           bool_key("dist", "reshard_after_forward", true,
                    "fsdp: free a unit's gathered parameters after its forward and gather them "
                    "again for backward (ZeRO-3); false keeps them until its backward (ZeRO-2)"),
@@ -102,6 +109,16 @@ ConfigSection dist_section() {
                     "picks the replicas itself)";
            },
            {"dist.dp_replicate=2", "dist.strategy=ddp"}},
+          {"dist.tp > 1 needs compile.backend = \"eager\"",
+           [](const Config& c) -> std::string {
+             if (c.get_int("dist.tp") <= 1 || c.get_string("compile.backend") == "eager") return "";
+             return "dist.tp = " + std::to_string(c.get_int("dist.tp")) +
+                    " splits each layer with collectives inside it, which a compiled package "
+                    "(compile.backend = \"" +
+                    c.get_string("compile.backend") +
+                    "\") does not run; set compile.backend = \"eager\" or dist.tp = 1";
+           },
+           {"model.name=llama", "data.name=text", "dist.tp=2", "compile.backend=inductor"}},
       }};
 }
 

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
+#include <stdexcept>
 
 #include "kiln/comm.h"
 #include "kiln/dist.h"
@@ -37,10 +39,70 @@ ShardLayout shard_layout(const std::string& name, const std::vector<int64_t>& sh
 
 namespace {
 
+// Which of `grads` (the gradients of those of `parameters` that have one, in order, as the
+// Trainer lists them) belong to tensor-parallel slices (`split`, by parameter).
+std::vector<bool> split_of_grads(const std::vector<torch::Tensor>& parameters,
+                                 const std::vector<bool>& split, size_t grads) {
+  std::vector<bool> out;
+  for (size_t k = 0; k < parameters.size(); ++k) {
+    if (parameters[k].grad().defined()) out.push_back(split[k]);
+  }
+  if (out.size() != grads) {
+    throw std::logic_error("tensor-parallel gradient norm: the gradients are not the layout's");
+  }
+  return out;
+}
+
+// sqrt of the gradients' summed squares: all of them summed over `group` (null: this rank's
+// are everyone's), the tensor-parallel slices' (`split`, by gradient) over `tp` too (null:
+// none), with the fp16 overflow flag (when defined) in the same all-reduces, so every rank
+// agrees.
+torch::Tensor split_gradient_norm(const std::vector<torch::Tensor>& grads,
+                                  const std::vector<bool>& split, Communicator* group,
+                                  Communicator* tp, torch::Tensor& overflow) {
+  const torch::Tensor norms = at::stack(at::_foreach_norm(grads, 2));
+  if (!group && !tp) return at::linalg_vector_norm(norms, 2);  // one rank: as replicated
+  const torch::Tensor squares = norms.square();
+  auto mask = torch::tensor(std::vector<uint8_t>(split.begin(), split.end()),
+                            torch::TensorOptions().dtype(torch::kBool))
+                  .to(squares.device());
+  const auto zero = torch::zeros({}, squares.options());
+  torch::Tensor parts =
+      at::stack({torch::where(mask, squares, zero).sum(), torch::where(mask, zero, squares).sum(),
+                 overflow.defined() ? overflow.to(squares.scalar_type()) : zero});
+  if (group) group->all_reduce_sum(parts);
+  if (tp) {
+    torch::Tensor sliced = at::stack({parts[0], parts[2]});
+    tp->all_reduce_sum(sliced);
+    parts = at::stack({sliced[0], parts[1], sliced[1]});
+  }
+  if (overflow.defined()) overflow = (parts[2] > 0).to(overflow.scalar_type());
+  return (parts[0] + parts[1]).sqrt();
+}
+
+// Where a piece of `local` rows [row_offset, row_offset + rows) on dim 0 of a parameter lies
+// in the whole one: its tensor-parallel placement (if any) added.
+TensorPiece whole_piece(const std::vector<int64_t>& local_shape, int64_t row_offset,
+                        const std::optional<TensorParallelPlacement>& tp, bool saved) {
+  TensorPiece piece;
+  piece.global_shape = tp ? tp->global_shape : local_shape;
+  piece.offsets.assign(piece.global_shape.size(), 0);
+  if (!piece.offsets.empty()) piece.offsets[0] = row_offset;
+  if (tp) piece.offsets[static_cast<size_t>(tp->dim)] += tp->offset;
+  piece.saved = saved;
+  return piece;
+}
+
 class ShardedLayout final : public ParallelLayout {
  public:
-  ShardedLayout(std::vector<ParameterShard> shards, std::shared_ptr<Communicator> comm, bool saved)
-      : shards_(std::move(shards)), comm_(std::move(comm)), saved_(saved) {}
+  ShardedLayout(std::vector<ParameterShard> shards, std::shared_ptr<Communicator> comm,
+                std::shared_ptr<Communicator> tp)
+      : shards_(std::move(shards)), comm_(std::move(comm)), tp_(std::move(tp)) {
+    for (const auto& s : shards_) {
+      split_.push_back(s.tensor_parallel.has_value());
+      parameters_.push_back(s.shard);
+    }
+  }
 
   NamedTensors optimizer_parameters(Model& /*model*/) override {
     NamedTensors out;
@@ -52,18 +114,9 @@ class ShardedLayout final : public ParallelLayout {
   // all-reduce), so clipping, the non-finite guard and the loss scaler agree on every rank.
   torch::Tensor global_gradient_norm(const std::vector<torch::Tensor>& grads,
                                      torch::Tensor& overflow) override {
-    const torch::Tensor norms = at::stack(at::_foreach_norm(grads, 2));
-    if (!comm_) return at::linalg_vector_norm(norms, 2);  // one rank: as the replicated layout
-    torch::Tensor squares = norms.square().sum();
-    if (overflow.defined()) {
-      torch::Tensor both = at::stack({squares, overflow.to(squares.scalar_type())});
-      comm_->all_reduce_sum(both);
-      squares = both[0];
-      overflow = (both[1] > 0).to(overflow.scalar_type());
-    } else {
-      comm_->all_reduce_sum(squares);
-    }
-    return squares.sqrt();
+    const std::vector<bool> split =
+        tp_ ? split_of_grads(parameters_, split_, grads.size()) : std::vector<bool>(grads.size());
+    return split_gradient_norm(grads, split, comm_.get(), tp_.get(), overflow);
   }
 
   // Each shard's own rows (padding dropped; none when it holds padding only), and the same rows
@@ -74,10 +127,8 @@ class ShardedLayout final : public ParallelLayout {
     auto add_piece = [&](NamedTensors& into, const std::string& name, const torch::Tensor& t,
                          const ParameterShard& s) {
       if (s.rows == 0) return;
-      std::vector<int64_t> offsets(s.global_shape.size(), 0);
-      if (!offsets.empty()) offsets[0] = s.row_offset;
       into.emplace_back(name, s.global_shape.empty() ? t.view({}) : t.narrow(0, 0, s.rows));
-      state.pieces[name] = TensorPiece{s.global_shape, offsets, saved_};
+      state.pieces[name] = whole_piece(s.global_shape, s.row_offset, s.tensor_parallel, s.saved);
     };
     for (const auto& s : shards_) add_piece(state.model, s.name, s.shard, s);
     for (const auto& item : model.named_buffers())
@@ -94,16 +145,76 @@ class ShardedLayout final : public ParallelLayout {
 
  private:
   std::vector<ParameterShard> shards_;
-  std::shared_ptr<Communicator> comm_;  // null: one rank
-  bool saved_;                          // false: a replica's copy (TensorPiece::saved)
+  std::shared_ptr<Communicator> comm_;     // null: one rank
+  std::shared_ptr<Communicator> tp_;       // null: no tensor parallelism
+  std::vector<bool> split_;                // by shard: a tensor-parallel slice
+  std::vector<torch::Tensor> parameters_;  // the shards, as the optimizer holds them
+};
+
+// Tensor parallelism without sharding (alone, or under DDP): every parameter stepped whole on
+// this rank, the slices saved as pieces of the whole parameters by data-parallel rank 0.
+class TensorParallelLayout final : public ParallelLayout {
+ public:
+  TensorParallelLayout(Model& model, std::shared_ptr<Communicator> tp, bool saved)
+      : tp_(std::move(tp)), saved_(saved) {
+    for (const auto& item : model.named_parameters()) {
+      split_.push_back(model.tensor_parallel().count(item.key()) > 0);
+      parameters_.push_back(item.value());
+    }
+  }
+
+  NamedTensors optimizer_parameters(Model& model) override {
+    NamedTensors out;
+    for (auto& item : model.named_parameters()) out.emplace_back(item.key(), item.value());
+    return out;
+  }
+
+  // DDP's gradients are already averaged over the data-parallel ranks: only the slices' squares
+  // are summed, over the tensor-parallel ranks.
+  torch::Tensor global_gradient_norm(const std::vector<torch::Tensor>& grads,
+                                     torch::Tensor& overflow) override {
+    return split_gradient_norm(grads, split_of_grads(parameters_, split_, grads.size()), nullptr,
+                               tp_.get(), overflow);
+  }
+
+  void add_state(Model& model, const NamedTensors& optimizer_state, TrainState& state) override {
+    const auto& placements = model.tensor_parallel();
+    auto add = [&](NamedTensors& into, const std::string& name, const std::string& parameter,
+                   const torch::Tensor& t) {
+      into.emplace_back(name, t);
+      auto it = placements.find(parameter);
+      if (it != placements.end())
+        state.pieces[name] = whole_piece(t.sizes().vec(), 0, it->second, saved_);
+    };
+    for (const auto& item : model.named_parameters())
+      add(state.model, item.key(), item.key(), item.value());
+    for (const auto& item : model.named_buffers())
+      state.model.emplace_back(item.key(), item.value());
+    for (const auto& [name, tensor] : optimizer_state)
+      add(state.optimizer, name, name.substr(0, name.rfind('.')), tensor);
+  }
+
+ private:
+  std::shared_ptr<Communicator> tp_;
+  bool saved_;               // data-parallel rank 0 writes the slices
+  std::vector<bool> split_;  // by parameter, registration order: a tensor-parallel slice
+  std::vector<torch::Tensor> parameters_;
 };
 
 }  // namespace
 
 std::shared_ptr<ParallelLayout> sharded_layout(std::vector<ParameterShard> shards,
-                                               std::shared_ptr<Communicator> comm, bool saved) {
+                                               std::shared_ptr<Communicator> comm,
+                                               std::shared_ptr<Communicator> tp) {
   if (comm && comm->world_size() <= 1) comm = nullptr;
-  return std::make_shared<ShardedLayout>(std::move(shards), std::move(comm), saved);
+  if (tp && tp->world_size() <= 1) tp = nullptr;
+  return std::make_shared<ShardedLayout>(std::move(shards), std::move(comm), std::move(tp));
+}
+
+std::shared_ptr<ParallelLayout> tensor_parallel_layout(Model& model,
+                                                       std::shared_ptr<Communicator> tp,
+                                                       bool saved) {
+  return std::make_shared<TensorParallelLayout>(model, std::move(tp), saved);
 }
 
 }  // namespace kiln

@@ -25,6 +25,8 @@ LlamaConfig llama_shape(const Config& config);
 LlamaConfig llama_preset(const std::string& name);
 /// What makes a Llama shape unbuildable (head size, key/value heads), or "".
 std::string llama_shape_problem(const LlamaConfig& shape);
+/// Why the llama of `shape` cannot be split over `tp` tensor-parallel ranks ("" when it can).
+std::string llama_tensor_parallel_problem(const LlamaConfig& shape, int64_t tp);
 /// Parameter count and FLOPs of a shape.
 ModelMath llama_math(const LlamaConfig& shape);
 ModelMath gpt_math(const GptConfig& shape);

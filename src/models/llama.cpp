@@ -20,6 +20,7 @@
 #include "kiln/models.h"
 #include "models/internal.h"
 #include "models/split_forward.h"
+#include "models/tensor_parallel.h"
 
 namespace kiln {
 namespace {
@@ -123,11 +124,12 @@ class Attention final : public nn::Module {
     v_proj_ = register_module("v_proj", linear(c.n_embd, c.n_kv_head * head_dim_));
     o_proj_ = register_module("o_proj", linear(c.n_head * head_dim_, c.n_embd));
   }
-  torch::Tensor forward(const torch::Tensor& x, const RotaryTables& rotary) {
-    const int64_t B = x.size(0), T = x.size(1);
+  torch::Tensor forward(const torch::Tensor& input, const RotaryTables& rotary) {
+    const int64_t B = input.size(0), T = input.size(1);
     auto heads = [&](const torch::Tensor& t, int64_t n) {
       return t.view({B, T, n, head_dim_}).transpose(1, 2);  // [B, n, T, D]
     };
+    const torch::Tensor x = tp_ ? tensor_parallel::copy_to_ranks(input, *tp_) : input;
     auto q = apply_rotary(heads(q_proj_->forward(x), n_head_), rotary);     // [B, H, T, D]
     auto k = apply_rotary(heads(k_proj_->forward(x), n_kv_head_), rotary);  // [B, K, T, D]
     auto v = heads(v_proj_->forward(x), n_kv_head_);
@@ -137,12 +139,28 @@ class Attention final : public nn::Module {
         at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
                                          /*is_causal=*/true, /*scale=*/std::nullopt,
                                          /*enable_gqa=*/n_kv_head_ != n_head_);  // [B, H, T, D]
-    return o_proj_->forward(y.transpose(1, 2).contiguous().view({B, T, n_head_ * head_dim_}));
+    auto out = o_proj_->forward(y.transpose(1, 2).contiguous().view({B, T, n_head_ * head_dim_}));
+    return tp_ ? tensor_parallel::reduce_from_ranks(out, *tp_) : out;
   }
   torch::Tensor o_proj_weight() const { return o_proj_->weight; }
 
+  // Tensor parallelism: this rank's H/tp query heads and K/tp key/value heads (each key/value
+  // head stays with the query heads it serves: tp divides K), column-parallel; o_proj's matching
+  // input columns, row-parallel.
+  void shard(std::shared_ptr<Communicator> tp, const std::string& prefix,
+             std::map<std::string, TensorParallelPlacement>& placements) {
+    placements[prefix + "q_proj.weight"] = tensor_parallel::shard(q_proj_->weight, 0, *tp);
+    placements[prefix + "k_proj.weight"] = tensor_parallel::shard(k_proj_->weight, 0, *tp);
+    placements[prefix + "v_proj.weight"] = tensor_parallel::shard(v_proj_->weight, 0, *tp);
+    placements[prefix + "o_proj.weight"] = tensor_parallel::shard(o_proj_->weight, 1, *tp);
+    n_head_ /= tp->world_size();
+    n_kv_head_ /= tp->world_size();
+    tp_ = std::move(tp);
+  }
+
  private:
   int64_t n_head_, n_kv_head_, head_dim_;
+  std::shared_ptr<Communicator> tp_;  // set by shard()
   nn::Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, o_proj_{nullptr};
 };
 
@@ -153,13 +171,26 @@ class SwiGlu final : public nn::Module {
     up_proj_ = register_module("up_proj", linear(width, hidden));
     down_proj_ = register_module("down_proj", linear(hidden, width));
   }
-  torch::Tensor forward(const torch::Tensor& x) {
-    return down_proj_->forward(torch::silu(gate_proj_->forward(x)) * up_proj_->forward(x));
+  torch::Tensor forward(const torch::Tensor& input) {
+    const torch::Tensor x = tp_ ? tensor_parallel::copy_to_ranks(input, *tp_) : input;
+    auto out = down_proj_->forward(torch::silu(gate_proj_->forward(x)) * up_proj_->forward(x));
+    return tp_ ? tensor_parallel::reduce_from_ranks(out, *tp_) : out;
   }
   torch::Tensor down_proj_weight() const { return down_proj_->weight; }
 
+  // Tensor parallelism: I/tp of the hidden features (gate and up column-parallel, down
+  // row-parallel).
+  void shard(std::shared_ptr<Communicator> tp, const std::string& prefix,
+             std::map<std::string, TensorParallelPlacement>& placements) {
+    placements[prefix + "gate_proj.weight"] = tensor_parallel::shard(gate_proj_->weight, 0, *tp);
+    placements[prefix + "up_proj.weight"] = tensor_parallel::shard(up_proj_->weight, 0, *tp);
+    placements[prefix + "down_proj.weight"] = tensor_parallel::shard(down_proj_->weight, 1, *tp);
+    tp_ = std::move(tp);
+  }
+
  private:
   nn::Linear gate_proj_{nullptr}, up_proj_{nullptr}, down_proj_{nullptr};
+  std::shared_ptr<Communicator> tp_;  // set by shard()
 };
 
 class DecoderLayer final : public nn::Module {
@@ -175,6 +206,11 @@ class DecoderLayer final : public nn::Module {
   torch::Tensor forward(torch::Tensor x, const RotaryTables& rotary) {
     x = x + self_attn_->forward(input_layernorm_->forward(x), rotary);
     return x + mlp_->forward(post_attention_layernorm_->forward(x));
+  }
+  void shard(const std::shared_ptr<Communicator>& tp, const std::string& prefix,
+             std::map<std::string, TensorParallelPlacement>& placements) {
+    self_attn_->shard(tp, prefix + "self_attn.", placements);
+    mlp_->shard(tp, prefix + "mlp.", placements);
   }
   // The two residual projections, whose init is scaled by 1/sqrt(2 * n_layer).
   std::vector<torch::Tensor> residual_projections() const {
@@ -268,6 +304,18 @@ class Llama final : public Model, public SplitForward {
   }
   std::vector<ModelUnit> units() const override { return block_units("model.layers", blocks_); }
 
+  // The decoder layers split (heads, MLP width); the embedding, the norms and the head stay
+  // whole on every rank: the head's logits are computed whole, so the loss needs no
+  // vocabulary-parallel cross-entropy (its cost: the [C, V] matmul on every rank).
+  void shard_tensor_parallel(std::shared_ptr<Communicator> tp) override {
+    if (!tensor_parallel_.empty()) throw std::logic_error("llama: already tensor-parallel");
+    if (std::string problem = llama_tensor_parallel_problem(config_, tp->world_size());
+        !problem.empty())
+      throw UserError(problem);
+    for (size_t i = 0; i < blocks_.size(); ++i)
+      blocks_[i]->shard(tp, fmt::format("model.layers.{}.", i), tensor_parallel_);
+  }
+
  private:
   void initialise(at::Generator& generator) {
     torch::NoGradGuard no_grad;
@@ -344,6 +392,17 @@ std::string llama_shape_problem(const LlamaConfig& c) {
   return "";
 }
 
+std::string llama_tensor_parallel_problem(const LlamaConfig& c, int64_t tp) {
+  if (c.n_kv_head % tp != 0 || c.intermediate_size % tp != 0) {
+    return fmt::format(
+        "dist.tp = {} must divide the key/value heads (model.n_kv_head = {}; the query heads, "
+        "model.n_head = {}, follow them) and the MLP width (model.intermediate_size = {}): each "
+        "rank computes whole heads; pick a tp that divides both",
+        tp, c.n_kv_head, c.n_head, c.intermediate_size);
+  }
+  return "";
+}
+
 LlamaConfig resolve_llama_config(const Config& config) {
   const LlamaConfig out = llama_shape(config);
   if (std::string problem = llama_shape_problem(out); !problem.empty()) throw UserError(problem);
@@ -394,6 +453,9 @@ ModelSpec llama_spec() {
   spec.python_twin = "kiln_py.models";
   spec.load_hf = load_hf_llama;
   spec.save_hf = save_hf_llama;
+  spec.tensor_parallel_problem = [](const Config& config, int64_t tp) {
+    return llama_tensor_parallel_problem(llama_shape(config), tp);
+  };
   return spec;
 }
 

@@ -60,6 +60,13 @@ std::string auto_strategy_problem(const Job& job, const Model& model, const torc
                      choice.reason, fsdp_with_compile_problem());
 }
 
+std::string one_process_tp_problem(int64_t tp) {
+  return fmt::format(
+      "dist.tp = {} splits each layer over {} ranks, but this is one process; launch {} or more "
+      "with torchrun (docs/scale.md) or set dist.tp = 1",
+      tp, tp, tp);
+}
+
 // Rank 0 runs `work` (which returns a problem or throws); every rank throws rank 0's problem.
 void agree_on_rank0(Communicator& comm, const std::function<std::string()>& work) {
   std::string error;
@@ -97,27 +104,48 @@ std::shared_ptr<RunLock> lock_run_directories(const Job& job, Communicator& comm
 ComposedStep compose_step(const Job& job, std::shared_ptr<Model> model, Datasets data,
                           const TrainerOptions& options, const StepComposition& composition) {
   ComposedStep out;
-  out.trainer = std::make_unique<Trainer>(job.trainer, std::move(model), std::move(data), options);
+  // The mesh first: tensor parallelism (dist.tp) makes the trainer's ranks, whose data shards
+  // and loss it averages, the data-parallel ones (the ranks of one tensor-parallel group read
+  // the same batches).
+  const bool parallel = options.comm && options.comm->parallel();
+  const int64_t tp = job.group.tp;
+  TrainerOptions trainer_options = options;
+  DeviceMesh mesh;
+  if (parallel) {
+    const int world = options.comm->world_size();
+    const int dp = ddp_mesh_shape(world, tp).dp_size();  // throws UserError naming dist.tp
+    out.strategy = resolve_strategy(job.config, *model, options.device, dp);
+    MeshShape shape = out.strategy.mesh;
+    shape.tp = static_cast<int>(tp);
+    // Hybrid sharding's and tensor parallelism's groups are created here, on every rank.
+    mesh = build_device_mesh(options.comm, shape);
+    trainer_options.rank = mesh.dp_index();
+    trainer_options.world_size = shape.dp_size();
+    trainer_options.comm = mesh.dp;
+  } else if (tp > 1) {
+    throw UserError(one_process_tp_problem(tp));
+  }
+  out.trainer =
+      std::make_unique<Trainer>(job.trainer, std::move(model), std::move(data), trainer_options);
   Trainer& trainer = *out.trainer;
   // 1. Activation checkpointing: the outermost unit wrapper.
   if (job.trainer.train.activation_checkpointing == TrainOptions::ActivationCheckpointing::kBlock) {
     install_activation_checkpointing(trainer);
   }
-  // 2. The parallel layout: DDP or FSDP over the process group (rank 0's weights everywhere).
-  if (options.comm && options.comm->parallel()) {
-    out.strategy =
-        resolve_strategy(job.config, trainer.model(), options.device, options.comm->world_size());
+  // 2. The parallel layout: tensor parallelism (the model sliced), then DDP or FSDP over the
+  // data-parallel ranks (rank 0's weights everywhere).
+  if (parallel) {
+    if (tp > 1) install_tensor_parallel(trainer, mesh);
     // fsdp with a compiled step: refused before this, by the [compile] rule (dist.strategy =
     // "fsdp") or by compose_training's pre-check (dist.strategy = "auto" resolving to fsdp).
     if (out.strategy.strategy == "fsdp") {
-      // Hybrid sharding when the choice replicates: its groups are created here, on every rank.
-      out.fsdp = FullyShardedDataParallel::attach(
-          trainer, build_device_mesh(options.comm, out.strategy.mesh), job.fsdp);
+      out.fsdp = FullyShardedDataParallel::attach(trainer, mesh, job.fsdp);
     } else {
-      out.ddp = DataParallel::attach(trainer, options.comm, job.ddp);
+      out.ddp = DataParallel::attach(trainer, mesh.dp, job.ddp);
     }
-    // The same initial weights everywhere, but each rank's own random stream (dropout, ...).
-    torch::manual_seed(job.runtime.seed + static_cast<uint64_t>(options.rank));
+    // The same initial weights everywhere, but each data-parallel rank's own random stream
+    // (dropout, ...), shared by the ranks of a tensor-parallel group.
+    torch::manual_seed(job.runtime.seed + static_cast<uint64_t>(mesh.dp_index()));
   }
   if (composition.before_compilation) composition.before_compilation(out);
   // 3 and 4. Compilation (the step's executor, or per-unit packages innermost) and capture.
@@ -155,9 +183,23 @@ std::unique_ptr<Session> compose_training(const Job& job, std::shared_ptr<Commun
   session->lock = lock_run_directories(job, group, [&] {
     if (composition.checkpointing)
       check_train_start(job.resume, job.checkpoint, *model, job.trainer.optim);
-    // A hybrid-sharding mesh the world cannot hold (throws UserError naming dist.dp_replicate).
-    if (parallel && job.group.strategy == "fsdp")
-      fsdp_mesh_shape(job.group.dp_replicate, world_size);
+    // A mesh the world cannot hold (UserError naming dist.tp or dist.dp_replicate).
+    if (parallel) {
+      if (job.group.strategy == "fsdp") {
+        fsdp_mesh_shape(job.group.dp_replicate, world_size, 1, job.group.tp);
+      } else {
+        ddp_mesh_shape(world_size, job.group.tp);
+      }
+      if (job.group.tp > group.local_world_size() && !job.group.tp_across_nodes) {
+        return fmt::format(
+            "dist.tp = {} is more than the {} ranks of one node (LOCAL_WORLD_SIZE): its "
+            "all-reduces, two per layer each way, would cross the network; set dist.tp <= {} "
+            "or dist.tp_across_nodes = true",
+            job.group.tp, group.local_world_size(), group.local_world_size());
+      }
+    } else if (job.group.tp > 1) {
+      return one_process_tp_problem(job.group.tp);
+    }
     return auto_strategy_problem(job, *model, session->device, group);
   });
   const bool continues = composition.checkpointing && job.resume.continues();

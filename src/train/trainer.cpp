@@ -102,6 +102,8 @@ const char* composition_stage_name(CompositionStage stage) {
   switch (stage) {
     case CompositionStage::kActivationCheckpointing:
       return "activation checkpointing";
+    case CompositionStage::kTensorParallel:
+      return "tensor parallelism";
     case CompositionStage::kParallelLayout:
       return "parallel layout";
     case CompositionStage::kCompilation:
@@ -116,7 +118,8 @@ void Trainer::enter_composition_stage(CompositionStage stage, const std::string&
   if (stage <= last_stage_) {
     throw std::logic_error(fmt::format(
         "cannot install {} ({}) after {}: a step is composed in the order activation "
-        "checkpointing -> parallel layout (DDP/FSDP) -> compilation -> capture, one piece each "
+        "checkpointing -> tensor parallelism -> parallel layout (DDP/FSDP) -> compilation -> "
+        "capture, one piece each "
         "(kiln/job.h compose_training; kiln/train.h CompositionStage says why)",
         what, composition_stage_name(stage),
         composition_.empty() ? std::string("?") : composition_.back()));

@@ -45,11 +45,12 @@ TEST(ConfigRules, TheSectionsDeclareTheKnownRules) {
   // `kiln train` runs, now declared next to their components.
   std::map<std::string, int> per_section;
   for (const auto& [section, rule] : every_rule()) ++per_section[section];
-  EXPECT_EQ(per_section["model"], 9);  // + registered name, llama heads, preset, init_from, package
-  EXPECT_EQ(per_section["data"], 7);   // + a registered dataset name (kiln/dataset_registry.h)
+  EXPECT_EQ(per_section["model"],
+            10);  // + registered name, llama heads, preset, init_from, package, tp plan
+  EXPECT_EQ(per_section["data"], 7);  // + a registered dataset name (kiln/dataset_registry.h)
   EXPECT_EQ(per_section["optim"], 2);
   EXPECT_EQ(per_section["train"], 1);    // stop_after_step within train.steps
-  EXPECT_EQ(per_section["dist"], 2);     // nccl needs cuda; dp_replicate needs fsdp
+  EXPECT_EQ(per_section["dist"], 3);     // nccl needs cuda; dp_replicate needs fsdp; tp needs eager
   EXPECT_EQ(per_section["compile"], 9);  // probe_seq_lens + the step matrix's eight
 }
 

@@ -368,6 +368,33 @@ def case_hsdp_sigkill(args, work):
     fault_case(args, work, "kill", 30, ["dist.strategy=fsdp", "dist.dp_replicate=2"])
 
 
+def case_tp_train(args, work):
+    """`kiln train` of a llama with tensor parallelism under torchrun at world 4 on Gloo: dist.tp =
+    2 with DDP over the other 2 (TP 2 x DDP 2), and with FSDP (TP 2 x FSDP 2), against one process
+    of the same global batch: per-step losses within 1e-5. A tp that does not divide the world (2
+    of 3 ranks) is refused at start, before the run directory exists."""
+    cfg = os.path.join(args.source, "configs/llama-tiny.toml")
+    common = ["model.n_layer=2", "run.progress=log", "run.log_every=5", "data.num_workers=1",
+              "train.eval_every=0", "train.steps=6", f"run.dir={work}", "data.seq_len=32",
+              "run.threads=1"]
+    rc, _, err, _ = run([args.kiln, "train", cfg] + sets(common + ["run.name=single", "train.batch_size=8"]))
+    check(rc == 0, f"single process trains (exit {rc})") or print(err)
+    for strategy in ("ddp", "fsdp"):
+        name = f"tp-{strategy}"
+        rc, _, err, _ = run(torchrun(args, 4, [args.kiln, "train", cfg] +
+                                     sets(common + [f"run.name={name}", "train.batch_size=4", "dist.tp=2",
+                                                    f"dist.strategy={strategy}"])))
+        check(rc == 0, f"torchrun with 4 ranks as TP 2 x {strategy} 2 trains (exit {rc})") or print(err)
+        check("tensor parallel over 2 ranks" in err and "14 of" in err,
+              f"the ranks log the split (TP 2 x {strategy})")
+        compare_losses(work, "single", name, 6, 1e-5)
+    rc, _, err, _ = run(torchrun(args, 3, [args.kiln, "train", cfg] +
+                                 sets(common + ["run.name=refused", "dist.tp=2"])))
+    check(rc != 0 and "dist.tp = 2 does not divide the world of 3 ranks" in err
+          and not os.path.exists(os.path.join(work, "refused")),
+          f"tp 2 of 3 ranks is refused, nothing written (exit {rc})") or print(err[-2000:])
+
+
 class Skip(Exception):
     """The case cannot run here (the reason says why); the test reports it skipped (exit 77)."""
 

@@ -181,7 +181,8 @@ TEST(Job, APieceInstalledOutOfOrderIsRefusedNamingTheOrder) {
   } catch (const std::logic_error& e) {
     EXPECT_THAT(e.what(), HasSubstr("cannot install activation checkpointing"));
     EXPECT_THAT(e.what(), HasSubstr("after DDP"));
-    EXPECT_THAT(e.what(), HasSubstr("activation checkpointing -> parallel layout"));
+    EXPECT_THAT(e.what(),
+                HasSubstr("activation checkpointing -> tensor parallelism -> parallel layout"));
   }
   // One layout each: FSDP over DDP is refused too.
   EXPECT_THROW(FullyShardedDataParallel::attach(*wrong, comm, fsdp_options(config)),
