@@ -44,6 +44,21 @@ from kiln_py import models  # noqa: E402  (kiln's Python model twins)
 from peer import learning_rate, make_optimizer  # noqa: E402  (the peer's optimizer and schedule)
 
 
+def clip_mixed(params, max_norm, tp_group):
+    """clip_grad_norm_ over tensor-parallel DTensor slices and plain (replicated) parameters,
+    which torch.nn.utils.clip_grad_norm_ refuses to mix: the slices' squared norms summed over
+    the tp group, the replicated ones' once (as torchtitan's clip_grad_norm_ does per mesh)."""
+    from torch.distributed.tensor import DTensor
+    grads = [p.grad for p in params if p.grad is not None]
+    split = sum((g.to_local().float().norm() ** 2 for g in grads if isinstance(g, DTensor)), torch.zeros(()))
+    whole = sum((g.float().norm() ** 2 for g in grads if not isinstance(g, DTensor)), torch.zeros(()))
+    dist.all_reduce(split, group=tp_group)
+    total = (split + whole).sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--export", required=True, help="a `kiln peer export` directory")
@@ -51,6 +66,11 @@ def main():
     parser.add_argument("--result", required=True, help="rank 0 writes losses and step times here")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard instead of DDP")
     parser.add_argument("--checkpoint", action="store_true", help="--fsdp: checkpoint_wrapper per block")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor parallelism over this many ranks (a llama: parallelize_module "
+                             "with ColwiseParallel q/k/v/gate/up and RowwiseParallel o/down over a "
+                             "DeviceMesh, heads divided, as torchtitan); the data-parallel ranks "
+                             "(world / tp) run DDP; no --fsdp")
     parser.add_argument("--replicate", type=int, default=1,
                         help="--fsdp: hybrid sharding over a 2-D DeviceMesh (replicate, shard) with this "
                              "many replicas (fully_shard(mesh=...): HSDP)")
@@ -58,6 +78,8 @@ def main():
     parser.add_argument("--bf16", action="store_true",
                         help="--fsdp: MixedPrecisionPolicy(bf16 params, fp32 reduce) and autocast(bf16)")
     args = parser.parse_args()
+    if args.tp > 1 and args.fsdp:
+        parser.error("--tp goes without --fsdp here")
     if (args.checkpoint or args.compile_units or args.bf16 or args.replicate > 1) and not args.fsdp:
         parser.error("--checkpoint, --compile-units, --bf16 and --replicate go with --fsdp")
 
@@ -95,16 +117,41 @@ def main():
             fully_shard(unit, reshard_after_forward=cfg["dist"].get("reshard_after_forward", True),
                         mp_policy=policy, mesh=mesh)
         ddp = fully_shard(model, mp_policy=policy, mesh=mesh)
+    elif args.tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+        mesh = init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        plan = {f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}
+        plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+                     "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh["tp"], plan)
+            layer.self_attn.heads //= args.tp
+            layer.self_attn.kv_heads //= args.tp
+        if world // args.tp > 1:
+            raise SystemExit("--tp with data parallelism: not in this peer (kiln's TP x DDP has no peer here)")
+        ddp = model
     else:
         ddp = DistributedDataParallel(model, bucket_cap_mb=cfg["dist"]["bucket_mb"])
     optimizer = make_optimizer(model, cfg["optim"])
+    if args.tp > 1:  # fused kernels refuse DTensor slices and plain tensors in one group
+        from torch.distributed.tensor import DTensor
+        groups = []
+        for g in optimizer.param_groups:
+            for keep in (True, False):
+                ps = [p for p in g["params"] if isinstance(p, DTensor) == keep]
+                if ps:
+                    groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ps})
+        optimizer = type(optimizer)(groups)  # each group carries its own options
     accum = cfg["train"]["grad_accum_steps"]
     clip = cfg["train"]["clip_grad_norm"]
     params = list(model.parameters())
 
     batches = load_file(os.path.join(args.export, "batches.safetensors"))
-    shards = [[(batches[f"step{k}.micro{m}.inputs"][rank::world].contiguous(),
-                batches[f"step{k}.micro{m}.targets"][rank::world].contiguous()) for m in range(accum)]
+    dp_rank, dp_world = rank // args.tp, world // args.tp  # a tp group reads the same batch
+    shards = [[(batches[f"step{k}.micro{m}.inputs"][dp_rank::dp_world].contiguous(),
+                batches[f"step{k}.micro{m}.targets"][dp_rank::dp_world].contiguous()) for m in range(accum)]
               for k in range(args.steps)]
     del batches
 
@@ -117,13 +164,15 @@ def main():
             last = m == accum - 1
             if args.fsdp:
                 ddp.set_requires_gradient_sync(last)
-            with (ddp.no_sync() if not last and not args.fsdp else torch.enable_grad()):
+            with (ddp.no_sync() if not last and not args.fsdp and args.tp == 1 else torch.enable_grad()):
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
                     logits = ddp(inputs)
                     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)) / accum
                 loss.backward()
             total += loss.detach()
-        if clip > 0:
+        if clip > 0 and args.tp > 1:
+            clip_mixed(params, clip, mesh["tp"].get_group())
+        elif clip > 0:
             torch.nn.utils.clip_grad_norm_(params, clip)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(cfg, k)
@@ -135,7 +184,7 @@ def main():
 
     if rank == 0:
         with open(args.result, "w") as f:
-            json.dump({"losses": losses, "strategy": "fsdp2" if args.fsdp else "ddp", "step_seconds": seconds, "cpu_seconds": cpu_seconds,
+            json.dump({"losses": losses, "strategy": "fsdp2" if args.fsdp else ("tp" if args.tp > 1 else "ddp"), "step_seconds": seconds, "cpu_seconds": cpu_seconds,
                        "world_size": world,
                        "threads": torch.get_num_threads(), "torch": torch.__version__,
                        # this process's peak resident set (Linux reports KiB)

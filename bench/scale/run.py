@@ -53,10 +53,15 @@ def main():
     parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp",
                         help="fsdp: kiln's dist.strategy=fsdp against Python FSDP2 (fully_shard), and "
                              "kiln's DDP once for the memory and step time side by side")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor parallelism (a llama config): kiln dist.tp against "
+                             "parallelize_module over a DeviceMesh (ddp_peer.py --tp); --world = --tp")
     parser.add_argument("--replicate", type=int, default=1,
                         help="--strategy fsdp: hybrid sharding with this many replicas: kiln "
                              "dist.dp_replicate against FSDP2 over a 2-D DeviceMesh (replicate, shard)")
     args = parser.parse_args()
+    if args.tp > 1 and (args.strategy != "ddp" or args.world != args.tp):
+        parser.error("--tp runs alone here: --world = --tp, --strategy ddp")
     if args.replicate > 1 and args.strategy != "fsdp":
         parser.error("--replicate goes with --strategy fsdp")
     if args.world % args.replicate != 0:
@@ -74,7 +79,7 @@ def main():
         export = os.path.join(work, "export")
         common = args.overrides + [f"train.steps={max(total, 1)}", "run.progress=off"]
         subprocess.run([args.kiln, "peer", "export", args.config, "--steps", str(total), "--out", export] +
-                       sets(common + [f"train.batch_size={batch * args.world}", f"run.dir={work}/runs"]),
+                       sets(common + [f"train.batch_size={batch * args.world // args.tp}", f"run.dir={work}/runs"]),
                        check=True, stdout=subprocess.DEVNULL)
         kiln_medians, py_medians, kiln_losses, py_losses, kiln_runs = [], [], None, None, []
         kiln_cpu, py_cpu = [], []
@@ -84,7 +89,8 @@ def main():
                            sets(common + [f"train.batch_size={batch}", f"run.dir={work}/runs", "run.name=kiln",
                                           "dist.scale_baseline_steps=0", f"dist.scale_warmup_steps={args.warmup}",
                                           f"dist.scale_steps={args.steps}", f"dist.strategy={args.strategy}"]
-                                          + ([f"dist.dp_replicate={args.replicate}"] if args.strategy == "fsdp" else [])),
+                                          + ([f"dist.dp_replicate={args.replicate}"] if args.strategy == "fsdp" else [])
+                                          + ([f"dist.tp={args.tp}"] if args.tp > 1 else [])),
                            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             with open(os.path.join(work, "runs", "kiln", "scale.json")) as f:
                 scale = json.load(f)
@@ -98,7 +104,8 @@ def main():
             peer_json = os.path.join(work, "peer.json")
             subprocess.run([args.torchrun, "--standalone", f"--nproc-per-node={args.world}",
                             os.path.join(HERE, "ddp_peer.py"), "--export", export, "--steps", str(total),
-                            "--result", peer_json] + (["--fsdp", "--replicate", str(args.replicate)] if args.strategy == "fsdp" else []), check=True, stdout=subprocess.DEVNULL,
+                            "--result", peer_json] + (["--fsdp", "--replicate", str(args.replicate)] if args.strategy == "fsdp" else [])
+                           + (["--tp", str(args.tp)] if args.tp > 1 else []), check=True, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
             with open(peer_json) as f:
                 peer = json.load(f)
@@ -124,8 +131,9 @@ def main():
                         "memory": ddp_scale["per_rank"][0].get("memory")}
 
     k_med, p_med = statistics.median(kiln_medians), statistics.median(py_medians)
-    peer_name = ("FSDP2" if args.strategy == "fsdp" else "DDP") + (
-        f" HSDP {args.replicate}x{args.world // args.replicate}" if args.replicate > 1 else "")
+    peer_name = ("FSDP2" if args.strategy == "fsdp" else "DDP" if args.tp == 1 else "") + (
+        f" HSDP {args.replicate}x{args.world // args.replicate}" if args.replicate > 1 else "") + (
+        f"TP {args.tp} (parallelize_module)" if args.tp > 1 else "")
     worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(kiln_losses, py_losses))
     result = {
         "config": args.config, "overrides": args.overrides, "world_size": args.world,
@@ -142,7 +150,7 @@ def main():
         "kiln_cpu_per_repeat": kiln_cpu, "python_cpu_per_repeat": py_cpu,
         "kiln_breakdown_per_repeat": kiln_runs,
         "losses_max_relative_difference": worst,
-        "strategy": args.strategy, "replicas": args.replicate,
+        "strategy": args.strategy, "replicas": args.replicate, "tp": args.tp,
         "kiln_memory_rank0": kiln_memory, "kiln_ddp": ddp_side,
         "python_peak_rss_bytes_rank0": py_peak_rss,
         "fsdp_over_ddp_step": (k_med / ddp_side["median_step_seconds"]) if ddp_side else None,

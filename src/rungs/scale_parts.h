@@ -50,9 +50,14 @@ struct ScaleOutcome {
   StepMeasurement steps;
   std::vector<ScaleRank> per_rank;  // every rank's numbers, in rank order
   std::vector<std::string> hashes;  // every rank's weights hash
+  int tp = 1;  // dist.tp: rank r holds tensor-parallel slice r % tp (kiln/dist.h DeviceMesh)
 
+  /// Every data-parallel replica of each tensor-parallel slice holds the same weights.
   bool in_sync() const {
-    return std::all_of(hashes.begin(), hashes.end(), [&](const auto& h) { return h == hashes[0]; });
+    for (size_t r = 0; r < hashes.size(); ++r) {
+      if (hashes[r] != hashes[r % static_cast<size_t>(std::max(1, tp))]) return false;
+    }
+    return true;
   }
   bool have_baseline() const { return baseline.measured && baseline.samples_per_second > 0; }
 };
