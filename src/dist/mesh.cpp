@@ -14,7 +14,7 @@ namespace {
 std::string divisors_of(int n) {
   std::string out;
   for (int d = 1; d <= n; ++d) {
-    if (n % d == 0) out += (out.empty() ? "" : ", ") + std::to_string(d);
+    if (n % d == 0) out.append(out.empty() ? "" : ", ").append(std::to_string(d));
   }
   return out;
 }

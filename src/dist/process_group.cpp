@@ -298,7 +298,7 @@ class ProcessGroupCommunicator final : public Communicator {
     }
     if (ranks.size() == 1) return single_process_communicator();
     std::string listed;
-    for (int r : ranks) listed += (listed.empty() ? "" : ",") + std::to_string(r);
+    for (int r : ranks) listed.append(listed.empty() ? "" : ",").append(std::to_string(r));
     auto prefix = c10::make_intrusive<c10d::PrefixStore>(
         fmt::format("kiln/restart{}/{}/{}/{}", env_.restart_count, backend_name_, tag, listed),
         store_);

@@ -112,7 +112,7 @@ class ThreadCommunicator final : public Communicator {
                                          const std::vector<int>& ranks) override {
     if (ranks.size() == 1) return single_process_communicator();
     std::string key = tag;
-    for (int r : ranks) key += "/" + std::to_string(r);
+    for (int r : ranks) key.append("/").append(std::to_string(r));
     const auto index = std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin();
     if (index == static_cast<std::ptrdiff_t>(ranks.size()))
       throw std::invalid_argument("subgroup: this rank is not among the ranks");

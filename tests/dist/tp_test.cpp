@@ -44,6 +44,8 @@ Config llama(const std::filesystem::path& dir, int dp, std::vector<std::string> 
 }
 
 struct Mesh {
+  Mesh(int world, int tp, std::string strategy, std::vector<std::string> extra = {})
+      : world(world), tp(tp), strategy(std::move(strategy)), extra(std::move(extra)) {}
   int world = 1, tp = 1;
   std::string strategy = "ddp";    // over the world / tp data-parallel ranks
   std::vector<std::string> extra;  // more keys (precision, checkpointing)
