@@ -23,7 +23,9 @@ const std::map<std::string, std::set<std::string>>& allowed() {
     std::map<std::string, std::set<std::string>> t;
     t["core"] = {"core"};
     t["comm"] = {"core", "comm"};
-    t["models"] = {"core", "models"};
+    // models: a tensor-parallel layer sums its partial results over the tp group (the
+    // Communicator interface only; process groups are built in dist).
+    t["models"] = {"core", "comm", "models"};
     t["data"] = {"core", "models", "data"};
     t["train"] = {"core", "comm", "models", "data", "train"};
     for (const char* component : {"dist", "ckpt", "profile", "peer", "compile"}) {
@@ -60,6 +62,7 @@ std::string public_header_component(const std::string& name) {
       {"data.h", "data"},
       {"dataset_registry.h", "data"},
       {"train.h", "train"},
+      {"optim.h", "train"},
       {"dist.h", "dist"},
       {"checkpoint.h", "ckpt"},
       // The safetensors format is data-only I/O any component may use (models reads Hugging Face
