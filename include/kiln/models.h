@@ -178,6 +178,12 @@ struct ModelMath {
   /// instead (its input), and how many units Model::units() returns.
   double unit_activation_elements_per_sample = 0, unit_input_elements_per_sample = 0;
   int64_t units = 0;
+  /// Parameters in the tensors the model's tensor-parallel plan slices (ModelSpec::
+  /// tensor_parallel_problem; 0 without a plan): the planner's TP memory and traffic.
+  int64_t tensor_parallel_parameters = 0;
+  /// The parameters of one of the `units` blocks the plan slices (an equal share of
+  /// tensor_parallel_parameters each); the rest of the model is one whole group.
+  int64_t tensor_parallel_block_parameters = 0;
   /// Token models: the positions the model holds (a learned position table's rows; the context
   /// length), and whether the head is the token embedding's weight.
   int64_t block_size = 0;

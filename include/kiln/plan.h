@@ -41,6 +41,27 @@ struct StrategyInput {
   double headroom_fraction = 0.1;
   /// Devices in the job (world size); FSDP degrees considered are the divisors of it.
   int64_t gpu_count = 1;
+  /// Devices on one node, the fast link (NVLink); 0: all gpu_count on one node.
+  int64_t gpus_per_node = 0;
+  /// Tensor parallelism (TP): the TP degrees (> 1) the model's plan can split it over (dividing
+  /// its key/value heads and MLP width; empty: the model has no plan, or TP is not allowed), and
+  /// the fraction of the model state and of the largest unit in the tensors the plan slices (the
+  /// rest, embeddings and norms, stays whole on every TP rank).
+  std::vector<int64_t> tensor_parallel_degrees;
+  double tensor_parallel_fraction = 0;
+  /// The largest unit's parameter bytes at each of tensor_parallel_degrees (a block's slice, or
+  /// the whole embeddings group, whichever is larger); a degree missing: largest_unit x the
+  /// fraction kept.
+  std::map<int64_t, double> tensor_parallel_unit_bytes;
+  /// Communication figures, for choosing between layouts that fit: the bytes of all parameters
+  /// as FSDP gathers them (twice per micro-batch) and reduce-scatters their gradients (once),
+  /// the bytes TP all-reduces per micro-batch (4 per layer: 2 forward, 2 backward, of the
+  /// [b, s, C] activations), micro-batches per step, and each link's bandwidth per device
+  /// (bytes/s; 0 = unknown).
+  double parameter_bytes = 0;
+  double tensor_parallel_bytes = 0;
+  int64_t grad_accum_steps = 1;
+  double intra_node_bytes_per_second = 0, inter_node_bytes_per_second = 0;
 };
 
 /// The decision and the numbers behind it.
@@ -48,8 +69,15 @@ struct StrategyDecision {
   /// "ddp" when model state + activations fit on every device; else "fsdp" at the smallest degree
   /// that fits; else "does-not-fit".
   std::string strategy;
-  /// The smallest FSDP degree (a divisor of gpu_count, >= 2) at which a device fits; 0 when none.
+  /// The FSDP degree (dp_shard: a divisor of gpu_count / tp_degree, >= 2) of the layout chosen;
+  /// 0 for DDP or when none fits.
   int64_t fsdp_degree = 0;
+  /// The tensor-parallel degree of the layout chosen (1: none). The layout is dp_replicate x
+  /// dp_shard x tp = (gpu_count / (fsdp_degree x tp_degree)) x fsdp_degree x tp_degree.
+  int64_t tp_degree = 1;
+  /// The chosen layout's communication per step, seconds, on its links (0 when the bandwidths
+  /// are unknown or for DDP).
+  double communication_seconds = 0;
   /// usable = device_memory_bytes x (1 - headroom_fraction).
   double usable_bytes = 0;
   /// DDP per device: ddp_model_state_bytes + activation_bytes.
@@ -63,8 +91,11 @@ struct StrategyDecision {
   std::string reason;
 };
 
-/// The strategy rule: DDP when it fits, else FSDP at the smallest fitting degree, else
-/// does-not-fit (docs/plan.md, "Strategy"). Never throws for non-negative input; a gpu_count < 1
+/// The strategy rule (docs/plan.md, "Strategy"): DDP when it fits; else FSDP at the smallest
+/// fitting degree inside a node (hybrid sharding over the nodes); else, of FSDP across nodes at
+/// its smallest fitting degree and each TP degree inside a node with FSDP at its smallest fitting
+/// degree over the rest, the one that communicates least per step (without bandwidths: FSDP);
+/// else does-not-fit. Never throws for non-negative input; a gpu_count < 1
 /// or a headroom outside [0, 1) is a programming error (std::invalid_argument).
 StrategyDecision choose_strategy(const StrategyInput& input);
 
@@ -92,6 +123,11 @@ struct ModelShape {
   double math_activation_elements = 0, math_unit_activation_elements = 0,
          math_unit_input_elements = 0;
   int64_t math_units = 0;
+  /// Tensor parallelism: the parameters the model's plan slices (ModelMath), and the degrees
+  /// 2..n_kv_head its plan accepts for this config (ModelSpec::tensor_parallel_problem; empty
+  /// without a plan).
+  int64_t math_tensor_parallel_parameters = 0, math_tensor_parallel_block_parameters = 0;
+  std::vector<int64_t> tensor_parallel_degrees;
 };
 
 /// The config's model shape, from the model's ModelSpec::math. Throws UserError for a shape the

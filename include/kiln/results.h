@@ -398,6 +398,7 @@ struct PlanRow {
   bool fits_memory = false;
   std::string strategy;  // "ddp", "fsdp", "does-not-fit"
   int64_t fsdp_degree = 0;
+  int64_t tp_degree = 1;  // tensor parallelism (absent in older plans: 1)
   double ddp_bytes_per_device = 0, fsdp_bytes_per_device = 0, usable_bytes = 0;
   std::string strategy_reason;
   double mfu = 0;

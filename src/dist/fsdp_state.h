@@ -45,7 +45,6 @@ inline void free_storage(const torch::Tensor& tensor) {
   storage->set_nbytes(0);
 }
 
-
 inline void allocate_storage(const torch::Tensor& tensor) {
   c10::StorageImpl* storage = tensor.unsafeGetTensorImpl()->storage().unsafeGetStorageImpl();
   const size_t bytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();

@@ -434,6 +434,10 @@ ModelMath llama_math(const LlamaConfig& c) {
   m.block_size = c.block_size;
   m.tie_embeddings = c.tie_embeddings;
   m.units = c.n_layer;
+  // Sliced by the plan (src/models/llama.cpp shard_tensor_parallel): q/k/v/o and gate/up/down;
+  // the norms, embedding and head stay whole.
+  m.tensor_parallel_parameters = c.n_layer * (layer - 2 * C);
+  m.tensor_parallel_block_parameters = layer;
   m.step_layout = ModelMath::StepLayout::kLlamaDecoder;
   return m;
 }

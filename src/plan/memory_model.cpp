@@ -433,6 +433,27 @@ StrategyInput strategy_input(const ModelShape& shape, const JobShape& job,
   in.device_memory_bytes = device_memory_bytes;
   in.headroom_fraction = headroom_fraction;
   in.gpu_count = job.world_size;
+  const int64_t tp_parameters = shape.math_tensor_parallel_parameters;
+  if (tp_parameters > 0 && n > 0) {
+    in.tensor_parallel_degrees = shape.tensor_parallel_degrees;
+    in.tensor_parallel_fraction = static_cast<double>(tp_parameters) / n;
+    const double units = static_cast<double>(std::max<int64_t>(1, shape.math_units));
+    const double block = static_cast<double>(shape.math_tensor_parallel_block_parameters);
+    const double sliced = static_cast<double>(tp_parameters) / units;
+    const double rest = n - units * block;  // embeddings, final norm, head: one whole group
+    for (int64_t t : shape.tensor_parallel_degrees) {
+      in.tensor_parallel_unit_bytes[t] =
+          4.0 * std::max(rest, block - sliced + sliced / static_cast<double>(t));
+    }
+    // The bytes TP all-reduces per micro-batch: 2 per layer forward (after attention and after
+    // the MLP), 2 backward (their inputs' gradients), each [b, s, C] in the compute dtype.
+    const double compute_bytes = job.precision == "fp32" ? 4.0 : 2.0;
+    in.tensor_parallel_bytes = 4.0 * static_cast<double>(shape.n_layer) *
+                               static_cast<double>(job.micro_batch * job.seq_len) *
+                               static_cast<double>(shape.n_embd) * compute_bytes;
+  }
+  in.parameter_bytes = 4.0 * n;
+  in.grad_accum_steps = job.grad_accum_steps;
   return in;
 }
 

@@ -30,6 +30,15 @@ ModelShape model_shape(const Config& config) {
   shape.math_unit_activation_elements = math.unit_activation_elements_per_sample;
   shape.math_unit_input_elements = math.unit_input_elements_per_sample;
   shape.math_units = math.units;
+  shape.math_tensor_parallel_parameters = math.tensor_parallel_parameters;
+  shape.math_tensor_parallel_block_parameters = math.tensor_parallel_block_parameters;
+  const ModelSpec& spec = model_spec(config);
+  if (spec.tensor_parallel_problem && math.tensor_parallel_parameters > 0) {
+    for (int64_t t = 2; t <= std::max<int64_t>(math.n_kv_head, 2); ++t) {
+      if (spec.tensor_parallel_problem(config, t).empty())
+        shape.tensor_parallel_degrees.push_back(t);
+    }
+  }
   shape.n_layer = math.n_layer;
   shape.n_head = math.n_head;
   shape.n_kv_head = math.n_kv_head;

@@ -234,6 +234,9 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
   for (const Device* device : rows) {
     StrategyInput input = strategy_input(shape, job, device->memory_bytes, headroom);
     input.activation_bytes *= activation_ratio;
+    input.gpus_per_node = device->gpus_per_node;
+    input.intra_node_bytes_per_second = device->interconnect_bytes_per_second / 2.0;
+    input.inter_node_bytes_per_second = device->network_bytes_per_second;
     const StrategyDecision decision = choose_strategy(input);
     // The pilot ran on this row's device: its measurements (the MFU over the matmul it timed,
     // eval, write speed, restart, its own duration) stand for this row; the peak and MFU by the
@@ -282,7 +285,11 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
     const double g = static_cast<double>(gpus);
     const double accum = static_cast<double>(job.grad_accum_steps);
     double comm = 0;
-    if (decision.strategy == "ddp" && gpus > 1) {
+    if (decision.tp_degree > 1) {
+      // Tensor parallelism: the rule's own figure (TP's all-reduces inside the node, FSDP over
+      // the slices, the replicas' all-reduce), on the same links.
+      comm = decision.communication_seconds;
+    } else if (decision.strategy == "ddp" && gpus > 1) {
       comm = 2.0 * (g - 1) / g * memory.gradients / bandwidth;  // ring all-reduce of the gradients
     } else if (decision.strategy == "fsdp") {
       const double d = static_cast<double>(decision.fsdp_degree);
@@ -507,7 +514,7 @@ std::string plan_markdown(const json& plan) {
     const auto& s = row["strategy"];
     const std::string strategy =
         strategy_text(s["strategy"].get<std::string>(), s["fsdp_degree"].get<int64_t>(),
-                      row["gpus"].get<int64_t>());
+                      row["gpus"].get<int64_t>(), s.value("tp_degree", int64_t{1}));
     auto reservation = [&](const char* key) {
       const auto& r = row[key];
       std::string text = r["fits"].get<bool>() ? "fits" : "no";
@@ -539,8 +546,14 @@ std::string plan_markdown(const json& plan) {
   for (const auto& row : plan["rows"]) {
     const auto& s = row["strategy"];
     const int64_t degree = s["fsdp_degree"].get<int64_t>(), gpus = row["gpus"].get<int64_t>();
+    const int64_t tp = s.value("tp_degree", int64_t{1});
     std::string how;
-    if (s["strategy"] == "fsdp" && degree > 0 && gpus > degree) {
+    if (s["strategy"] == "fsdp" && tp > 1) {
+      how = fmt::format(
+          "; tensor parallelism over {} inside a node, FSDP over {} ({} replicas): run it with "
+          "dist.strategy = \"fsdp\", dist.tp = {}, dist.dp_replicate = {}",
+          tp, degree, gpus / (degree * tp), tp, gpus / (degree * tp));
+    } else if (s["strategy"] == "fsdp" && degree > 0 && gpus > degree) {
       how = fmt::format(
           "; hybrid sharding: {} replicas of shard groups of {}, run by dist.strategy = \"auto\" "
           "(or \"fsdp\" with dist.dp_replicate = {})",

@@ -161,6 +161,7 @@ void plan_row_fields(const Io& x, PlanRow& row) {
   x.object("strategy", [&](const Io& s) {
     s("strategy", row.strategy);
     s("fsdp_degree", row.fsdp_degree);
+    s.or_default("tp_degree", row.tp_degree, int64_t{1});
     s("ddp_bytes_per_device", row.ddp_bytes_per_device);
     s("fsdp_bytes_per_device", row.fsdp_bytes_per_device);
     s("usable_bytes", row.usable_bytes);
@@ -320,7 +321,7 @@ void to_json(json& j, const MetricsRecord& value) {
 }
 
 std::string PlanRow::strategy_text() const {
-  return kiln::strategy_text(strategy, fsdp_degree, gpus);
+  return kiln::strategy_text(strategy, fsdp_degree, gpus, tp_degree);
 }
 
 double PlanRow::bytes_per_device() const {

@@ -29,6 +29,28 @@ Config gpt_6_7b() {
   return Config::load(source_dir() / "configs" / "gpt-6.7b.toml");
 }
 
+// Tensor parallelism in the plan: the degrees a model's plan accepts come from its spec (llama 3
+// 8B's 8 key/value heads and 14336-wide MLP: 2, 4, 8), the sliced fraction from its math
+// (q/k/v/o and gate/up/down: all but the norms, embedding and head); gpt has no plan.
+TEST(PlanModel, TensorParallelDegreesAndFractionComeFromTheModel) {
+  const Config llama = Config::load(source_dir() / "configs" / "llama3-8b.toml");
+  const ModelShape shape = model_shape(llama);
+  EXPECT_EQ(shape.tensor_parallel_degrees, (std::vector<int64_t>{2, 4, 8}));
+  JobShape job = job_shape(llama);
+  job.world_size = 16;
+  const StrategyInput in = strategy_input(shape, job, 141e9, 0.1);
+  // 32 x (4096 x 4096 x 2 + 2 x 4096 x 1024 + 3 x 4096 x 14336) / 8,030,261,248 = 0.8692.
+  EXPECT_NEAR(in.tensor_parallel_fraction, 6'979'321'856.0 / 8'030'261'248.0, 1e-9);
+  // The embeddings and head (2 x 128256 x 4096 + 4096) stay whole at every degree: the unit.
+  EXPECT_DOUBLE_EQ(in.tensor_parallel_unit_bytes.at(8), 4.0 * (2.0 * 128256 * 4096 + 4096));
+  // 4 all-reduces per layer of [1, 8192, 4096] in bf16 per micro-batch.
+  EXPECT_DOUBLE_EQ(in.tensor_parallel_bytes, 4.0 * 32 * 8192 * 4096 * 2);
+  const ModelShape gpt = model_shape(gpt_6_7b());
+  EXPECT_TRUE(gpt.tensor_parallel_degrees.empty());
+  EXPECT_TRUE(
+      strategy_input(gpt, job_shape(gpt_6_7b()), 80e9, 0.1).tensor_parallel_degrees.empty());
+}
+
 TEST(PlanModel, AnalyticParameterCountEqualsBuiltModels) {
   const std::vector<std::vector<std::string>> cases = {
       {"model.name=gpt", "data.name=text", "model.preset=tiny"},
