@@ -88,6 +88,9 @@ def replay(out, steps, initial_loss_scale=None):
         torch.set_num_threads(cfg["run"]["threads"])
     if cfg["run"]["deterministic"]:
         torch.use_deterministic_algorithms(True, warn_only=True)
+        # As kiln: the fill of new tensors' memory only when run.fill_uninitialized_memory.
+        torch.utils.deterministic.fill_uninitialized_memory = bool(
+            cfg["run"].get("fill_uninitialized_memory", True))
     initial = load_file(os.path.join(out, "init.safetensors"))
     if cfg["model"]["name"] == "exported":
         # A package `kiln model import` wrote: the original module (a Python factory's, or a

@@ -32,8 +32,16 @@ struct StrategyInput {
   /// Parameter bytes of the largest FSDP unit, gathered whole on every device while it runs (one
   /// transformer block, or the embeddings + final-norm group, whichever is larger).
   double largest_unit_parameter_bytes = 0;
-  /// Activation bytes per device for one micro-batch (measured by a pilot, or estimated).
+  /// Activation bytes per device for one micro-batch (measured by a pilot, or estimated): what
+  /// the step holds at its peak beyond the state and the weights' compute copies (the saved
+  /// activations, the logits and their gradients, backward's working buffers).
   double activation_bytes = 0;
+  /// Mixed precision under DDP: autocast's compute-dtype copies of the weights, the whole
+  /// model's, live at the peak (0 in fp32; FSDP gathers each unit in the compute dtype itself,
+  /// within largest_unit_parameter_bytes: no copies).
+  double weight_copy_bytes = 0;
+  /// The job already checkpoints activations (the advice when nothing fits leaves it out).
+  bool activation_checkpointing = false;
   /// Memory of one device (bytes).
   double device_memory_bytes = 0;
   /// Fraction of device memory kept free (allocator fragmentation, workspaces, comm buffers);
@@ -75,8 +83,10 @@ struct StrategyDecision {
   /// The tensor-parallel degree of the layout chosen (1: none). The layout is dp_replicate x
   /// dp_shard x tp = (gpu_count / (fsdp_degree x tp_degree)) x fsdp_degree x tp_degree.
   int64_t tp_degree = 1;
-  /// The chosen layout's communication per step, seconds, on its links (0 when the bandwidths
-  /// are unknown or for DDP).
+  /// The chosen layout's communication per step, seconds, on its links, not overlapped: DDP's
+  /// ring all-reduce of the gradients; FSDP's two gathers and one reduce-scatter per micro-batch
+  /// on the shard group's link and the replicas' all-reduce of the shards; TP's all-reduces
+  /// (0 when a link's bandwidth is unknown, or nothing fits).
   double communication_seconds = 0;
   /// usable = device_memory_bytes x (1 - headroom_fraction).
   double usable_bytes = 0;

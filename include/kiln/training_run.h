@@ -28,6 +28,14 @@ struct TrainingRunResult {
   int64_t already_at_step = -1;
   /// With compile.backend other than "eager": the compiled step's report (graphs, recompiles).
   std::optional<CompileReport> compile_report;
+  /// The rate the run achieved per device (the model's FLOPs per sample x its samples/s) and
+  /// the device's peaks it compares with: the catalog's for the device (0: no row, e.g. a CPU)
+  /// and the job's GEMM timed on it after training (0: not timed; a run shorter than
+  /// kRateMinSeconds is not, the timing would be a noticeable share of it).
+  static constexpr double kRateMinSeconds = 5.0;
+  double achieved_flops_per_second = 0;
+  double catalog_peak_flops_per_second = 0;
+  double matmul_peak_flops_per_second = 0;
 };
 
 /// Checks a config's inputs beyond its rules, cheaply and before anything is written: run.device

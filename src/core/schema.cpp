@@ -43,6 +43,10 @@ ConfigSection run_section() {
                   "seed for model initialisation and every other RNG"),
           bool_key("run", "deterministic", true,
                    "deterministic algorithms; on CPU equal configs give bitwise-equal losses"),
+          bool_key("run", "fill_uninitialized_memory", false,
+                   "with run.deterministic, fill every new tensor's memory (NaN) as PyTorch's "
+                   "deterministic mode does by default: a read of uninitialized memory shows, at "
+                   "the cost of a fill_ per allocation; kiln's bitwise determinism needs no fill"),
           int_key("run", "threads", 0, 0, 1024, "intra-op CPU threads (0 = LibTorch's default)"),
           string_key("run", "device", "auto", {"auto", "cpu", "cuda"},
                      "device to train on; auto = cuda when available"),

@@ -84,6 +84,8 @@ StrategyChoice resolve_strategy(const Config& config, const Model& model,
   input.ddp_model_state_bytes = parameters * state_bytes_per_parameter(job);
   input.largest_unit_parameter_bytes = *std::max_element(group_bytes.begin(), group_bytes.end());
   input.activation_bytes = (estimate.activations + estimate.logits) * activation_ratio;
+  input.weight_copy_bytes = estimate.autocast_copies;  // mixed precision's whole-model copies
+  input.activation_checkpointing = job.activation_checkpointing;
   const double configured = dist.device_memory_bytes;
   input.device_memory_bytes = configured > 0 ? configured : device_total_memory(device);
   input.headroom_fraction = dist.memory_headroom;

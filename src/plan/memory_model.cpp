@@ -429,7 +429,12 @@ StrategyInput strategy_input(const ModelShape& shape, const JobShape& job,
   StrategyInput in;
   in.ddp_model_state_bytes = n * state_bytes_per_parameter(job);
   in.largest_unit_parameter_bytes = 4.0 * static_cast<double>(largest_unit_parameter_count(shape));
-  in.activation_bytes = std::max(0.0, m.total() - in.ddp_model_state_bytes);
+  // The parts live at the unsharded step's peak beyond the state: the activations (they do not
+  // shard), and autocast's weight copies apart (DDP's whole model; FSDP gathers a unit in the
+  // compute dtype itself, no copies: the unit term).
+  in.activation_bytes = m.activations + m.logits + m.backward_extra;
+  in.weight_copy_bytes = m.autocast_copies;
+  in.activation_checkpointing = job.activation_checkpointing;
   in.device_memory_bytes = device_memory_bytes;
   in.headroom_fraction = headroom_fraction;
   in.gpu_count = job.world_size;

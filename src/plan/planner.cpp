@@ -49,7 +49,8 @@ std::string days_text(double seconds) {
 // Why no row fits 30 days, from the row that comes closest: memory, failures (the job's MTBF
 // against a checkpoint period and a restart), communication, a global batch so large the run is
 // a few steps, or plain compute (the only case more GPUs help).
-std::string what_limits(const json& rows, double steps, double tokens_per_step) {
+std::string what_limits(const json& rows, double steps, double tokens_per_step,
+                        bool activation_checkpointing) {
   const json* closest = nullptr;
   double closest_wall = std::numeric_limits<double>::infinity();
   bool any_fits_memory = false;
@@ -61,9 +62,11 @@ std::string what_limits(const json& rows, double steps, double tokens_per_step) 
     if (closest == nullptr || wall < closest_wall) closest = &row, closest_wall = wall;
   }
   if (!any_fits_memory) {
-    return "memory: no row holds the job even sharded over every GPU; enable activation "
-           "checkpointing (train.activation_checkpointing = \"block\"), lower train.batch_size, "
-           "or plan on a row with more memory";
+    return std::string("memory: no row holds the job even sharded over every GPU; ") +
+           (activation_checkpointing ? ""
+                                     : "enable activation checkpointing "
+                                       "(train.activation_checkpointing = \"block\"), ") +
+           "lower train.batch_size, plan more GPUs (plan.gpus) or a row with more memory";
   }
   const json& row = *closest;
   std::vector<std::string> limits;
@@ -279,29 +282,10 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
     const double recovery_seconds =
         measured_here && pilot->recovery_seconds > 0 ? pilot->recovery_seconds : save_seconds;
     const double restart_seconds = inputs.plan_restart_minutes * 60.0 + recovery_seconds;
-    const bool one_node = gpus <= device->gpus_per_node;
-    const double bandwidth =
-        one_node ? device->interconnect_bytes_per_second / 2.0 : device->network_bytes_per_second;
+    // The rule's own figure for every layout: DDP's all-reduce, FSDP's gathers and
+    // reduce-scatters on the shard group's link and the replicas' all-reduce, TP's all-reduces.
     const double g = static_cast<double>(gpus);
-    const double accum = static_cast<double>(job.grad_accum_steps);
-    double comm = 0;
-    if (decision.tp_degree > 1) {
-      // Tensor parallelism: the rule's own figure (TP's all-reduces inside the node, FSDP over
-      // the slices, the replicas' all-reduce), on the same links.
-      comm = decision.communication_seconds;
-    } else if (decision.strategy == "ddp" && gpus > 1) {
-      comm = 2.0 * (g - 1) / g * memory.gradients / bandwidth;  // ring all-reduce of the gradients
-    } else if (decision.strategy == "fsdp") {
-      const double d = static_cast<double>(decision.fsdp_degree);
-      const double shard_bw = decision.fsdp_degree <= device->gpus_per_node
-                                  ? device->interconnect_bytes_per_second / 2.0
-                                  : device->network_bytes_per_second;
-      // All-gather the parameters in forward and backward, reduce-scatter the gradients, each
-      // micro-batch; replicas (g / d of them) all-reduce their shard.
-      comm = accum * (2.0 * memory.parameters + memory.gradients) * (d - 1) / d / shard_bw;
-      const double replicas = g / d;
-      if (replicas > 1) comm += 2.0 * (replicas - 1) / replicas * memory.gradients / d / bandwidth;
-    }
+    const double comm = decision.communication_seconds;
     BudgetInput b;
     b.steps = steps;
     b.compute_seconds_per_step = flops_per_step / (g * peak * mfu);
@@ -446,7 +430,8 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
     }
     recommendation = best.is_null()
                          ? fmt::format("nothing fits a 30-day reservation at {} GPUs: {}", gpus,
-                                       what_limits(out_rows, steps, tokens_per_step))
+                                       what_limits(out_rows, steps, tokens_per_step,
+                                                   job.activation_checkpointing))
                          : fmt::format(
                                "{} for {} days: the shortest reservation that fits with the margin "
                                "({} days); set plan.price_7d_per_gpu_hour and "
@@ -549,10 +534,11 @@ std::string plan_markdown(const json& plan) {
     const int64_t tp = s.value("tp_degree", int64_t{1});
     std::string how;
     if (s["strategy"] == "fsdp" && tp > 1) {
+      const int64_t replicas = gpus / (degree * tp);
       how = fmt::format(
-          "; tensor parallelism over {} inside a node, FSDP over {} ({} replicas): run it with "
+          "; tensor parallelism over {} inside a node, FSDP over {}{}: run it with "
           "dist.strategy = \"fsdp\", dist.tp = {}, dist.dp_replicate = {}",
-          tp, degree, gpus / (degree * tp), tp, gpus / (degree * tp));
+          tp, degree, replicas > 1 ? fmt::format(" ({} replicas)", replicas) : "", tp, replicas);
     } else if (s["strategy"] == "fsdp" && degree > 0 && gpus > degree) {
       how = fmt::format(
           "; hybrid sharding: {} replicas of shard groups of {}, run by dist.strategy = \"auto\" "

@@ -47,7 +47,7 @@ StrategyDecision choose_strategy(const StrategyInput& in) {
   const int64_t W = in.gpu_count;
   const int64_t node = in.gpus_per_node > 0 ? std::min(in.gpus_per_node, W) : W;
   out.usable_bytes = in.device_memory_bytes * (1.0 - in.headroom_fraction);
-  out.ddp_bytes_per_device = in.ddp_model_state_bytes + in.activation_bytes;
+  out.ddp_bytes_per_device = in.ddp_model_state_bytes + in.weight_copy_bytes + in.activation_bytes;
   // What a device keeps of the state and of a gathered unit at TP degree t.
   auto keep = [&](int64_t t) {
     return 1.0 - in.tensor_parallel_fraction + in.tensor_parallel_fraction / static_cast<double>(t);
@@ -88,21 +88,26 @@ StrategyDecision choose_strategy(const StrategyInput& in) {
     return l;
   };
   const std::string usable = gb(out.usable_bytes) + " usable";
+  const std::string ddp_parts =
+      fmt::format("state {}{} + activations {}", gb(in.ddp_model_state_bytes),
+                  in.weight_copy_bytes > 0 ? " + weight copies " + gb(in.weight_copy_bytes) : "",
+                  gb(in.activation_bytes));
   if (out.ddp_bytes_per_device <= out.usable_bytes) {
     out.strategy = "ddp";
     out.fsdp_bytes_per_device = W > 1 ? fsdp_bytes(W) : out.ddp_bytes_per_device;
-    out.reason = fmt::format("ddp fits: {}/device (state {} + activations {}) <= {}",
-                             gb(out.ddp_bytes_per_device), gb(in.ddp_model_state_bytes),
-                             gb(in.activation_bytes), usable);
+    // The ring all-reduce of the gradients, once per step.
+    const double comm = ring(2.0 * in.parameter_bytes, W, bandwidth(W));
+    out.communication_seconds = std::isnan(comm) ? 0.0 : comm;
+    out.reason = fmt::format("ddp fits: {}/device ({}) <= {}", gb(out.ddp_bytes_per_device),
+                             ddp_parts, usable);
     return out;
   }
-  const std::string ddp_line = fmt::format(
-      "ddp needs {}/device (state {} + activations {}) > {}", gb(out.ddp_bytes_per_device),
-      gb(in.ddp_model_state_bytes), gb(in.activation_bytes), usable);
+  const std::string ddp_line =
+      fmt::format("ddp needs {}/device ({}) > {}", gb(out.ddp_bytes_per_device), ddp_parts, usable);
   auto fsdp_line = [&](const Layout& l) {
     return fmt::format("{}/device (state/{} {} + largest unit {} + activations {})", gb(l.bytes),
-                       l.d, gb(in.ddp_model_state_bytes / static_cast<double>(l.d)),
-                       gb(in.largest_unit_parameter_bytes), gb(in.activation_bytes));
+                       l.d, gb(in.ddp_model_state_bytes / static_cast<double>(l.d)), gb(unit(1)),
+                       gb(in.activation_bytes));
   };
   auto choose = [&](const Layout& l) {
     out.strategy = "fsdp";
@@ -174,6 +179,10 @@ StrategyDecision choose_strategy(const StrategyInput& in) {
     return out;
   }
   out.strategy = "does-not-fit";
+  const std::string advice = in.activation_checkpointing
+                                 ? "use a smaller micro-batch or more GPUs"
+                                 : "use activation checkpointing, a smaller micro-batch or more "
+                                   "GPUs";
   out.fsdp_bytes_per_device = W > 1 ? fsdp_bytes(W) : out.ddp_bytes_per_device;
   std::string tp_line;
   if (!degrees.empty() && degrees.back() > 1 && W % degrees.back() == 0 && W > degrees.back()) {
@@ -182,15 +191,11 @@ StrategyDecision choose_strategy(const StrategyInput& in) {
   }
   out.reason = W > 1 ? fmt::format(
                            "does not fit: {}; fsdp over all {} needs {}/device (state/{} {} + "
-                           "largest unit {} + activations {}){}; use activation checkpointing, a "
-                           "smaller micro-batch or more GPUs",
+                           "largest unit {} + activations {}){}; {}",
                            ddp_line, W, gb(out.fsdp_bytes_per_device), W,
-                           gb(in.ddp_model_state_bytes / static_cast<double>(W)),
-                           gb(in.largest_unit_parameter_bytes), gb(in.activation_bytes), tp_line)
-                     : fmt::format(
-                           "does not fit: {} on 1 GPU; use activation checkpointing, a smaller "
-                           "micro-batch or more GPUs (fsdp)",
-                           ddp_line);
+                           gb(in.ddp_model_state_bytes / static_cast<double>(W)), gb(unit(1)),
+                           gb(in.activation_bytes), tp_line, advice)
+                     : fmt::format("does not fit: {} on 1 GPU; {} (fsdp)", ddp_line, advice);
   return out;
 }
 

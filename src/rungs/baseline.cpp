@@ -14,6 +14,7 @@
 #include "kiln/plan.h"
 #include "kiln/results.h"
 #include "kiln/rungs.h"
+#include "rungs/device_rate.h"
 #include "rungs/options.h"
 
 namespace kiln {
@@ -134,29 +135,15 @@ RungResult run_baseline(Session& session) {
   // catalog's dense peak for the training precision when the device is in it (kiln/plan.h).
   double peak_flops = rung.peak_flops_per_second;
   std::string peak_source = "baseline.peak_flops_per_second";
-  if (peak_flops <= 0) {
-    const auto manifest_path = session.run->dir() / "manifest.json";
-    const std::string device_name = manifest_device_name(
-        std::filesystem::exists(manifest_path)
-            ? json::parse(read_file(manifest_path), nullptr, /*allow_exceptions=*/false)
-            : json(nullptr),
-        session.device.is_cuda() ? static_cast<int>(session.device.index()) : -1);
-    peak_flops = catalog_peak_flops(config, device_name, training_precision(config));
-    peak_source = fmt::format("hardware catalog ({}, {})", device_name, training_precision(config));
-  }
+  if (peak_flops <= 0)
+    peak_flops = run_catalog_peak_flops(config, session.run->dir(), session.device, peak_source);
   const double min_drop = rung.min_loss_drop;
   // The device's achievable matmul at the job's shape and precision, timed as the pilot times it
   // (kiln/plan.h): an MFU that means something where no catalog row does. A short budget (at
   // least 5 repetitions): the baseline is run often. Informational: a model the plan's shapes do
   // not describe leaves it out (null), with a warning.
-  std::optional<MatmulPeak> matmul;
-  try {
-    const JobShape job = job_shape(config);
-    matmul = measure_matmul_peak(job_matmul_shape(model_shape(config), job), job.precision,
-                                 session.device.str(), 0.05);
-  } catch (const std::exception& e) {
-    log::warn("baseline: the matmul peak was not timed: " + one_line_error(e));
-  }
+  const std::optional<MatmulPeak> matmul =
+      time_job_matmul(config, session.device, 0.05, "baseline");
 
   // Parameter, gradient and optimizer-state bytes: the model state a step must hold.
   double param_bytes = 0, state_bytes = 0;

@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -21,6 +22,7 @@
 #include "kiln/log.h"
 #include "kiln/models.h"
 #include "kiln/session.h"
+#include "rungs/device_rate.h"
 
 namespace kiln {
 
@@ -87,6 +89,19 @@ TrainingRunResult run_training(const Config& config, const TrainingRunOptions& o
   result.summary = session->trainer->fit(job.last_step(), session->run.get());
   result.run_dir = session->run->dir();
   if (session->compiled) result.compile_report = session->compiled->report();
+  // MFU on every device: against the catalog's peak where a row matches, and against the
+  // job's GEMM timed here (on a CPU, the one that means something), after training.
+  Trainer& trainer = *session->trainer;
+  result.achieved_flops_per_second =
+      trainer.model().train_flops_per_sample(trainer.data().train->tokens_per_sample()) *
+      result.summary.samples_per_second;
+  std::string source;
+  result.catalog_peak_flops_per_second =
+      run_catalog_peak_flops(job.config, session->run->dir(), session->device, source);
+  if (result.summary.seconds >= TrainingRunResult::kRateMinSeconds) {
+    if (auto matmul = time_job_matmul(job.config, session->device, 0.05, "train"))
+      result.matmul_peak_flops_per_second = matmul->flops_per_second;
+  }
   return result;
 }
 
@@ -114,6 +129,23 @@ std::string training_summary_text(const TrainingRunResult& result) {
           : "",
       tokens ? s.tokens_per_second : s.samples_per_second, tokens ? "tokens/s" : "samples/s");
   if (s.skipped_steps > 0) out += fmt::format("skipped {} non-finite steps\n", s.skipped_steps);
+  if (result.achieved_flops_per_second > 0 &&
+      (result.catalog_peak_flops_per_second > 0 || result.matmul_peak_flops_per_second > 0)) {
+    std::vector<std::string> against;
+    if (result.catalog_peak_flops_per_second > 0) {
+      against.push_back(fmt::format(
+          "MFU {:.1f}% of the catalog peak",
+          100 * result.achieved_flops_per_second / result.catalog_peak_flops_per_second));
+    }
+    if (result.matmul_peak_flops_per_second > 0) {
+      against.push_back(
+          fmt::format("{:.1f}% of this device's measured matmul ({:.3g} FLOP/s)",
+                      100 * result.achieved_flops_per_second / result.matmul_peak_flops_per_second,
+                      result.matmul_peak_flops_per_second));
+    }
+    out += fmt::format("{:.3g} FLOP/s per device: {}\n", result.achieved_flops_per_second,
+                       fmt::join(against, ", "));
+  }
   if (result.compile_report) {
     const CompileReport& report = *result.compile_report;
     if (report.granularity == "unit") {  // per-unit packages, the root's pieces (compile.root)

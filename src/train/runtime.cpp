@@ -18,6 +18,7 @@ void apply_runtime_settings(const RuntimeOptions& options) {
     // cuBLAS needs a fixed workspace for deterministic results; set before CUDA initialises.
     ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
     at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
+    at::globalContext().setDeterministicFillUninitializedMemory(options.fill_uninitialized_memory);
     at::globalContext().setDeterministicCuDNN(true);
     at::globalContext().setBenchmarkCuDNN(false);
   }

@@ -35,6 +35,24 @@ TEST(Strategy, DdpWhenStateAndActivationsFit) {
   EXPECT_THAT(d.reason, HasSubstr("30.0 GB"));
 }
 
+// Mixed precision: DDP holds autocast's bf16 copies of the whole model at its peak; FSDP gathers
+// each unit in bf16 itself (the unit term), so the copies do not follow it.
+TEST(Strategy, DdpCountsTheWholeModelsWeightCopiesFsdpDoesNot) {
+  StrategyInput in = input(60, 1, 10, 80, 8);  // 70 GB <= 72 usable: DDP without copies
+  EXPECT_EQ(choose_strategy(in).strategy, "ddp");
+  in.weight_copy_bytes = 7.5 * kGB;  // 3.75e9 parameters x 2 B
+  const StrategyDecision d = choose_strategy(in);
+  EXPECT_EQ(d.strategy, "fsdp");
+  EXPECT_DOUBLE_EQ(d.ddp_bytes_per_device, 77.5 * kGB);
+  EXPECT_DOUBLE_EQ(d.fsdp_bytes_per_device, (60.0 / 2 + 1 + 10) * kGB);
+  EXPECT_THAT(d.reason, HasSubstr("state 60.0 GB + weight copies 7.5 GB + activations 10.0 GB"));
+  // Nothing fits: the advice leaves out what the job already does.
+  StrategyInput huge = input(6000, 1, 10, 80, 8);
+  EXPECT_THAT(choose_strategy(huge).reason, HasSubstr("use activation checkpointing"));
+  huge.activation_checkpointing = true;
+  EXPECT_THAT(choose_strategy(huge).reason, HasSubstr("; use a smaller micro-batch or more GPUs"));
+}
+
 TEST(Strategy, FsdpAtTheSmallestDegreeThatFits) {
   // 107 GB of state: /2 = 53.5 + 1 + 10 = 64.5 <= 72 usable.
   auto d = choose_strategy(input(107, 1, 10, 80, 8));

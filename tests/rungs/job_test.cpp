@@ -104,6 +104,19 @@ TEST(Job, AResumeAtTheLastStepSaysNothingToTrainAndAppendsNothing) {
   EXPECT_THAT(training_summary_text(unsaved),
               HasSubstr("nothing saved (checkpoint.every_steps = 0): add --set "
                         "checkpoint.every_steps=N"));
+  // The rate: the model's FLOPs per sample x samples/s; a CPU has no catalog row, and a run this
+  // short times no matmul, so the summary has no FLOP/s line. With a measured matmul it has one.
+  EXPECT_GT(unsaved.achieved_flops_per_second, 0);
+  EXPECT_EQ(unsaved.catalog_peak_flops_per_second, 0);
+  ASSERT_LT(unsaved.summary.seconds, TrainingRunResult::kRateMinSeconds);
+  EXPECT_EQ(unsaved.matmul_peak_flops_per_second, 0);
+  EXPECT_THAT(training_summary_text(unsaved), ::testing::Not(HasSubstr("FLOP/s per device")));
+  TrainingRunResult timed = unsaved;
+  timed.matmul_peak_flops_per_second = 4 * unsaved.achieved_flops_per_second;
+  EXPECT_THAT(training_summary_text(timed),
+              HasSubstr("FLOP/s per device: 25.0% of this device's measured matmul"));
+  timed.catalog_peak_flops_per_second = 10 * unsaved.achieved_flops_per_second;
+  EXPECT_THAT(training_summary_text(timed), HasSubstr(": MFU 10.0% of the catalog peak, 25.0%"));
 }
 
 // dist.strategy = "fsdp" in one process without a launcher trains alone: said so.

@@ -1,3 +1,4 @@
+#include <ATen/Context.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -46,6 +47,24 @@ TEST(Trainer, DifferentSeedsGiveDifferentRuns) {
   TempDir dir;
   EXPECT_NE(losses_of(mlp_config(dir.path(), {"run.seed=1"}), 3),
             losses_of(mlp_config(dir.path(), {"run.seed=2"}), 3));
+}
+
+// run.fill_uninitialized_memory: PyTorch's NaN fill of every new tensor under deterministic
+// mode, off by default. The step never reads memory it did not write: with the fill (a read of
+// an uninitialized tensor would then be NaN in the loss) and without it, the losses are the same
+// bits.
+TEST(Trainer, TheUninitializedMemoryFillChangesNoLoss) {
+  TempDir dir;
+  const bool before = at::globalContext().deterministicFillUninitializedMemory();
+  Config filled = gpt_config(dir.path(), {"run.fill_uninitialized_memory=true"});
+  const auto with_fill = losses_of(filled, 4);
+  EXPECT_TRUE(at::globalContext().deterministicFillUninitializedMemory());
+  EXPECT_TRUE(torch::empty({8}).isnan().all().item<bool>());  // the fill is on: NaN
+  Config plain = gpt_config(dir.path());
+  const auto without = losses_of(plain, 4);
+  EXPECT_FALSE(at::globalContext().deterministicFillUninitializedMemory());
+  EXPECT_EQ(with_fill, without);
+  at::globalContext().setDeterministicFillUninitializedMemory(before);
 }
 
 TEST(Trainer, LossSequenceDoesNotDependOnLoaderWorkers) {
