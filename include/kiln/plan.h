@@ -90,7 +90,7 @@ struct StrategyDecision {
   double communication_seconds = 0;
   /// usable = device_memory_bytes x (1 - headroom_fraction).
   double usable_bytes = 0;
-  /// DDP per device: ddp_model_state_bytes + activation_bytes.
+  /// DDP per device: ddp_model_state_bytes + weight_copy_bytes + activation_bytes.
   double ddp_bytes_per_device = 0;
   /// FSDP per device at fsdp_degree (at gpu_count when no degree fits; equal to the DDP figure
   /// when gpu_count is 1): state / degree + largest_unit_parameter_bytes + activation_bytes.
