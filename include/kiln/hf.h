@@ -81,6 +81,21 @@ nlohmann::json load_hf_llama(Model& model, const std::filesystem::path& dir,
 void save_hf(Model& model, const std::filesystem::path& out_dir, bool force);
 nlohmann::json load_hf(Model& model, const std::filesystem::path& dir, const std::string& key);
 
+/// What generation needs beside an exported model's weights, so that `generate` runs as the model
+/// trained: the data's end-of-document token as bos_token_id and eos_token_id in config.json and
+/// generation_config.json (kiln data prepare's separator, from the corpus's data.json named in the
+/// run's manifest; else model.init_from's config.json's ids; else null, written so, since
+/// transformers would fall back on GPT-2's 50256 otherwise), and the tokenizer: the corpus's
+/// tokenizer.json when its SHA-256 is the one data.json recorded (a tokenizer_config.json naming
+/// the end token beside it), else model.init_from's tokenizer files. A tokenizer that moved or
+/// changed since the data was prepared is not carried: said in the returned text, which tells
+/// what was carried and from where (one line for the export's message). `run_manifest` is the
+/// training run's manifest.json (null when it is gone), `init_from` the model's record of
+/// model.init_from (null without one).
+std::string write_hf_generation_files(const std::filesystem::path& out_dir,
+                                      const nlohmann::json& run_manifest,
+                                      const nlohmann::json& init_from);
+
 /// SHA-256 of a file's content as 64 hex digits (streamed). Throws UserError naming the path.
 std::string sha256_file(const std::filesystem::path& path);
 

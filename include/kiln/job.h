@@ -123,6 +123,7 @@ struct TrainingComposition {
   /// (job.request.overwrite, or resume = "auto" finding nothing). kReplace: a rung's own files.
   RunOptions::Existing existing_records = RunOptions::Existing::kReplace;
   bool check_records = false;  // apply existing_records before the run opens (kiln train)
+  std::string rung = {};       // a rung run alone: its records apart (RunOptions::rung)
 };
 
 struct Session;

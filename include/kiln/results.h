@@ -474,7 +474,7 @@ struct PlanProgress {
 
 struct MetricsRecord {
   int64_t step = 0;
-  std::optional<double> loss, lr, step_seconds, data_wait_seconds, samples_per_second,
+  std::optional<double> loss, lr, grad_norm, step_seconds, data_wait_seconds, samples_per_second,
       tokens_per_second, val_loss;
   std::optional<PlanProgress> plan;  // a plan-tracking record (no loss)
 };

@@ -34,11 +34,18 @@ struct RunOptions {
   /// and logs where (--overwrite).
   enum class Existing { kReplace, kRefuse, kMoveAside };
   Existing existing_records = Existing::kReplace;
+  /// A rung run alone ("baseline", "profile", ...; empty for kiln train and the ladder): its
+  /// records never replace a training run's. Its steps go to metrics-<rung>.jsonl (as in the
+  /// ladder) and its log to <rung>.log; and where the directory holds a training run's records
+  /// (a non-empty metrics.jsonl), its config and manifest go to config-<rung>.toml and
+  /// manifest-<rung>.json instead of config.toml and manifest.json.
+  std::string rung = {};
 };
 
 class Run {
  public:
-  /// Creates the directory (writer only), writes config.toml, opens train.log and metrics.jsonl.
+  /// Creates the directory (writer only), writes config.toml, opens train.log and metrics.jsonl
+  /// (a rung's own names: RunOptions::rung).
   /// With append_metrics, a last line without its newline (a run killed mid-write) is truncated
   /// before appending, and a warning says so. Throws UserError when the directory cannot be
   /// created or written. Callers hold the directory's RunLock first (open_session does).
@@ -52,6 +59,10 @@ class Run {
   bool writer() const { return options_.writer; }
   const std::string& command_line() const { return command_line_; }
   const std::string& start_time_utc() const { return start_time_utc_; }
+  /// The names of this run's records in dir() (RunOptions::rung).
+  const std::string& metrics_file() const { return options_.metrics_file; }
+  const std::string& manifest_file() const { return manifest_file_; }
+  const std::string& config_file() const { return config_file_; }
 
   /// Writes <dir>/<filename> atomically (temp file, fsync, rename). Writer only; else no-op.
   void write_json(std::string_view filename, const nlohmann::json& value) const;
@@ -60,7 +71,7 @@ class Run {
   /// line (O_APPEND), so a kill leaves at most a line without its newline, never interleaved
   /// bytes. Writer only. A failed write is logged once and training goes on.
   void append_metrics(const nlohmann::json& record);
-  /// Writes manifest.json: everything needed to reproduce the run (see docs/manifest.md).
+  /// Writes manifest_file(): everything needed to reproduce the run (see docs/manifest.md).
   /// `data` and `model` are the dataset's and model's identity objects.
   void write_manifest(const nlohmann::json& data, const nlohmann::json& model,
                       const nlohmann::json& extra = nlohmann::json::object()) const;
@@ -71,6 +82,8 @@ class Run {
   std::filesystem::path dir_;
   std::string command_line_;
   std::string start_time_utc_;
+  std::string config_file_ = "config.toml", manifest_file_ = "manifest.json",
+              log_file_ = "train.log";
   int metrics_fd_ = -1;  // O_APPEND; one write() per record
   bool metrics_failed_ = false;
 };

@@ -38,7 +38,8 @@ struct SessionOptions {
   std::vector<std::string> argv;                 // recorded in the manifest
   std::shared_ptr<Communicator> comm = nullptr;  // null: process_communicator() (launcher env)
   std::string metrics_file = "metrics.jsonl";    // see RunOptions
-  bool compile = false;  // compose the job's compiled step (compile.backend) too
+  bool compile = false;   // compose the job's compiled step (compile.backend) too
+  std::string rung = {};  // a rung run alone (its CLI command): its records apart (RunOptions)
 };
 
 /// Locks the directories `job` writes, for every rank of `comm` at once: rank 0 locks the run

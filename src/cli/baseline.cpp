@@ -13,7 +13,8 @@ void add_baseline_command(CLI::App& app, Action& action) {
   args->add_to(*command);
   command->callback([&action, args] {
     action = [args] {
-      auto session = open_session(args->load_for_run(), {process_argv()});
+      auto session =
+          open_session(args->load_for_run(), {.argv = process_argv(), .rung = "baseline"});
       RungResult result = run_baseline(*session);
       print_rung(result);
       if (!result.passed) throw TrainingError("baseline gate failed: " + result.verdict);

@@ -19,7 +19,7 @@ void add_compile_command(CLI::App& app, Action& action) {
     action = [args] {
       Config config = args->load_for_run();
       check_compile_start(config);  // Python, torch, cache: before anything is written
-      auto session = open_session(config, {process_argv()});
+      auto session = open_session(config, {.argv = process_argv(), .rung = "compile"});
       RungResult result = run_compile(*session);
       if (session->comm->rank() == 0) print_rung(result);  // torchrun: one report
       if (!result.passed) throw TrainingError("compile gate failed: " + result.verdict);

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "core/files.h"
 #include "kiln/checkpoint.h"
 #include "kiln/comm.h"
 #include "kiln/error.h"
@@ -34,10 +35,11 @@ Config run_config(const fs::path& config_file) {
 
 int export_command(const ExportArgs& args) {
   const fs::path source = args.source;
-  fs::path step_dir, config_file;
+  fs::path step_dir, config_file, manifest_file;
   std::error_code ec;
   if (fs::is_regular_file(source / "config.toml", ec)) {  // a run directory
     config_file = source / "config.toml";
+    manifest_file = source / "manifest.json";
     const fs::path checkpoints = checkpoint_options(run_config(config_file), source).dir;
     if (list_checkpoints(checkpoints).empty()) {
       throw UserError(fmt::format(
@@ -52,8 +54,8 @@ int export_command(const ExportArgs& args) {
     const nlohmann::json& state = index.training_state;
     if (state.contains("run_manifest") && state["run_manifest"].contains("path") &&
         state["run_manifest"]["path"].is_string()) {
-      config_file =
-          fs::path(state["run_manifest"]["path"].get<std::string>()).parent_path() / "config.toml";
+      manifest_file = state["run_manifest"]["path"].get<std::string>();
+      config_file = manifest_file.parent_path() / "config.toml";
     }
     if (config_file.empty() || !fs::is_regular_file(config_file, ec)) {
       throw UserError(fmt::format(
@@ -73,9 +75,16 @@ int export_command(const ExportArgs& args) {
     load_checkpoint(step_dir, targets, *single_process_communicator());
   }
   save_hf(*model, args.out, args.force);
-  fmt::print("exported {} as a Hugging Face {} to {} (config.json, model.safetensors)\n",
-             step_dir.string(),
-             model->architecture() == "llama" ? "LlamaForCausalLM" : "GPT2LMHeadModel", args.out);
+  const nlohmann::json manifest =
+      fs::is_regular_file(manifest_file, ec)
+          ? nlohmann::json::parse(read_file(manifest_file), nullptr, /*allow_exceptions=*/false)
+          : nlohmann::json();
+  const std::string carried = write_hf_generation_files(args.out, manifest, model->init_from);
+  fmt::print(
+      "exported {} as a Hugging Face {} to {} (config.json, generation_config.json, "
+      "model.safetensors); {}\n",
+      step_dir.string(), model->architecture() == "llama" ? "LlamaForCausalLM" : "GPT2LMHeadModel",
+      args.out, carried);
   return 0;
 }
 

@@ -34,7 +34,7 @@ void add_pilot_command(CLI::App& app, Action& action) {
         return 0;
       }
       check_run_inputs(config);
-      RungResult result = run_pilot(config, {process_argv()});
+      RungResult result = run_pilot(config, {.argv = process_argv(), .rung = "pilot"});
       print_rung(result);
       if (!result.passed) throw TrainingError("pilot failed: " + result.verdict);
       return 0;

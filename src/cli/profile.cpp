@@ -81,7 +81,8 @@ void add_profile_command(CLI::App& app, Action& action) {
       }
       if (args->path.empty())
         throw UserError("kiln profile: give a config file, or --analyze <traces>");
-      auto session = open_session(args->load_for_run(), {process_argv()});
+      auto session =
+          open_session(args->load_for_run(), {.argv = process_argv(), .rung = "profile"});
       std::string tables;
       RungResult result = run_profile(*session, &tables);
       fmt::print("{}", tables);

@@ -20,7 +20,7 @@ void add_scale_command(CLI::App& app, Action& action) {
   command->callback([&action, args, quiet] {
     action = [args, quiet] {
       Config config = args->load_for_run();
-      RungResult result = run_scale_rung(config, {process_argv()});
+      RungResult result = run_scale_rung(config, {.argv = process_argv(), .rung = "scale"});
       if (!*quiet && process_communicator(config)->rank() == 0) print_rung(result);
       if (!result.passed) throw TrainingError("scale gate failed: " + result.verdict);
       return 0;

@@ -453,6 +453,19 @@ Run::Run(const Config& config, RunOptions options)
   for (const auto& arg : options_.argv) argv.push_back(arg.c_str());
   command_line_ = join_command_line(static_cast<int>(argv.size()), argv.data());
   start_time_utc_ = utc_now_iso8601();
+  if (!options_.rung.empty()) {  // a rung alone: its records apart from a training run's
+    const std::string& rung = options_.rung;
+    if (options_.metrics_file == "metrics.jsonl")
+      options_.metrics_file = "metrics-" + rung + ".jsonl";
+    log_file_ = rung + ".log";
+    std::error_code ec;
+    const auto trained = dir_ / "metrics.jsonl";
+    if (std::filesystem::is_regular_file(trained, ec) &&
+        std::filesystem::file_size(trained, ec) > 0) {
+      config_file_ = "config-" + rung + ".toml";
+      manifest_file_ = "manifest-" + rung + ".json";
+    }
+  }
   if (!options_.writer) return;
   if (!options_.append_metrics)
     prepare_run_records(dir_, options_.metrics_file, options_.existing_records);
@@ -462,8 +475,8 @@ Run::Run(const Config& config, RunOptions options)
     throw UserError("cannot create run directory " + dir_.string() + ": " + ec.message() +
                     "; set run.dir to a writable place");
   }
-  write_text("config.toml", config_.to_toml(true));
-  log::set_file(dir_ / "train.log");
+  write_text(config_file_, config_.to_toml(true));
+  log::set_file(dir_ / log_file_);
   const auto metrics_path = dir_ / options_.metrics_file;
   if (options_.append_metrics) repair_torn_last_line(metrics_path);
   metrics_fd_ = ::open(
@@ -508,7 +521,7 @@ void Run::append_metrics(const json& record) {
 void Run::write_manifest(const json& data, const json& model, const json& extra) const {
   json manifest = make_manifest(config_, command_line_, start_time_utc_, data, model);
   for (auto& [key, value] : extra.items()) manifest[key] = value;
-  write_json("manifest.json", manifest);
+  write_json(manifest_file_, manifest);
 }
 
 std::map<int64_t, double> read_step_losses(const std::filesystem::path& metrics) {

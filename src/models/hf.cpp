@@ -214,7 +214,7 @@ void prepare_hf_export_dir(const fs::path& out_dir, bool force) {
     for (const auto& entry : fs::directory_iterator(out_dir)) {
       const std::string name = entry.path().filename().string();
       if (name == "config.json" || name == "model.safetensors.index.json" ||
-          name.ends_with(".safetensors")) {
+          name.ends_with(".safetensors") || is_hf_generation_file(name)) {
         fs::remove(entry.path(), ec);
       }
     }

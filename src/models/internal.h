@@ -88,6 +88,10 @@ void copy_hf_weights(Model& model, HfWeights& found, const std::filesystem::path
                      const std::string& key, const std::string& what,
                      const std::function<bool(const std::string&)>& transposed);
 
+/// The files write_hf_generation_files may write (generation_config.json, the tokenizer's), which
+/// an export with --force replaces.
+bool is_hf_generation_file(const std::string& name);
+
 /// Makes `out_dir` an empty directory for an export (kiln/hf.h save_hf's rules). Throws UserError.
 void prepare_hf_export_dir(const std::filesystem::path& out_dir, bool force);
 

@@ -46,6 +46,20 @@ std::string days_text(double seconds) {
   return std::isfinite(seconds) ? fmt::format("{:.2f}", seconds / kDay) : "never";
 }
 
+// The table's wall-time cell: "12.34 d", or "1h02m" / "3m05s" for a job shorter than a day.
+std::string wall_text(double seconds) {
+  if (!std::isfinite(seconds)) return "never";
+  return seconds >= kDay ? days_text(seconds) + " d" : format_duration(seconds);
+}
+
+// ETTR as a percentage that never rounds a small one to "0.0%" (a tiny job's ETTR is small: its
+// wall time is mostly the pilot's fixed hours).
+std::string ettr_text(double fraction) {
+  const double percent = 100 * fraction;
+  return percent >= 1 || percent == 0 ? fmt::format("{:.1f}%", percent)
+                                      : fmt::format("{:.2g}%", percent);
+}
+
 // Why no row fits 30 days, from the row that comes closest: memory, failures (the job's MTBF
 // against a checkpoint period and a restart), communication, a global batch so large the run is
 // a few steps, or plain compute (the only case more GPUs help).
@@ -408,36 +422,45 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
                     fmt::join(no_host_rows, ", ")));
   }
 
-  // Without prices: the shortest reservation that fits, then the fewest days.
-  std::string recommendation;
-  if (!best.is_null()) {
-    recommendation = fmt::format(
-        "{} for {} days: the cheapest row that fits with the margin ({:.0f} in the prices given)",
-        best["hardware"].get<std::string>(), best["reservation_days"].get<int>(), best_cost);
-  } else {
-    double fewest = std::numeric_limits<double>::infinity();
+  // Without prices: the shortest reservation that fits, then the fewest days. A job shorter than
+  // a day (a tiny model, a short fine-tune) is not worth a 7-day reservation: said so instead.
+  const bool priced = !best.is_null();
+  double best_wall = best_days * kDay;
+  if (!priced) {
     int shortest = 0;
     for (const auto& row : out_rows) {
       for (int days : {7, 30}) {
         if (!row[fmt::format("reservation_{}d", days)]["fits"].get<bool>()) continue;
         const double wall = row["wall_seconds"].get<double>();
-        if (shortest == 0 || days < shortest || (days == shortest && wall < fewest)) {
+        if (shortest == 0 || days < shortest || (days == shortest && wall < best_wall)) {
           best = {{"hardware", row["hardware"]}, {"reservation_days", days}};
           shortest = days;
-          fewest = wall;
+          best_wall = wall;
         }
       }
     }
-    recommendation = best.is_null()
-                         ? fmt::format("nothing fits a 30-day reservation at {} GPUs: {}", gpus,
-                                       what_limits(out_rows, steps, tokens_per_step,
-                                                   job.activation_checkpointing))
-                         : fmt::format(
-                               "{} for {} days: the shortest reservation that fits with the margin "
-                               "({} days); set plan.price_7d_per_gpu_hour and "
-                               "plan.price_30d_per_gpu_hour to compare costs",
-                               best["hardware"].get<std::string>(),
-                               best["reservation_days"].get<int>(), days_text(fewest));
+  }
+  std::string recommendation;
+  if (best.is_null()) {
+    recommendation =
+        fmt::format("nothing fits a 30-day reservation at {} GPUs: {}", gpus,
+                    what_limits(out_rows, steps, tokens_per_step, job.activation_checkpointing));
+  } else if (best_wall < kDay) {
+    best["reservation_needed"] = false;
+    recommendation = fmt::format(
+        "{}: the whole job takes {} with the margin, far less than the shortest reservation "
+        "(7 days): run it on demand or on hardware at hand rather than reserving",
+        best["hardware"].get<std::string>(), format_duration(best_wall));
+  } else if (priced) {
+    recommendation = fmt::format(
+        "{} for {} days: the cheapest row that fits with the margin ({:.0f} in the prices given)",
+        best["hardware"].get<std::string>(), best["reservation_days"].get<int>(), best_cost);
+  } else {
+    recommendation = fmt::format(
+        "{} for {} days: the shortest reservation that fits with the margin ({} days); set "
+        "plan.price_7d_per_gpu_hour and plan.price_30d_per_gpu_hour to compare costs",
+        best["hardware"].get<std::string>(), best["reservation_days"].get<int>(),
+        days_text(best_wall));
   }
 
   return {
@@ -482,17 +505,17 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
 std::string plan_markdown(const json& plan) {
   std::string out = fmt::format(
       "Model: {} parameters ({}), {:.3g} FLOP/token; job: micro-batch {} x seq {} x accum {} on "
-      "{} GPUs, {:.3g} tokens in {:.0f} steps; {}.\n\n",
+      "{} GPUs in {} (train.precision), {:.3g} tokens in {:.0f} steps; {}.\n\n",
       format_number(plan["model"]["parameters"].get<double>()),
       plan["model"]["architecture"].get<std::string>(),
       plan["model"]["flops_per_token"].get<double>(), plan["job"]["micro_batch"].get<int64_t>(),
       plan["job"]["seq_len"].get<int64_t>(), plan["job"]["grad_accum_steps"].get<int64_t>(),
-      plan["job"]["gpus"].get<int64_t>(), plan["job"]["tokens"].get<double>(),
-      plan["job"]["steps"].get<double>(),
+      plan["job"]["gpus"].get<int64_t>(), plan["job"]["precision"].get<std::string>(),
+      plan["job"]["tokens"].get<double>(), plan["job"]["steps"].get<double>(),
       plan["pilot"].is_null() ? "no pilot: the assumptions below"
                               : "calibrated by the pilot in " + plan["pilot"].get<std::string>());
   out +=
-      "| hardware | fits? | strategy | GPUs | step | days | ETTR | ckpt every | 7 days | 30 days "
+      "| hardware | fits? | strategy | GPUs | step | wall | ETTR | ckpt every | 7 days | 30 days "
       "|\n";
   out += "|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& row : plan["rows"]) {
@@ -503,21 +526,26 @@ std::string plan_markdown(const json& plan) {
     auto reservation = [&](const char* key) {
       const auto& r = row[key];
       std::string text = r["fits"].get<bool>() ? "fits" : "no";
-      if (!r["cost"].is_null()) text += fmt::format(", {:.0f}", r["cost"].get<double>());
+      if (!r["cost"].is_null()) text += fmt::format(", cost {:.0f}", r["cost"].get<double>());
       return text;
     };
     const double wall = row["wall_seconds"].is_null() ? std::numeric_limits<double>::infinity()
                                                       : row["wall_seconds"].get<double>();
     out += fmt::format(
-        "| {} | {} | {} | {} | {} | {} | {:.1f}% | {} | {} | {} |\n",
-        row["hardware"].get<std::string>(), row["fits_memory"].get<bool>() ? "yes" : "**no**",
-        strategy, row["gpus"].get<int64_t>(), format_duration(row["step_seconds"].get<double>()),
-        row["fits_memory"].get<bool>() ? days_text(wall) : "-", 100 * row["ettr"].get<double>(),
+        "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n", row["hardware"].get<std::string>(),
+        row["fits_memory"].get<bool>() ? "yes" : "**no**", strategy, row["gpus"].get<int64_t>(),
+        format_duration(row["step_seconds"].get<double>()),
+        row["fits_memory"].get<bool>() ? wall_text(wall) : "-",
+        row["fits_memory"].get<bool>() ? ettr_text(row["ettr"].get<double>()) : "-",
         row["checkpoint_interval_seconds"].get<double>() > 0
             ? format_duration(row["checkpoint_interval_seconds"].get<double>())
             : "-",
         reservation("reservation_7d"), reservation("reservation_30d"));
   }
+  out +=
+      "\nwall: the whole job with checkpoints, failures, drills, the pilot and the margin; ETTR: "
+      "training time / wall; 7 days, 30 days: whether the job fits that reservation and, with "
+      "prices, its cost (GPUs x hours x plan.price_<N>d_per_gpu_hour, in the prices' currency).\n";
   out += "\nRecommendation: " + plan["recommendation_text"].get<std::string>() + ".\n";
   if (plan.contains("warnings") && !plan["warnings"].empty()) {
     out += "\nWarnings:\n";

@@ -13,8 +13,12 @@
 namespace kiln {
 namespace {
 
+// Decimal units (the catalog's device memory is in GB) that fit the size: "114.3 GB", "12.0 MB",
+// "512 kB", never "0.0 GB" for a small model.
 std::string gb(double bytes) {
-  return fmt::format("{:.1f} GB", bytes / 1e9);
+  if (bytes >= 1e9) return fmt::format("{:.1f} GB", bytes / 1e9);
+  if (bytes >= 1e6) return fmt::format("{:.1f} MB", bytes / 1e6);
+  return fmt::format("{:.0f} kB", bytes / 1e3);
 }
 
 }  // namespace

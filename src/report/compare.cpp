@@ -105,11 +105,11 @@ void curves(const RunData& a, const RunData& b, Section& section) {
   for (const auto& [tag, run] : {std::pair{"A", &a}, std::pair{"B", &b}}) {
     const MetricsFile* m = run->main_metrics();
     if (m == nullptr) continue;
-    auto [train, val, per] = metrics_curves(*m, tokens, fmt::format("{}: ", tag));
-    for (Series* s : {&train, &val}) {
+    const MetricsCurves c = metrics_curves(*m, tokens, fmt::format("{}: ", tag));
+    for (const Series* s : {&c.loss, &c.val}) {
       if (!s->x.empty()) loss.series.push_back(*s);
     }
-    if (!per.x.empty()) rate.series.push_back(per);
+    if (!c.rate.x.empty()) rate.series.push_back(c.rate);
   }
   if (!loss.series.empty()) section.chart(loss);
   if (!rate.series.empty()) section.chart(rate);

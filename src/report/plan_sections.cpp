@@ -15,24 +15,33 @@ void pilot_section(const RunData& run, SectionSink& sink) {
   Section* section = rung_section(run.pilot, sink, "Pilot");
   if (section == nullptr) return;
   const PilotResult& p = *run.pilot.value;
+  // Grouped, not stacked: the step peak (the headline) is its own pair of bars, since the parts
+  // are not all held at once (the parts' sum is not the peak). In the unit that fits the sizes.
+  const double largest = std::max(p.estimated.step_peak, p.measured.step_peak);
+  const auto [unit, scale] = largest >= 1e9   ? std::pair{"GB", 1e9}
+                             : largest >= 1e6 ? std::pair{"MB", 1e6}
+                                              : std::pair{"kB", 1e3};
   Chart memory{"pilot-memory",
-               "Memory by part: estimated beside measured",
-               true,
+               fmt::format("Memory by part and the step peak, {}: estimated beside measured", unit),
                true,
                false,
+               false,
                "",
-               "bytes",
+               unit,
                "",
-               {"estimated", "measured"},
+               {"parameters", "gradients", "optimizer state", "activations + logits", "step peak"},
                {}};
-  for (const auto& [label, estimated, measured] :
-       {std::tuple{"parameters", p.estimated.parameters, p.measured.parameters},
-        std::tuple{"gradients", p.estimated.gradients, p.measured.gradients},
-        std::tuple{"optimizer state", p.estimated.optimizer, p.measured.optimizer},
-        std::tuple{"activations + logits", p.estimated.activations_and_logits,
-                   p.measured.activations_and_logits}}) {
-    memory.series.push_back({label, {}, {estimated, measured}});
+  Series estimated{"estimated", {}, {}}, measured{"measured", {}, {}};
+  for (const auto& [e, m] :
+       {std::pair{p.estimated.parameters, p.measured.parameters},
+        std::pair{p.estimated.gradients, p.measured.gradients},
+        std::pair{p.estimated.optimizer, p.measured.optimizer},
+        std::pair{p.estimated.activations_and_logits, p.measured.activations_and_logits},
+        std::pair{p.estimated.step_peak, p.measured.step_peak}}) {
+    estimated.y.push_back(e / scale);
+    measured.y.push_back(m / scale);
   }
+  memory.series = {estimated, measured};
   section->chart(memory);
   const std::string restore =
       p.restore.passed
@@ -108,7 +117,9 @@ void plan_section(const RunData& run, SectionSink& sink) {
         r.wall_days ? short_number(*r.wall_days) : "-",
         percent_text(r.ettr),
         seconds_text(r.checkpoint_interval_seconds),
-        r.expected_failures ? short_number(*r.expected_failures) : "-",
+        !r.expected_failures          ? "-"
+        : *r.expected_failures < 0.01 ? "< 0.01"
+                                      : short_number(*r.expected_failures),
         reservation(r.reservation_7d),
         reservation(r.reservation_30d),
     });

@@ -107,19 +107,23 @@ void profile_section(const RunData& run, SectionSink& sink) {
   if (section == nullptr) return;
   const ProfileResult& p = *run.profile.value;
   section->bullets("Actions, each naming the key that carries it out", p.actions);
+  // profile.json's phase seconds are summed over the profiled steps: the chart shows them per
+  // step, as the text beside it does.
+  const double profiled = static_cast<double>(std::max<int64_t>(p.steps, 1));
   Chart phases{"profile-phases",
-               "Where a step's time goes (profiled steps)",
+               fmt::format("Where a step's time goes (mean of {} profiled steps)", p.steps),
                true,
                true,
                false,
                "",
-               "seconds",
+               "seconds per step",
                "",
-               {"profiled steps"},
+               {"one step"},
                {}};
   for (const auto& phase : p.phases) {
-    phases.series.push_back(
-        {fmt::format("{} ({})", phase.phase, percent_text(phase.share)), {}, {phase.seconds}});
+    phases.series.push_back({fmt::format("{} ({})", phase.phase, percent_text(phase.share)),
+                             {},
+                             {phase.seconds / profiled}});
   }
   if (!phases.series.empty()) section->chart(phases);
   std::vector<std::vector<std::string>> operators;
@@ -165,13 +169,18 @@ void scale_section(const RunData& run, SectionSink& sink) {
                    {},
                    {}};
   Series rate{tokens ? "tokens/s" : "samples/s", {}, {}};
+  // scale.json's phase seconds are summed over the measured steps: shown per step (their sum is
+  // about the median step time of the text).
+  const double measured = static_cast<double>(std::max<int64_t>(s.measured_steps, 1));
   Chart phases{"scale-phases",
-               "Each rank's step time: compute and exposed communication",
+               fmt::format("Each rank's step time: compute and exposed communication (mean of {} "
+                           "measured steps)",
+                           s.measured_steps),
                true,
                true,
                false,
                "",
-               "seconds",
+               "seconds per step",
                "",
                {},
                {}};
@@ -182,11 +191,11 @@ void scale_section(const RunData& run, SectionSink& sink) {
     throughput.categories.push_back(name);
     rate.y.push_back(tokens ? r.tokens_per_second.value_or(NAN) : r.samples_per_second);
     phases.categories.push_back(name);
-    data.y.push_back(r.data_wait_seconds);
-    forward.y.push_back(r.forward_seconds);
-    backward.y.push_back(r.backward_seconds);
-    comm.y.push_back(r.comm_exposed_seconds);
-    optimizer.y.push_back(r.optimizer_seconds);
+    data.y.push_back(r.data_wait_seconds / measured);
+    forward.y.push_back(r.forward_seconds / measured);
+    backward.y.push_back(r.backward_seconds / measured);
+    comm.y.push_back(r.comm_exposed_seconds / measured);
+    optimizer.y.push_back(r.optimizer_seconds / measured);
   }
   throughput.series = {rate};
   phases.series = {data, forward, backward, comm, optimizer};
@@ -230,8 +239,9 @@ void checkpoint_section(const RunData& run, SectionSink& sink) {
       {"final parameters", equal(c.parameters_bitwise_equal)},
       {"final optimizer state", equal(c.optimizer_state_bitwise_equal)},
       {"times",
-       fmt::format("reference {}, save {}, resume {}; whole drill {}", seconds(c.reference_seconds),
-                   seconds(c.save_seconds), seconds(c.resume_seconds), seconds(c.seconds))},
+       fmt::format("reference run {}, saving run (to its kill) {}, resumed run {}; whole drill {}",
+                   seconds(c.reference_seconds), seconds(c.save_seconds), seconds(c.resume_seconds),
+                   seconds(c.seconds))},
   });
   dump(*section, c, "checkpoint.json");
 }

@@ -164,8 +164,9 @@ ScoreRow checkpoint_row(const RunData& run) {
                        c.optimizer_state_bitwise_equal.value_or(false);
   row.figures.push_back({"restore", bitwise ? "restore bitwise equal" : "restore differs", kNone});
   if (c.save_seconds) {
+    // The saving run's whole time (it trains to the checkpoint, saves, is killed), not a save.
     row.figures.push_back(
-        {"save_seconds", "save " + seconds_text(*c.save_seconds), *c.save_seconds});
+        {"save_seconds", "saving run " + seconds_text(*c.save_seconds), *c.save_seconds});
   }
   if (c.status.passed) {
     row.decision = "checkpoints restore exactly: save periodically in long runs";
@@ -318,10 +319,14 @@ bool records_tokens(const MetricsFile& metrics) {
 MetricsCurves metrics_curves(const MetricsFile& metrics, bool tokens, const std::string& prefix) {
   MetricsCurves c{{prefix + "train loss", {}, {}},
                   {prefix + "validation loss", {}, {}},
-                  {prefix + (tokens ? "tokens/s" : "samples/s"), {}, {}}};
+                  {prefix + (tokens ? "tokens/s" : "samples/s"), {}, {}},
+                  {prefix + "learning rate", {}, {}},
+                  {prefix + "gradient norm (before clipping)", {}, {}, true}};
   for (const auto& r : metrics.records) {
     const double step = static_cast<double>(r.step);
     if (r.loss) c.loss.x.push_back(step), c.loss.y.push_back(*r.loss);
+    if (r.lr) c.lr.x.push_back(step), c.lr.y.push_back(*r.lr);
+    if (r.grad_norm) c.grad_norm.x.push_back(step), c.grad_norm.y.push_back(*r.grad_norm);
     if (r.val_loss) c.val.x.push_back(step), c.val.y.push_back(*r.val_loss);
     const auto& per_second = tokens ? r.tokens_per_second : r.samples_per_second;
     if (per_second) c.rate.x.push_back(step), c.rate.y.push_back(*per_second);
@@ -333,7 +338,7 @@ void training_section(const RunData& run, SectionSink& sink) {
   const MetricsFile* metrics = run.main_metrics();
   if (metrics == nullptr) return;
   Section& section = sink.add("training", "Training: " + metrics->name);
-  auto [loss, val, rate] = metrics_curves(*metrics, records_tokens(*metrics), "");
+  auto [loss, val, rate, lr, grad_norm] = metrics_curves(*metrics, records_tokens(*metrics), "");
   // The ladder's baseline records no evaluations in its metrics file: its validation loss before
   // and after training comes from baseline.json.
   const auto& baseline = run.baseline.value;
@@ -366,6 +371,22 @@ void training_section(const RunData& run, SectionSink& sink) {
                         "",
                         {},
                         {rate}});
+  }
+  if (!lr.x.empty() || !grad_norm.x.empty()) {
+    Chart optimizer{"training-optimizer",
+                    "Learning rate and gradient norm by step",
+                    false,
+                    false,
+                    false,
+                    "step",
+                    "learning rate",
+                    "gradient norm",
+                    {},
+                    {}};
+    for (const Series* s : {&lr, &grad_norm}) {
+      if (!s->x.empty()) optimizer.series.push_back(*s);
+    }
+    section.chart(optimizer);
   }
   Rows others;
   for (const auto& m : run.metrics) {

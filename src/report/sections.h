@@ -63,7 +63,7 @@ Section* rung_section(const Loaded<T>& loaded, SectionSink& sink, const std::str
 /// A metrics file's curves by step: train loss, validation loss and throughput (tokens/s when
 /// `tokens`, else samples/s), each labelled `prefix` + its name.
 struct MetricsCurves {
-  Series loss, val, rate;
+  Series loss, val, rate, lr, grad_norm;
 };
 MetricsCurves metrics_curves(const MetricsFile& metrics, bool tokens, const std::string& prefix);
 /// Whether a record of `metrics` has tokens/s (a token model): the throughput curves' unit.

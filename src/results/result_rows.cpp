@@ -11,7 +11,7 @@ ResultRows result_rows(const BaselineResult& b) {
   ResultRows t;
   if (!b.status.measured) return t;
   t.emplace_back("throughput", b.tokens_per_second
-                                   ? fmt::format("{:.0f} tokens/s ({:.1f} samples/s)",
+                                   ? fmt::format("{:.0f} tokens/s ({:.1f} sequences/s)",
                                                  *b.tokens_per_second, b.samples_per_second)
                                    : fmt::format("{:.0f} samples/s", b.samples_per_second));
   t.emplace_back("step time", fmt::format("median {:.2f} ms, p10 {:.2f} ms, p90 {:.2f} ms",

@@ -288,6 +288,7 @@ void metrics_fields(const Io& io, MetricsRecord& m) {
   io("step", m.step);
   io.opt("loss", m.loss);
   io.opt("lr", m.lr);
+  io.opt("grad_norm", m.grad_norm);
   io.opt("step_seconds", m.step_seconds);
   io.opt("data_wait_seconds", m.data_wait_seconds);
   io.opt("samples_per_second", m.samples_per_second);

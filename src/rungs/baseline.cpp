@@ -136,7 +136,8 @@ RungResult run_baseline(Session& session) {
   double peak_flops = rung.peak_flops_per_second;
   std::string peak_source = "baseline.peak_flops_per_second";
   if (peak_flops <= 0)
-    peak_flops = run_catalog_peak_flops(config, session.run->dir(), session.device, peak_source);
+    peak_flops = run_catalog_peak_flops(config, session.run->dir() / session.run->manifest_file(),
+                                        session.device, peak_source);
   const double min_drop = rung.min_loss_drop;
   // The device's achievable matmul at the job's shape and precision, timed as the pilot times it
   // (kiln/plan.h): an MFU that means something where no catalog row does. A short budget (at

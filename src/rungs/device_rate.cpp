@@ -4,15 +4,15 @@
 #include <fmt/format.h>
 
 #include "core/files.h"
+#include "core/strings.h"
 #include "kiln/error.h"
 #include "kiln/log.h"
 
 namespace kiln {
 
-double run_catalog_peak_flops(const Config& config, const std::filesystem::path& run_dir,
+double run_catalog_peak_flops(const Config& config, const std::filesystem::path& manifest_path,
                               const torch::Device& device, std::string& source) {
   using nlohmann::json;
-  const auto manifest_path = run_dir / "manifest.json";
   const std::string device_name = manifest_device_name(
       std::filesystem::exists(manifest_path)
           ? json::parse(read_file(manifest_path), nullptr, /*allow_exceptions=*/false)

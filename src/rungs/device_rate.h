@@ -14,9 +14,10 @@
 
 namespace kiln {
 
-/// The catalog's dense peak FLOP/s for the training precision of the device named in the run
-/// directory's manifest.json (0: no row matches, e.g. "cpu"); `source` says which row.
-double run_catalog_peak_flops(const Config& config, const std::filesystem::path& run_dir,
+/// The catalog's dense peak FLOP/s for the training precision of the device named in the run's
+/// manifest (`manifest_path`, Run::manifest_file(); 0: no row matches, e.g. "cpu"); `source`
+/// says which row.
+double run_catalog_peak_flops(const Config& config, const std::filesystem::path& manifest_path,
                               const torch::Device& device, std::string& source);
 
 /// The job's GEMM (job_matmul_shape) timed on `device` in the job's compute precision for about

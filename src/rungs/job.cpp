@@ -225,6 +225,7 @@ std::unique_ptr<Session> compose_training(const Job& job, std::shared_ptr<Commun
   run_options.metrics_file = composition.metrics_file;
   run_options.append_metrics = continues;
   run_options.existing_records = existing;
+  run_options.rung = composition.rung;
   session->run = std::make_unique<Run>(job.config, run_options);
   session->run->write_manifest(data.identity, model_id,
                                {{"device", session->device.str()}, {"world_size", world_size}});

@@ -113,7 +113,9 @@ std::vector<std::string> check_pins(const Config& config, const std::filesystem:
   apply_runtime_settings(config);  // the thread counts the manifest records
   const Datasets data = make_datasets(config);
   const auto model = make_model(config);
-  json current = make_manifest(config, "", "", data.identity, model_identity(*model));
+  // As the run recorded it: with run.name resolved (the hash of the config a run saves).
+  json current =
+      make_manifest(with_resolved_run_name(config), "", "", data.identity, model_identity(*model));
   if (pinned.contains("pins")) current["pins"] = environment_pins();
   return manifest_differences(pinned, current);
 }
@@ -145,9 +147,9 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   const std::filesystem::path pilot_dir = std::filesystem::absolute(run_dir / "pilot");
 
   // 1. Pins: the environment joins the manifest.
-  json manifest = json::parse(read_file(run_dir / "manifest.json"));
+  json manifest = json::parse(read_file(run_dir / session->run->manifest_file()));
   manifest["pins"] = environment_pins();
-  session->run->write_json("manifest.json", manifest);
+  session->run->write_json(session->run->manifest_file(), manifest);
 
   // 2. Train at the production shape, every step synchronised (its time is the device's): the
   // first step is cold (it allocates the optimizer state; kernels, caches and the loader's queue

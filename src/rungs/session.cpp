@@ -24,6 +24,7 @@ std::unique_ptr<Session> open_session(const Config& config, const SessionOptions
   TrainingComposition composition;
   composition.step.compile = options.compile;
   composition.metrics_file = options.metrics_file;
+  composition.rung = options.rung;
   return compose_training(resolve_job(config, JobRequest{.argv = options.argv}), options.comm,
                           composition);
 }

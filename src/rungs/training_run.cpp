@@ -96,8 +96,8 @@ TrainingRunResult run_training(const Config& config, const TrainingRunOptions& o
       trainer.model().train_flops_per_sample(trainer.data().train->tokens_per_sample()) *
       result.summary.samples_per_second;
   std::string source;
-  result.catalog_peak_flops_per_second =
-      run_catalog_peak_flops(job.config, session->run->dir(), session->device, source);
+  result.catalog_peak_flops_per_second = run_catalog_peak_flops(
+      job.config, session->run->dir() / session->run->manifest_file(), session->device, source);
   if (result.summary.seconds >= TrainingRunResult::kRateMinSeconds) {
     if (auto matmul = time_job_matmul(job.config, session->device, 0.05, "train"))
       result.matmul_peak_flops_per_second = matmul->flops_per_second;

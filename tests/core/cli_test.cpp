@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -262,6 +263,38 @@ TEST(Cli, AFreshRunDoesNotMixWithAnotherRunsRecords) {
   EXPECT_EQ(read_step_losses(run / "metrics.jsonl").size(), 2u);
 }
 
+// The README's order (kiln train, then a rung of the same config) keeps the training run's
+// records: the rung writes its own (metrics-<rung>.jsonl, <rung>.log, and beside a training run
+// config-<rung>.toml and manifest-<rung>.json); alone in a fresh directory it writes config.toml
+// and manifest.json as before (plan.pilot and kiln report read them).
+TEST(Cli, ARungRunAloneKeepsATrainingRunsRecords) {
+  TempDir dir;
+  const std::string tiny = (source_dir() / "configs/gpt-tiny.toml").string() +
+                           " --set run.dir=" + dir.path().string() +
+                           " --set train.steps=3 --set train.eval_every=0 --set run.progress=off"
+                           " --set train.batch_size=2 --set data.seq_len=32 --set run.threads=1"
+                           " --set baseline.warmup_steps=1 --set baseline.steps=3";
+  const auto run = dir / "gpt-tiny";
+  ASSERT_EQ(run_kiln("train " + tiny).exit_code, 0);
+  std::map<std::string, std::string> trained;
+  for (const char* name : {"metrics.jsonl", "config.toml", "manifest.json", "train.log"})
+    trained[name] = slurp(run / name);
+  auto baseline = run_kiln("baseline " + tiny);
+  ASSERT_EQ(baseline.exit_code, 0) << baseline.err;
+  for (const auto& [name, text] : trained) EXPECT_EQ(slurp(run / name), text) << name;
+  EXPECT_GE(read_step_losses(run / "metrics-baseline.jsonl").size(), 4u);  // warm-up + timed
+  for (const char* name :
+       {"config-baseline.toml", "manifest-baseline.json", "baseline.log", "baseline.json"})
+    EXPECT_TRUE(std::filesystem::is_regular_file(run / name)) << name;
+  EXPECT_THAT(slurp(run / "manifest-baseline.json"), HasSubstr("baseline"));  // its command line
+
+  // Alone in a fresh directory: the shared names, and still its own step records.
+  ASSERT_EQ(run_kiln("baseline " + tiny + " --set run.name=alone").exit_code, 0);
+  for (const char* name : {"config.toml", "manifest.json", "metrics-baseline.jsonl"})
+    EXPECT_TRUE(std::filesystem::is_regular_file(dir / "alone" / name)) << name;
+  EXPECT_FALSE(std::filesystem::exists(dir / "alone" / "metrics.jsonl"));
+}
+
 // `kiln report` writes report.html only into a run directory; anything else is refused, naming
 // what a run directory holds.
 TEST(Cli, ReportRefusesADirectoryThatIsNotARun) {
@@ -279,6 +312,38 @@ TEST(Cli, ReportRefusesADirectoryThatIsNotARun) {
 }
 
 // Determinism across processes, not only within one: global state (RNG, threads) must not leak.
+std::vector<double> logged_losses(const std::filesystem::path& metrics_file) {
+  std::ifstream metrics(metrics_file);
+  std::vector<double> losses;
+  for (std::string line; std::getline(metrics, line);) {
+    auto record = nlohmann::json::parse(line);
+    if (record.contains("loss")) losses.push_back(record["loss"].get<double>());
+  }
+  return losses;
+}
+
+// The bundled small configs warm up without a spike: no step's loss 0.5 above the median of the
+// five before it over the first 30 steps (gpt-tiny's former lr 3e-3 jumped from 3.5 to 7.3 at
+// step 15; --set optim.lr=3e-3 shows it).
+TEST(Cli, TheSmallConfigsWarmUpWithoutALossSpike) {
+  TempDir dir;
+  for (const char* name : {"gpt-tiny", "llama-tiny"}) {
+    auto r =
+        run_kiln("train " + (source_dir() / "configs" / (std::string(name) + ".toml")).string() +
+                 " --set run.dir=" + dir.path().string() +
+                 " --set train.steps=30 --set train.eval_every=0 --set run.progress=off");
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const std::vector<double> losses = logged_losses(dir / name / "metrics.jsonl");
+    ASSERT_EQ(losses.size(), 30u) << name;
+    for (size_t i = 5; i < losses.size(); ++i) {
+      std::vector<double> before(losses.begin() + static_cast<std::ptrdiff_t>(i) - 5,
+                                 losses.begin() + static_cast<std::ptrdiff_t>(i));
+      std::nth_element(before.begin(), before.begin() + 2, before.end());
+      EXPECT_LE(losses[i], before[2] + 0.5) << name << " step " << i + 1;
+    }
+  }
+}
+
 TEST(Cli, TwoProcessesOfTheSameConfigLogBitwiseEqualLosses) {
   TempDir dir;
   std::vector<std::vector<double>> runs;
@@ -288,13 +353,7 @@ TEST(Cli, TwoProcessesOfTheSameConfigLogBitwiseEqualLosses) {
                       " --set train.steps=6 --set train.eval_every=0 --set run.progress=off" +
                       " --set data.num_workers=" + (name[0] == 'a' ? "0" : "2"));
     ASSERT_EQ(r.exit_code, 0) << r.err;
-    std::ifstream metrics(dir / name / "metrics.jsonl");
-    std::vector<double> losses;
-    for (std::string line; std::getline(metrics, line);) {
-      auto record = nlohmann::json::parse(line);
-      if (record.contains("loss")) losses.push_back(record["loss"].get<double>());
-    }
-    runs.push_back(losses);
+    runs.push_back(logged_losses(dir / name / "metrics.jsonl"));
   }
   ASSERT_EQ(runs[0].size(), 6u);
   EXPECT_EQ(runs[0], runs[1]);  // exact: bitwise-equal doubles

@@ -120,8 +120,8 @@ def last_line(text):
     return lines[-1] if lines else ""
 
 
-def metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+def metrics(run_dir, name="metrics.jsonl"):
+    with open(os.path.join(run_dir, name)) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -482,7 +482,7 @@ def case_pilot_world2(args, work):
           f"both ranks' restore children exited 0 at world 2: {restore}")
     check(restore.get("loss_bitwise_equal") is True and restore.get("differing_tensors") == []
           and pilot["passed"] is True, f"the restored step is bitwise equal: {restore}")
-    records = metrics(os.path.join(work, "mlp"))
+    records = metrics(os.path.join(work, "mlp"), "metrics-pilot.jsonl")  # a rung's own file
     check(any("loss" in m and m.get("measured") for m in records)
           and any("val_loss" in m for m in records),
           f"the metrics file has the measured step and the evaluation ({len(records)} records)")

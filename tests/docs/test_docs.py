@@ -2,9 +2,15 @@
 examples").
 
 A fence whose info string holds the word `runnable` (```sh runnable) is run line by line, in page
-order, in one scratch directory per page: `configs/` and `examples/` link to the source tree's, `build/kiln` and a
-bare `kiln` are the built CLI, `/tmp/` paths are mapped into the scratch directory, and KILN_SET
-shrinks step counts. Each command must exit 0.
+order, in one scratch directory per page: `configs/` and `examples/` link to the source tree's,
+`build/kiln` and a bare `kiln` are the built CLI, `/tmp/` paths are mapped into the scratch
+directory, and KILN_SET shrinks step counts. Each command must exit 0. A runnable line is a kiln
+command, or two kiln processes under `torchrun --standalone --nproc-per-node=2 --no-python
+build/kiln` (the torchrun beside this test's Python).
+
+Every shell fence (sh, bash, shell, console) is either runnable or excused: ```sh skip: <reason>
+(needs a GPU, two nodes, minutes of compiling, a user's own file, ...); an unmarked shell fence
+or a `skip:` without its reason fails the test, naming the page and line.
 
     test_docs.py --kiln build/kiln --source . [--page docs/plan.md ...]
 """
@@ -27,6 +33,10 @@ KILN_SET = " ".join([
     "run.progress=off",
 ])
 
+# A runnable line: the CLI, or two of its processes on this machine.
+RUNNABLE_LINE = (r"^((build/)?kiln "
+                 r"|torchrun --standalone --nproc-per-node=2 --no-python (build/)?kiln )")
+
 ARGS = None
 
 
@@ -37,7 +47,7 @@ def runnable_commands(page):
         if line.startswith("```"):
             fence = None if fence is not None else line[3:].split()
             continue
-        if fence is None or "runnable" not in fence:
+        if fence is None or fence[1:2] != ["runnable"]:  # "```sh runnable"; not in a skip's reason
             continue
         if not pending:
             start = number
@@ -49,6 +59,29 @@ def runnable_commands(page):
         if command and not command.startswith("#"):
             commands.append((start, command))
     return commands
+
+
+SHELL_LANGUAGES = ("sh", "bash", "shell", "console")
+
+
+def unexcused_shell_fences(page):
+    """The opening lines of shell fences neither runnable nor `skip: <reason>`: page:line."""
+    offenders, inside = [], False
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        if not line.startswith("```"):
+            continue
+        if inside:
+            inside = False
+            continue
+        inside = True
+        info = line[3:].strip()
+        words = info.split()
+        if not words or words[0] not in SHELL_LANGUAGES or words[1:2] == ["runnable"]:
+            continue
+        rest = info[len(words[0]):].strip()
+        if not (rest.startswith("skip:") and rest[len("skip:"):].strip()):
+            offenders.append(f"{page.name}:{number}: {line}")
+    return offenders
 
 
 def pages(source):
@@ -63,6 +96,20 @@ class RunnableExamples(unittest.TestCase):
                             "kiln plan x \\\n  --cost y\n```\n")
             self.assertEqual(runnable_commands(page),
                              [(5, "kiln train b.toml   # c"), (6, "kiln plan x    --cost y")])
+
+    def test_an_unmarked_shell_fence_or_a_skip_without_reason_is_named(self):
+        with tempfile.TemporaryDirectory() as scratch:
+            page = Path(scratch) / "page.md"
+            page.write_text("```sh\nkiln a\n```\n```sh runnable\nkiln b\n```\n"
+                            "```sh skip: needs a GPU\nkiln c\n```\n```bash skip:\nkiln d\n```\n"
+                            "```toml\n[x]\n```\n```\noutput\n```\n")
+            self.assertEqual(unexcused_shell_fences(page),
+                             ["page.md:1: ```sh", "page.md:10: ```bash skip:"])
+
+    def test_every_shell_fence_is_runnable_or_excused(self):
+        source = Path(ARGS.source).resolve()
+        offenders = [o for page in pages(source) for o in unexcused_shell_fences(page)]
+        self.assertEqual(offenders, [], "mark each shell fence `runnable` or `skip: <reason>`")
 
     def test_every_runnable_command_exits_0(self):
         source, kiln = Path(ARGS.source).resolve(), Path(ARGS.kiln).resolve()
@@ -80,11 +127,12 @@ class RunnableExamples(unittest.TestCase):
                 (scratch / "build").mkdir()
                 (scratch / "build" / "kiln").symlink_to(kiln)
                 (scratch / "tmp").mkdir()
+                path = f"{scratch / 'build'}:{Path(sys.executable).parent}"  # kiln, torchrun
                 env = dict(os.environ, KILN_SET=KILN_SET,
-                           PATH=f"{scratch / 'build'}:{os.environ.get('PATH', '')}")
+                           PATH=f"{path}:{os.environ.get('PATH', '')}")
                 env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as scripts/test: no spinning
                 for number, command in commands:
-                    self.assertRegex(command, r"^(build/)?kiln ",
+                    self.assertRegex(command, RUNNABLE_LINE,
                                      f"{page.name}:{number}: a runnable fence holds kiln commands")
                     shell = re.sub(r"(?<![\w/.])/tmp/", f"{scratch}/tmp/", command)
                     begin = time.monotonic()

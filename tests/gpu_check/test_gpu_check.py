@@ -55,6 +55,19 @@ class DryRun(unittest.TestCase):
         doc = json.loads((out / "gpu-check.json").read_text())
         return run, {c["name"]: c for c in doc["checks"]}, doc
 
+    def test_runs_as_written_on_a_cpu_machine_with_nothing_prepared(self):
+        # `scripts/gpu-check DIR --dry-run` as the docs write it: the system python3 (no torch
+        # there), no gpu-deps folder. It plans every check, says what is missing, exits 0.
+        out = self.tmp / "bare"
+        run = subprocess.run(["/usr/bin/python3", str(SCRIPT), str(out), "--dry-run",
+                              "--deps", str(self.tmp / "no-deps"), "--build-dir", str(BUILD)],
+                             capture_output=True, text=True, timeout=100)
+        self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+        checks = {c["name"]: c for c in json.loads((out / "gpu-check.json").read_text())["checks"]}
+        self.assertEqual({c["status"] for c in checks.values()}, {"planned"}, checks)
+        self.assertIn("missing: not verified", checks["dependencies"]["warning"])
+        self.assertIn("--prepare", checks["dependencies"]["warning"])
+
     def test_plans_every_check_and_checks_what_it_can(self):
         run, checks, doc = self.run_script()
         self.assertEqual(run.returncode, 0, run.stdout + run.stderr)

@@ -365,7 +365,7 @@ TEST(Pilot, FullCycleRestoreCheckPinsAndPlan) {
   auto timed = timing["step_seconds"].get<std::vector<double>>();
   ASSERT_EQ(timed.size(), 4u);
   std::map<int64_t, nlohmann::json> records;
-  std::istringstream metrics(slurp(run_dir / "metrics.jsonl"));
+  std::istringstream metrics(slurp(run_dir / "metrics-pilot.jsonl"));  // the rung's own file
   for (std::string line; std::getline(metrics, line);) {
     const auto record = nlohmann::json::parse(line);
     if (record.contains("step_seconds")) records[record["step"].get<int64_t>()] = record;

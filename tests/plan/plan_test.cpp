@@ -17,6 +17,7 @@ namespace kiln::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 Config config_with(const std::vector<std::string>& overrides) {
   Config config = Config::defaults();
@@ -279,6 +280,31 @@ TEST(Plan, CostsTheCheapestRowThatFits) {
   EXPECT_EQ(plan["recommendation"]["hardware"], "mi300x");
   EXPECT_EQ(plan["recommendation"]["reservation_days"], 7);
   EXPECT_DOUBLE_EQ(plan["recommendation"]["cost"].get<double>(), 2688);
+  // A two-day job is worth the reservation; each cost cell says it is a cost.
+  EXPECT_FALSE(plan["recommendation"].contains("reservation_needed"));
+  EXPECT_THAT(plan["recommendation_text"].get<std::string>(), HasSubstr("mi300x for 7 days"));
+  EXPECT_THAT(plan_markdown(plan), HasSubstr("| fits, cost 2688 |"));
+}
+
+// configs/gpt-tiny.toml (1M parameters, 300 steps): sizes in MB rather than "0.0 GB", the
+// precision in the header, an ETTR that is small but not "0.0%" (the wall time is mostly the
+// pilot's hour), and no 7-day reservation for a job of about an hour.
+TEST(Plan, ATinyJobReadsInItsOwnUnitsAndIsNotToldToReserve) {
+  const auto plan = make_plan(Config::load(source_dir() / "configs" / "gpt-tiny.toml"), nullptr,
+                              /*require_cost=*/false);
+  const std::string text = plan_markdown(plan);
+  EXPECT_THAT(text, HasSubstr("on 8 GPUs in fp32 (train.precision)"));
+  EXPECT_THAT(text, Not(HasSubstr("0.0 GB")));
+  EXPECT_THAT(text, HasSubstr(" MB/device (state "));
+  EXPECT_THAT(text, Not(HasSubstr("| 0.0% |")));
+  for (const auto& row : plan["rows"]) {
+    EXPECT_LT(row["wall_seconds"].get<double>(), 86400.0);
+    EXPECT_GT(row["ettr"].get<double>(), 0);
+  }
+  EXPECT_EQ(plan["recommendation"]["reservation_needed"], false);
+  const std::string advice = plan["recommendation_text"];
+  EXPECT_THAT(advice, HasSubstr("far less than the shortest reservation (7 days)"));
+  EXPECT_THAT(advice, Not(HasSubstr("for 7 days")));
 }
 
 TEST(Plan, MissingPriceOrMtbfNamesTheKey) {
@@ -358,7 +384,7 @@ TEST(Plan, AtAMillionGpusTheAdviceSaysWhatLimits) {
   EXPECT_THAT(advice, HasSubstr("nothing fits a 30-day reservation at 1000000 GPUs"));
   EXPECT_THAT(advice, HasSubstr("failures: the job's MTBF"));
   EXPECT_THAT(advice, HasSubstr("the global batch"));
-  EXPECT_THAT(advice, ::testing::Not(HasSubstr("add GPUs")));
+  EXPECT_THAT(advice, Not(HasSubstr("add GPUs")));
 }
 
 TEST(Plan, CliPlansWithoutBuildingTheModel) {

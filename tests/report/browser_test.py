@@ -107,7 +107,7 @@ class LadderFixture(unittest.TestCase):
         self.assertEqual(ranks_manifest["world_size"], 2)
         self.assertTrue(ranks_manifest["config"]["file"].endswith("scale/scale-launch.toml"))
         self.assertFalse((RUN / "metrics.jsonl").exists())
-        self.assertEqual(len(records(RUN / "scale" / "metrics.jsonl")), scale["measured_steps"])
+        self.assertEqual(len(records(RUN / "scale" / "metrics-scale.jsonl")), scale["measured_steps"])
         self.assertNotIn('name = "scale"', (RUN / "config.toml").read_text())
         self.assertEqual((scale["world_size"], len(scale["per_rank"])), (2, 2))
         self.assertTrue(scale["replicas_in_sync"])
@@ -137,6 +137,7 @@ PROBE_TAIL = """<script>(function() {
   var charts = window.Chart ? Object.values(Chart.instances) : [];
   var out = {version: window.Chart ? Chart.version : null, errors: window.__kilnErrors,
     charts: charts.map(function(c) { return {id: c.canvas.id, type: c.config.type,
+      title: c.options.plugins.title.text,
       labels: c.data.labels || [],
       datasets: c.data.datasets.map(function(d, i) {
         return {label: d.label, data: d.data, drawn: c.getDatasetMeta(i).data.length}; })}; }),
@@ -261,8 +262,9 @@ class Report(unittest.TestCase):
         # The charts' data points, against the files they come from.
         charts = {c["id"]: c for c in result["charts"]}
         self.assertEqual(sorted(charts), sorted([
-            "chart-training-loss", "chart-training-throughput", "chart-profile-phases",
-            "chart-scale-throughput", "chart-scale-phases", "chart-pilot-memory"]))
+            "chart-training-loss", "chart-training-throughput", "chart-training-optimizer",
+            "chart-profile-phases", "chart-scale-throughput", "chart-scale-phases",
+            "chart-pilot-memory"]))
         for chart in charts.values():  # every point is drawn
             for d in chart["datasets"]:
                 self.assertEqual(d["drawn"], len(d["data"]), (chart["id"], d["label"]))
@@ -277,17 +279,34 @@ class Report(unittest.TestCase):
                          points(metrics, "tokens_per_second"))
         self.assertEqual(charts["chart-scale-throughput"]["datasets"][0]["data"],
                          [r["tokens_per_second"] for r in scale["per_rank"]])
+        optimizer = {d["label"]: d["data"] for d in charts["chart-training-optimizer"]["datasets"]}
+        self.assertEqual(optimizer["learning rate"], points(metrics, "lr"))
+        self.assertEqual(optimizer["gradient norm (before clipping)"], points(metrics, "grad_norm"))
+        # Step-time bars are per step (the files sum over the measured steps), so a rank's bars
+        # add up to about its median step, the figure the text gives.
         exposed = {d["label"]: d["data"] for d in charts["chart-scale-phases"]["datasets"]}
         self.assertEqual(exposed["exposed communication"],
-                         [r["phase_seconds"]["comm_exposed"] for r in scale["per_rank"]])
+                         [r["phase_seconds"]["comm_exposed"] / scale["measured_steps"]
+                          for r in scale["per_rank"]])
+        for r, rank in enumerate(scale["per_rank"]):
+            bars = sum(data[r] for data in exposed.values())
+            self.assertLess(bars, 2 * rank["step_seconds"]["median"], rank)
         phases = {d["label"].split(" (")[0]: d["data"] for d in charts["chart-profile-phases"]["datasets"]}
-        self.assertEqual(phases, {p["phase"]: [p["seconds"]] for p in profile["analysis"]["phases"]})
+        steps = profile["analysis"]["steps"]
+        self.assertEqual(phases, {p["phase"]: [p["seconds"] / steps]
+                                  for p in profile["analysis"]["phases"]})
+        # The pilot's memory in the unit its title names; the step peak as its own pair of bars.
         memory = {d["label"]: d["data"] for d in charts["chart-pilot-memory"]["datasets"]}
         estimate, measured = pilot["memory"]["estimate"], pilot["memory"]["measured"]
-        self.assertEqual(memory["parameters"], [estimate["parameters_bytes"], measured["parameters_bytes"]])
-        self.assertEqual(memory["activations + logits"],
-                         [estimate["activations_bytes"] + estimate["logits_bytes"],
-                          measured["activations_and_logits_bytes"]])
+        peak = max(estimate["step_peak_bytes"], measured["peak_bytes"])
+        unit, scale_by = ("GB", 1e9) if peak >= 1e9 else ("MB", 1e6) if peak >= 1e6 else ("kB", 1e3)
+        self.assertIn(f", {unit}:", charts["chart-pilot-memory"]["title"])
+        self.assertEqual(memory["estimated"], [
+            estimate["parameters_bytes"] / scale_by, estimate["gradients_bytes"] / scale_by,
+            estimate["optimizer_bytes"] / scale_by,
+            (estimate["activations_bytes"] + estimate["logits_bytes"]) / scale_by,
+            estimate["step_peak_bytes"] / scale_by])
+        self.assertEqual(memory["measured"][-1], measured["peak_bytes"] / scale_by)
         self.assertEqual(result["logScale"], {"chart": "chart-training-loss", "type": "logarithmic"})
 
         # The plan's table: a row per hardware row, the recommended one marked.

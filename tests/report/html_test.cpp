@@ -64,6 +64,15 @@ size_t occurrences(const std::string& text, const std::string& part) {
 }
 
 // The scorecard row of a rung (one <tr>).
+// The Chart.js configuration of chart `id` as the page carries it (the JSON beside its canvas).
+json chart_config(const std::string& html, const std::string& id) {
+  const std::string open = "class=\"chart-config\" data-chart=\"" + id + "\">";
+  const size_t begin = html.find(open);
+  if (begin == std::string::npos) return nullptr;
+  const size_t start = begin + open.size();
+  return json::parse(html.substr(start, html.find("</script>", start) - start));
+}
+
 std::string scorecard_row(const std::string& html, const std::string& rung) {
   const size_t begin = html.find("data-rung=\"" + rung + "\"");
   if (begin == std::string::npos) return "";
@@ -226,11 +235,15 @@ TEST(ReportHtml, ScorecardFirstThenFocusedChartsFromTheTypedResults) {
   EXPECT_NE(html.find("Not in this run: "), std::string::npos);
   EXPECT_NE(scorecard_row(html, "pilot").find("data-exact=\"1388300\""), std::string::npos);
 
-  // The charts: loss (train and validation on one axis, a log-scale box), throughput, eager vs
-  // compiled, the pilot's memory by part stacked, estimated beside measured.
+  // The charts: loss (train and validation on one axis, a log-scale box), throughput, learning
+  // rate, eager vs compiled, the pilot's memory by part, estimated beside measured.
   EXPECT_EQ(page.charts,
             (std::vector<std::string>{"chart-training-loss", "chart-training-throughput",
-                                      "chart-compile-step-time", "chart-pilot-memory"}));
+                                      "chart-training-optimizer", "chart-compile-step-time",
+                                      "chart-pilot-memory"}));
+  EXPECT_NE(html.find("\"data\":[{\"x\":1.0,\"y\":0.001},{\"x\":2.0,\"y\":0.002}],"
+                      "\"label\":\"learning rate\""),
+            std::string::npos);
   EXPECT_NE(
       html.find("\"data\":[{\"x\":1.0,\"y\":2.5},{\"x\":2.0,\"y\":2.0}],\"label\":\"train loss\""),
       std::string::npos);
@@ -242,21 +255,39 @@ TEST(ReportHtml, ScorecardFirstThenFocusedChartsFromTheTypedResults) {
           "\"data\":[{\"x\":1.0,\"y\":1280.0},{\"x\":2.0,\"y\":1300.0}],\"label\":\"tokens/s\""),
       std::string::npos);
   EXPECT_NE(html.find("\"data\":[0.02,0.016],\"label\":\"median\""), std::string::npos);
-  EXPECT_NE(html.find("\"data\":[959488.0,959756.0],\"label\":\"activations + logits\""),
-            std::string::npos);
-  EXPECT_NE(html.find("\"stacked\":true"), std::string::npos);
+  // Read back against pilot.json: MB (its step peak is 1.39 MB), a part per category and the
+  // step peak as its own pair of bars (the parts are not all held at once: no stacking).
+  const json pilot = json::parse(kPilotJson);
+  const json memory_chart = chart_config(html, "chart-pilot-memory");
+  EXPECT_EQ(memory_chart["options"]["plugins"]["title"]["text"],
+            "Memory by part and the step peak, MB: estimated beside measured");
+  EXPECT_EQ(memory_chart["data"]["labels"], json({"parameters", "gradients", "optimizer state",
+                                                  "activations + logits", "step peak"}));
+  const json& estimate = pilot["memory"]["estimate"];
+  const json& measured = pilot["memory"]["measured"];
+  const std::vector<double> estimated_mb = {
+      estimate["parameters_bytes"].get<double>() / 1e6,
+      estimate["gradients_bytes"].get<double>() / 1e6,
+      estimate["optimizer_bytes"].get<double>() / 1e6,
+      (estimate["activations_bytes"].get<double>() + estimate["logits_bytes"].get<double>()) / 1e6,
+      estimate["step_peak_bytes"].get<double>() / 1e6};
+  EXPECT_EQ(memory_chart["data"]["datasets"][0]["label"], "estimated");
+  EXPECT_EQ(memory_chart["data"]["datasets"][0]["data"].get<std::vector<double>>(), estimated_mb);
+  EXPECT_EQ(memory_chart["data"]["datasets"][1]["data"][4].get<double>(),
+            measured["peak_bytes"].get<double>() / 1e6);
+  EXPECT_EQ(html.find("\"stacked\":true"), std::string::npos);
   // Key/value dumps behind a fold.
   EXPECT_NE(html.find("<details class=\"dump\"><summary>Every number of pilot.json"),
             std::string::npos);
 
-  // Without Chart.js: the same charts as SVG; the stacked memory chart draws 2 x 4 segments.
+  // Without Chart.js: the same charts as SVG; the memory chart draws 5 x 2 bars.
   const ReportHtml svg = make_report_html(run, dir / "no-such-chart.js");
   EXPECT_EQ(svg.charts, page.charts);
   EXPECT_NE(svg.html.find("plain SVG"), std::string::npos);
   const size_t begin = svg.html.find("<svg class=\"svg-chart\" id=\"chart-pilot-memory\"");
   ASSERT_NE(begin, std::string::npos);
   const std::string memory = svg.html.substr(begin, svg.html.find("</svg>", begin) - begin);
-  EXPECT_EQ(occurrences(memory, "<rect"), 1u + 8u);
+  EXPECT_EQ(occurrences(memory, "<rect"), 1u + 10u);
 
   // An empty directory still gets a page; a missing one is a user error.
   std::filesystem::create_directories(dir / "empty");

@@ -110,8 +110,15 @@ class HuggingFace(unittest.TestCase):
         out = work / "hf-out"
         done = kiln("export", run_dir, "--format", "hf", out)
         self.assertIn("exported", done.stdout)
-        self.assertEqual(sorted(p.name for p in out.iterdir()), ["config.json", "model.safetensors"])
+        self.assertEqual(sorted(p.name for p in out.iterdir()),
+                         ["config.json", "generation_config.json", "model.safetensors"])
         hf_config = json.loads((out / "config.json").read_text())
+        # Bytes have no end-of-document token: null, not transformers' GPT-2 default 50256.
+        self.assertIn("no tokenizer and no end token", done.stdout)
+        for name in ("config.json", "generation_config.json"):
+            ids = json.loads((out / name).read_text())
+            self.assertIsNone(ids["eos_token_id"], name)
+            self.assertIsNone(ids["bos_token_id"], name)
         for key, value in {"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 64,
                            "vocab_size": 256, "activation_function": "gelu_new",
                            "layer_norm_epsilon": 1e-5, "model_type": "gpt2"}.items():
@@ -185,7 +192,15 @@ class HuggingFace(unittest.TestCase):
             # The manifest records the weight files' SHA-256 as the model revision.
             if directory == single:
                 continue  # (one train for time: the sharded directory has several files)
-            kiln("train", config, "--set", f"model.init_from={directory}")
+            kiln("train", config, "--set", f"model.init_from={directory}",
+                 "--set", "checkpoint.every_steps=1")
+            # Its export carries the source's end token and generation_config.json.
+            exported = work / "init-export"
+            said = kiln("export", work / "runs" / "init", "--format", "hf", exported).stdout
+            self.assertIn(f"from model.init_from {directory.resolve()}", said)
+            for name in ("config.json", "generation_config.json"):
+                ids = json.loads((exported / name).read_text())
+                self.assertEqual(ids["eos_token_id"], hf_config.eos_token_id, name)
             manifest = json.loads((work / "runs" / "init" / "manifest.json").read_text())
             revision = manifest["model"]["init_from"]
             self.assertEqual(revision["path"], str(directory.resolve()))
@@ -213,6 +228,46 @@ class HuggingFace(unittest.TestCase):
                        "--set", "model.n_embd=64", expect=2)
         self.assertIn("n_embd", refused.stderr)
         self.assertIn("model.n_embd = 32", refused.stderr)
+
+    def test_export_carries_the_corpus_tokenizer(self):
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import AutoTokenizer, GenerationConfig, GPT2LMHeadModel
+
+        work = fresh("export-tokenizer")
+        vocab = {"[UNK]": 0, "<|endoftext|>": 1, **{f"w{k}": k for k in range(2, 200)}}
+        tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+        tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tokenizer.save(str(work / "tokenizer.json"))
+        text = work / "docs.txt"
+        text.write_text("\n\n".join(" ".join(f"w{(d * 7 + k) % 198 + 2}" for k in range(40))
+                                     for d in range(40)) + "\n")
+        kiln("data", "prepare", "--tokenizer", work / "tokenizer.json", "--out", work / "tokens",
+             text, "--val-fraction", "0.1")
+        sections = gpt_sections(steps=2)
+        sections["data"] = {"name": "tokens", "path": str(work / "tokens"), "seq_len": 16,
+                            "num_workers": 0}
+        config = write_config(work / "tok.toml", "tok", {**sections,
+                                                        "checkpoint": {"every_steps": 2}})
+        kiln("train", config)
+        out = work / "hf-tok"
+        said = kiln("export", work / "runs" / "tok", "--format", "hf", out).stdout
+        self.assertIn("end token 1 from the corpus", said)
+        self.assertEqual(json.loads((out / "config.json").read_text())["eos_token_id"], 1)
+        self.assertEqual(GenerationConfig.from_pretrained(out).eos_token_id, 1)
+        loaded = AutoTokenizer.from_pretrained(out)
+        self.assertEqual(loaded.eos_token, "<|endoftext|>")
+        self.assertEqual(loaded("w5 w9")["input_ids"], [5, 9])
+        model = GPT2LMHeadModel.from_pretrained(out)
+        generated = model.generate(torch.tensor([[5, 9]]), max_new_tokens=4, do_sample=False)
+        self.assertEqual(tuple(generated.shape[:1]), (1,))
+
+        # A tokenizer changed since the corpus was made is not carried, and the export says so.
+        tokenizer.add_special_tokens(["<pad>"])
+        tokenizer.save(str(work / "tokenizer.json"))
+        changed = kiln("export", work / "runs" / "tok", "--format", "hf", out, "--force")
+        self.assertIn("changed since the data was prepared", changed.stderr)
+        self.assertFalse((out / "tokenizer.json").exists())
+        self.assertEqual(json.loads((out / "config.json").read_text())["eos_token_id"], 1)
 
     def test_llama_export_loads_in_transformers(self):
         from transformers import LlamaForCausalLM
