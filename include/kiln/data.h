@@ -44,6 +44,19 @@ struct Datasets {
   nlohmann::json identity;  // manifest "data": kind, path(s), size, content hash, split
 };
 
+/// The [data] keys the built-in datasets read (src/data/options.cpp).
+struct DataSource {
+  std::string name;            // data.name: "synthetic", "text", "tokens" or a registered one
+  std::string path, val_path;  // data.path, data.val_path
+  std::string format;          // data.format: the token files' format
+  int64_t seq_len = 0;         // data.seq_len
+  double val_fraction = 0;     // data.val_fraction
+  int64_t num_samples = 0, val_samples = 0, teacher_hidden = 0;  // synthetic's data.*
+  int64_t input_dim = 0, num_classes = 0;  // synthetic's shape: model.input_dim, num_classes
+  uint64_t seed = 0;                       // data_seed(config)
+  static DataSource from_config(const Config& config);
+};
+
 /// Builds the train/val datasets the config describes. Throws UserError naming the file/key.
 Datasets make_datasets(const Config& config);
 

@@ -551,9 +551,4 @@ std::string Config::hash() const {
   return hex64(XXH64(canonical.data(), canonical.size(), 0));
 }
 
-uint64_t data_seed(const Config& config) {
-  const int64_t seed = config.get_int("data.seed");
-  return static_cast<uint64_t>(seed == 0 ? config.get_int("run.seed") : seed);
-}
-
 }  // namespace kiln

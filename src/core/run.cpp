@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "core/files.h"
+#include "core/options.h"
 #include "core/pins.h"
 #include "core/process.h"
 #include "core/records.h"
@@ -231,31 +232,14 @@ std::string utc_now_iso8601() {
   return buffer;
 }
 
-std::filesystem::path run_directory(const Config& config) {
-  std::string name = config.get_string("run.name");
-  if (name.empty()) name = config.source().empty() ? "run" : config.source().stem().string();
-  if (name.find('/') != std::string::npos || name == "." || name == "..") {
-    throw UserError("run.name = \"" + name + "\" must be a plain directory name (no '/')");
-  }
-  return std::filesystem::path(config.get_string("run.dir")) / name;
-}
-
-Config with_resolved_run_name(const Config& config) {
-  Config out = config;
-  if (config.get_string("run.name").empty())
-    out.set("run.name", run_directory(config).filename().string());
-  return out;
-}
-
 namespace {
 // A data or model identity with the config's free-text revision beside its hashes.
-json with_revision(json identity, const Config& config, const char* key) {
-  if (!identity.is_object() || find_key(key) == nullptr) return identity;
+json with_revision(json identity, const std::optional<std::string>& revision) {
+  if (!identity.is_object() || !revision) return identity;
   // The config's revision pins what the user names; without one, the identity's own (a prepared
   // token directory's data.json revision) stands.
-  const std::string& revision = config.get_string(key);
-  if (!revision.empty()) {
-    identity["revision"] = revision;
+  if (!revision->empty()) {
+    identity["revision"] = *revision;
   } else if (!identity.contains("revision")) {
     identity["revision"] = nullptr;
   }
@@ -332,6 +316,7 @@ std::vector<std::string> manifest_differences(const json& pinned, const json& cu
 json make_manifest(const Config& config, const std::string& command_line,
                    const std::string& start_time_utc, const json& data, const json& model) {
   const BuildInfo& build = build_info();
+  const ManifestPins pins = ManifestPins::from_config(config);
   std::string torch_config = at::show_config();
   bool cuda = torch::cuda::is_available();
   const std::string cpu = cpu_model();  // /proc/cpuinfo, read once
@@ -387,10 +372,10 @@ json make_manifest(const Config& config, const std::string& command_line,
       {"config",
        {{"file", config.source().empty() ? json(nullptr) : json(config.source().string())},
         {"hash_xxh64", config.hash()}}},
-      {"seeds", {{"run.seed", config.get_int("run.seed")}, {"data.seed", data_seed(config)}}},
-      {"deterministic", config.get_bool("run.deterministic")},
-      {"data", with_revision(data, config, "data.revision")},
-      {"model", with_revision(model, config, "model.revision")},
+      {"seeds", {{"run.seed", pins.run_seed}, {"data.seed", pins.data_seed}}},
+      {"deterministic", pins.deterministic},
+      {"data", with_revision(data, pins.data_revision)},
+      {"model", with_revision(model, pins.model_revision)},
       {"command_line", command_line},
       {"start_time_utc", start_time_utc},
   };

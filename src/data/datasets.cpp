@@ -51,11 +51,11 @@ class TensorDataset final : public Dataset {
   torch::Tensor inputs_, targets_;  // [N, D] float32, [N] int64
 };
 
-Datasets make_synthetic(const Config& config) {
-  const int64_t dim = config.get_int("model.input_dim");
-  const int64_t classes = config.get_int("model.num_classes");
-  const int64_t hidden = config.get_int("data.teacher_hidden");
-  const uint64_t seed = data_seed(config);
+Datasets make_synthetic(const DataSource& source) {
+  const int64_t dim = source.input_dim;
+  const int64_t classes = source.num_classes;
+  const int64_t hidden = source.teacher_hidden;
+  const uint64_t seed = source.seed;
   auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
   // The teacher: tanh(x W1 + b1) W2, argmax over classes. Fixed by the data seed.
   auto w1 = at::randn({dim, hidden}, generator) / std::sqrt(static_cast<double>(dim));
@@ -67,8 +67,8 @@ Datasets make_synthetic(const Config& config) {
     return std::make_shared<TensorDataset>(x.contiguous(), y.contiguous());
   };
   Datasets out;
-  out.train = make(config.get_int("data.num_samples"));
-  out.val = make(config.get_int("data.val_samples"));
+  out.train = make(source.num_samples);
+  out.val = make(source.val_samples);
   out.identity = {{"kind", "synthetic"},
                   {"generator", "teacher: argmax(tanh(x W1 + b1) W2), x ~ N(0, I)"},
                   {"input_dim", dim},
@@ -86,8 +86,8 @@ bool looks_binary(const std::string& bytes) {
   return bytes.find('\0') != std::string::npos;
 }
 
-Datasets make_text(const Config& config, int64_t vocab_limit) {
-  std::string path = config.get_string("data.path");
+Datasets make_text(const DataSource& source, int64_t vocab_limit) {
+  std::string path = source.path;
   const bool default_corpus = path.empty();
   if (default_corpus) path = kDefaultCorpus;
   std::error_code ec;
@@ -131,9 +131,8 @@ Datasets make_text(const Config& config, int64_t vocab_limit) {
   buffer.count = static_cast<int64_t>(bytes->size());
   buffer.element_bytes = 1;
   buffer.source = path;
-  const int64_t seq_len = config.get_int("data.seq_len");
-  const int64_t val_count =
-      static_cast<int64_t>(std::llround(config.get_float("data.val_fraction") * buffer.count));
+  const int64_t seq_len = source.seq_len;
+  const int64_t val_count = static_cast<int64_t>(std::llround(source.val_fraction * buffer.count));
   const int64_t train_count = buffer.count - val_count;
   Datasets out;
   out.train = make_windows({{buffer, 0, train_count}}, seq_len, "train");
@@ -154,7 +153,8 @@ Datasets make_text(const Config& config, int64_t vocab_limit) {
 }  // namespace
 
 Datasets make_datasets(const Config& config) {
-  const std::string& name = config.get_string("data.name");
+  const DataSource source = DataSource::from_config(config);
+  const std::string& name = source.name;
   if (const DatasetSpec* spec = find_dataset(name)) {  // a program's own (kiln/dataset_registry.h)
     Datasets out = spec->build(config);
     if (!out.train || !out.val) {
@@ -165,10 +165,10 @@ Datasets make_datasets(const Config& config) {
     if (!out.identity.contains("kind")) out.identity["kind"] = name;
     return out;
   }
-  if (name == "synthetic") return make_synthetic(config);
+  if (name == "synthetic") return make_synthetic(source);
   const int64_t vocab = model_vocab_size(config);  // 0 for a model without a vocabulary
-  if (name == "text") return make_text(config, vocab);
-  return make_tokens(config, vocab);
+  if (name == "text") return make_text(source, vocab);
+  return make_tokens(source, vocab);
 }
 
 }  // namespace kiln

@@ -296,7 +296,7 @@ void check_vocabulary_fits(int64_t vocab, int64_t vocab_limit, const fs::path& m
   }
 }
 
-Datasets make_prepared(const Config& config, const fs::path& dir, int64_t vocab_limit) {
+Datasets make_prepared(const DataSource& source, const fs::path& dir, int64_t vocab_limit) {
   const fs::path manifest = dir / "data.json";
   std::error_code ec;
   if (!fs::is_regular_file(manifest, ec)) {
@@ -315,7 +315,7 @@ Datasets make_prepared(const Config& config, const fs::path& dir, int64_t vocab_
   const int64_t vocab = required<int64_t>(tokenizer, "vocab_size", manifest);
   check_vocabulary_fits(vocab, vocab_limit, manifest);
   const json splits = required<json>(prepared, "splits", manifest);
-  const int64_t seq_len = config.get_int("data.seq_len");
+  const int64_t seq_len = source.seq_len;
   json files = json::array();
   auto open_split = [&](const char* name) {
     std::vector<TokenSpan> spans;
@@ -336,11 +336,10 @@ Datasets make_prepared(const Config& config, const fs::path& dir, int64_t vocab_
   };
   Datasets out;
   out.train = make_windows(open_split("train"), seq_len, "train");
-  const std::string val_path = config.get_string("data.val_path");
+  const std::string val_path = source.val_path;
   if (!val_path.empty()) {
     std::string format;
-    TokenBuffer val =
-        open_token_file(val_path, config.get_string("data.format"), vocab_limit, &format, &files);
+    TokenBuffer val = open_token_file(val_path, source.format, vocab_limit, &format, &files);
     out.val = make_windows({{val, 0, val.count}}, seq_len, "validation");
   } else {
     std::vector<TokenSpan> val = open_split("val");
@@ -393,26 +392,23 @@ std::shared_ptr<const Dataset> make_windows(std::vector<TokenSpan> spans, int64_
   return std::make_shared<WindowDataset>(std::move(spans), seq_len);
 }
 
-Datasets make_tokens(const Config& config, int64_t vocab_limit) {
-  const std::string path = config.get_string("data.path");
+Datasets make_tokens(const DataSource& source, int64_t vocab_limit) {
+  const std::string path = source.path;
   std::error_code ec;
-  if (fs::is_directory(path, ec)) return make_prepared(config, path, vocab_limit);
-  const std::string val_path = config.get_string("data.val_path");
-  const int64_t seq_len = config.get_int("data.seq_len");
+  if (fs::is_directory(path, ec)) return make_prepared(source, path, vocab_limit);
+  const std::string val_path = source.val_path;
+  const int64_t seq_len = source.seq_len;
   std::string format;
   json files = json::array();
-  TokenBuffer train =
-      open_token_file(path, config.get_string("data.format"), vocab_limit, &format, &files);
+  TokenBuffer train = open_token_file(path, source.format, vocab_limit, &format, &files);
   Datasets out;
   if (!val_path.empty()) {
     std::string val_format;
-    TokenBuffer val = open_token_file(val_path, config.get_string("data.format"), vocab_limit,
-                                      &val_format, &files);
+    TokenBuffer val = open_token_file(val_path, source.format, vocab_limit, &val_format, &files);
     out.train = make_windows({{train, 0, train.count}}, seq_len, "train");
     out.val = make_windows({{val, 0, val.count}}, seq_len, "validation");
   } else {
-    const int64_t val_count =
-        static_cast<int64_t>(std::llround(config.get_float("data.val_fraction") * train.count));
+    const int64_t val_count = static_cast<int64_t>(std::llround(source.val_fraction * train.count));
     out.train = make_windows({{train, 0, train.count - val_count}}, seq_len, "train");
     out.val = make_windows({{train, train.count - val_count, val_count}}, seq_len, "validation");
   }

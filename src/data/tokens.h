@@ -16,6 +16,7 @@ namespace kiln {
 class Config;
 class Dataset;
 struct Datasets;
+struct DataSource;
 
 /// Read-only token memory: a heap buffer (text) or a file mapping (token files).
 struct TokenBuffer {
@@ -55,7 +56,7 @@ std::shared_ptr<const Dataset> make_windows(std::vector<TokenSpan> spans, int64_
 /// data.name = "tokens": a .bin file (data.path, data.val_path) or a directory written by
 /// `kiln data prepare` (its data.json). Every file's token range is checked against
 /// `vocab_limit` (> 0) when it is opened. Throws UserError naming the file.
-Datasets make_tokens(const Config& config, int64_t vocab_limit);
+Datasets make_tokens(const DataSource& source, int64_t vocab_limit);
 
 /// A directory written by `kiln data prepare` whose tokenizer's vocabulary exceeds `vocab_limit`
 /// (> 0): the UserError make_tokens would throw, from data.json alone (no token file read).

@@ -17,6 +17,7 @@
 #include "kiln/hf.h"
 #include "kiln/safetensors.h"
 #include "models/exported_graph.h"
+#include "models/internal.h"
 
 namespace kiln {
 namespace {
@@ -182,13 +183,13 @@ class ExportedModel : public Model {
 };
 
 bool is_exported(const Config& c) {
-  return c.get_string("model.name") == "exported";
+  return ModelBuildOptions::from_config(c).name == "exported";
 }
 
 // The configured package's manifest (no hashes) or the problem.
 std::string package_problem(const Config& c, json* manifest) {
   try {
-    *manifest = read_package(c.get_string("model.package"), "model.package", false);
+    *manifest = read_package(ModelBuildOptions::from_config(c).package, "model.package", false);
     return "";
   } catch (const std::exception& e) {
     return e.what();
@@ -344,7 +345,7 @@ ModelSpec exported_spec() {
       "a PyTorch model exported by `kiln model import` (model.package), its graph run from C++";
   spec.input = ModelInput::kTokens;
   spec.build = [](const Config& config, at::Generator&) -> std::shared_ptr<Model> {
-    const fs::path dir = config.get_string("model.package");
+    const fs::path dir = ModelBuildOptions::from_config(config).package;
     json manifest = read_package(dir, "model.package", true);
     auto graph = load_graph(dir, manifest);
     return std::make_shared<ExportedModel>(dir, std::move(manifest), std::move(graph));
@@ -355,7 +356,7 @@ ModelSpec exported_spec() {
     return manifest["input"].value("vocab_size", int64_t{0});
   };
   spec.math = [](const Config& config) {
-    const fs::path dir = config.get_string("model.package");
+    const fs::path dir = ModelBuildOptions::from_config(config).package;
     const json manifest = read_package(dir, "model.package", false);
     const GraphMath g = load_graph(dir, manifest)->math();
     ModelMath math;
@@ -376,21 +377,21 @@ ModelSpec exported_spec() {
        "its exported sequence range",
        [](const Config& c) -> std::string {
          if (!is_exported(c)) return "";
-         if (c.get_string("model.package").empty()) {
+         const ModelBuildOptions options = ModelBuildOptions::from_config(c);
+         if (options.package.empty()) {
            return "model.name = \"exported\" needs model.package = DIR, a package written by "
                   "`kiln model import --out DIR`";
          }
          json manifest;
          if (std::string problem = package_problem(c, &manifest); !problem.empty()) return problem;
          const json seq = manifest["input"]["dims"].value("seq", json::array({2, 0}));
-         const int64_t seq_len = c.get_int("data.seq_len");
+         const int64_t seq_len = options.seq_len;
          if (seq_len >= seq.at(0).get<int64_t>() && seq_len <= seq.at(1).get<int64_t>()) return "";
          return fmt::format(
              "data.seq_len = {} is outside the sequence range [{}, {}] model.package "
              "= \"{}\" was exported for; lower data.seq_len or re-import with "
              "--max-seq {}",
-             seq_len, seq.at(0).get<int64_t>(), seq.at(1).get<int64_t>(),
-             c.get_string("model.package"), seq_len);
+             seq_len, seq.at(0).get<int64_t>(), seq.at(1).get<int64_t>(), options.package, seq_len);
        },
        {"model.name=exported", "data.name=text", "model.package=/nonexistent/package"}},
   };

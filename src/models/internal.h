@@ -14,9 +14,30 @@
 
 namespace kiln {
 
-/// The GPT shape for the config: model.preset (or model.init_from's config.json), with any
-/// non-zero model.* key overriding it. Unchecked (resolve_gpt_config checks it; the [model] rules
-/// explain what is wrong).
+/// The keys every model build reads (src/models/options.cpp, the only place src/models/ reads
+/// a Config by key).
+struct ModelBuildOptions {
+  std::string name;       // model.name
+  std::string init_from;  // model.init_from: a Hugging Face directory, or ""
+  uint64_t seed = 0;      // run.seed: the initialisation's generator
+  int64_t seq_len = 0;    // data.seq_len: a decoder's block_size must hold it
+  std::string package;    // model.package: the exported model's directory
+  static ModelBuildOptions from_config(const Config& config);
+};
+
+/// The seed MLP's shape (model.input_dim, hidden_dim, num_classes, data_dependent_branch).
+struct MlpShape {
+  int64_t input_dim = 0, hidden_dim = 0, num_classes = 0;
+  bool data_dependent_branch = false;
+  static MlpShape from_config(const Config& config);
+};
+
+/// A GPT preset by name ("tiny", "small", "gpt2-124m"); any other name gives tiny (the [model]
+/// rules refuse it).
+GptConfig gpt_preset(const std::string& name);
+/// The GPT shape for the config (src/models/options.cpp): model.preset (or model.init_from's
+/// config.json), with any non-zero model.* key overriding it. Unchecked (resolve_gpt_config checks
+/// it; the [model] rules explain what is wrong).
 GptConfig gpt_shape(const Config& config);
 /// The same for llama (models/llama.cpp).
 LlamaConfig llama_shape(const Config& config);

@@ -354,28 +354,6 @@ LlamaConfig llama_preset(const std::string& name) {
   return c;
 }
 
-LlamaConfig llama_shape(const Config& config) {
-  LlamaConfig out = llama_preset(config.get_string("model.preset"));
-  if (const std::string& dir = config.get_string("model.init_from"); !dir.empty()) {
-    if (auto from_hf = llama_config_from_hf_dir(dir)) out = *from_hf;
-  }
-  auto pick = [&](const char* key, int64_t& field) {
-    if (int64_t v = config.get_int(key); v > 0) field = v;
-  };
-  pick("model.n_layer", out.n_layer);
-  pick("model.n_head", out.n_head);
-  pick("model.n_kv_head", out.n_kv_head);
-  pick("model.n_embd", out.n_embd);
-  pick("model.intermediate_size", out.intermediate_size);
-  pick("model.block_size", out.block_size);
-  pick("model.vocab_size", out.vocab_size);
-  if (double theta = config.get_float("model.rope_theta"); theta > 0) out.rope_theta = theta;
-  if (double eps = config.get_float("model.norm_eps"); eps > 0) out.norm_eps = eps;
-  if (config.get_bool("model.tie_embeddings")) out.tie_embeddings = true;
-  out.init_std = config.get_float("model.init_std");
-  return out;
-}
-
 std::string llama_shape_problem(const LlamaConfig& c) {
   if (c.n_embd % c.n_head != 0 || c.head_dim() % 2 != 0) {
     return fmt::format(
@@ -406,11 +384,12 @@ std::string llama_tensor_parallel_problem(const LlamaConfig& c, int64_t tp) {
 LlamaConfig resolve_llama_config(const Config& config) {
   const LlamaConfig out = llama_shape(config);
   if (std::string problem = llama_shape_problem(out); !problem.empty()) throw UserError(problem);
-  if (config.get_int("data.seq_len") > out.block_size) {
+  if (const int64_t seq_len = ModelBuildOptions::from_config(config).seq_len;
+      seq_len > out.block_size) {
     throw UserError(fmt::format(
         "data.seq_len = {} exceeds the model's block_size {}; lower data.seq_len or raise "
         "model.block_size",
-        config.get_int("data.seq_len"), out.block_size));
+        seq_len, out.block_size));
   }
   return out;
 }

@@ -233,13 +233,13 @@ class Gpt final : public Model, public SplitForward {
   std::vector<std::shared_ptr<Block>> blocks_;
 };
 
-GptConfig preset(const std::string& name) {
+}  // namespace
+
+GptConfig gpt_preset(const std::string& name) {
   if (name == "small") return {6, 6, 384, 256, 256};
   if (name == "gpt2-124m") return {12, 12, 768, 1024, 50257};
   return {5, 4, 128, 256, 256};  // tiny; also the fallback for a preset the rules refuse
 }
-
-}  // namespace
 
 void Model::add_unit_wrapper(std::shared_ptr<UnitWrapper> wrapper) {
   unit_wrappers_.push_back(std::move(wrapper));
@@ -269,24 +269,6 @@ torch::Tensor Model::correct_predictions(const torch::Tensor& logits,
   return logits.argmax(-1).eq(targets).sum();
 }
 
-GptConfig gpt_shape(const Config& config) {
-  GptConfig out = preset(config.get_string("model.preset"));
-  // As from_pretrained: the shape of model.init_from's config.json, not the preset's.
-  if (const std::string& dir = config.get_string("model.init_from"); !dir.empty()) {
-    if (auto from_hf = gpt_config_from_hf_dir(dir)) out = *from_hf;
-  }
-  auto pick = [&](const char* key, int64_t& field) {
-    if (int64_t v = config.get_int(key); v > 0) field = v;
-  };
-  pick("model.n_layer", out.n_layer);
-  pick("model.n_head", out.n_head);
-  pick("model.n_embd", out.n_embd);
-  pick("model.block_size", out.block_size);
-  pick("model.vocab_size", out.vocab_size);
-  out.init_std = config.get_float("model.init_std");
-  return out;
-}
-
 GptConfig resolve_gpt_config(const Config& config) {
   const GptConfig out = gpt_shape(config);
   if (out.n_embd % out.n_head != 0) {
@@ -294,8 +276,9 @@ GptConfig resolve_gpt_config(const Config& config) {
                     " is not divisible by model.n_head = " + std::to_string(out.n_head) +
                     "; pick a head count that divides the width");
   }
-  if (config.get_int("data.seq_len") > out.block_size) {
-    throw UserError("data.seq_len = " + std::to_string(config.get_int("data.seq_len")) +
+  if (const int64_t seq_len = ModelBuildOptions::from_config(config).seq_len;
+      seq_len > out.block_size) {
+    throw UserError("data.seq_len = " + std::to_string(seq_len) +
                     " exceeds the model's block_size " + std::to_string(out.block_size) +
                     "; lower data.seq_len or raise model.block_size");
   }
@@ -331,14 +314,13 @@ ModelSpec mlp_spec() {
   spec.description = "the seed MLP: input_dim -> hidden_dim -> ReLU -> num_classes";
   spec.input = ModelInput::kFeatures;
   spec.build = [](const Config& config, at::Generator& generator) -> std::shared_ptr<Model> {
-    return std::make_shared<Mlp>(config.get_int("model.input_dim"),
-                                 config.get_int("model.hidden_dim"),
-                                 config.get_int("model.num_classes"),
-                                 config.get_bool("model.data_dependent_branch"), generator);
+    const MlpShape shape = MlpShape::from_config(config);
+    return std::make_shared<Mlp>(shape.input_dim, shape.hidden_dim, shape.num_classes,
+                                 shape.data_dependent_branch, generator);
   };
   spec.math = [](const Config& config) {
-    const int64_t d = config.get_int("model.input_dim"), h = config.get_int("model.hidden_dim"),
-                  k = config.get_int("model.num_classes");
+    const MlpShape shape = MlpShape::from_config(config);
+    const int64_t d = shape.input_dim, h = shape.hidden_dim, k = shape.num_classes;
     ModelMath m;
     m.parameters = d * h + h + h * k + k;
     m.largest_unit_parameters = std::max(d * h + h, h * k + k);  // units fc1, fc2

@@ -91,19 +91,19 @@ std::string unknown_model_problem(const std::string& name) {
 }
 
 const ModelSpec& model_spec(const Config& config) {
-  const std::string& name = config.get_string("model.name");
+  const std::string name = ModelBuildOptions::from_config(config).name;
   const ModelSpec* spec = find_model(name);
   if (!spec) throw UserError(unknown_model_problem(name));
   return *spec;
 }
 
 bool model_takes_tokens(const Config& config) {
-  const ModelSpec* spec = find_model(config.get_string("model.name"));
+  const ModelSpec* spec = find_model(ModelBuildOptions::from_config(config).name);
   return spec && spec->input == ModelInput::kTokens;
 }
 
 int64_t model_vocab_size(const Config& config) {
-  const ModelSpec* spec = find_model(config.get_string("model.name"));
+  const ModelSpec* spec = find_model(ModelBuildOptions::from_config(config).name);
   if (!spec || spec->input != ModelInput::kTokens || !spec->vocab_size) return 0;
   return spec->vocab_size(config);
 }
@@ -131,10 +131,10 @@ std::vector<const ModelSpec*> specs_for_schema() {
 std::shared_ptr<Model> make_model(const Config& config) {
   counters::count(counters::Event::kModelBuild);
   const ModelSpec& spec = model_spec(config);
-  auto generator =
-      at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.get_int("run.seed")));
+  const ModelBuildOptions options = ModelBuildOptions::from_config(config);
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(options.seed);
   std::shared_ptr<Model> model = spec.build(config, generator);
-  if (const std::string& dir = config.get_string("model.init_from"); !dir.empty()) {
+  if (const std::string& dir = options.init_from; !dir.empty()) {
     if (!spec.load_hf) {
       throw UserError(fmt::format(
           "model.init_from loads Hugging Face weights, which model.name = \"{}\" cannot take",

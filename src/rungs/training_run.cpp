@@ -16,6 +16,7 @@
 #include "core/strings.h"
 #include "data/tokens.h"
 #include "kiln/checkpoint.h"
+#include "kiln/data.h"
 #include "kiln/dist.h"
 #include "kiln/error.h"
 #include "kiln/job.h"
@@ -28,8 +29,9 @@ namespace kiln {
 
 void check_job_inputs(const Config& config) {
   resolve_device(config);  // run.device = "cuda" without a device: the line the run stops with
-  const std::string& data = config.get_string("data.name");
-  const std::string& path = config.get_string("data.path");
+  const DataSource source = DataSource::from_config(config);
+  const std::string& data = source.name;
+  const std::string& path = source.path;
   std::error_code ec;
   if (data == "text" && !path.empty() && !std::filesystem::exists(path, ec)) {
     throw UserError("data.path = \"" + path +
@@ -39,7 +41,7 @@ void check_job_inputs(const Config& config) {
   // A directory from `kiln data prepare`: its tokenizer must fit the model (data.json only).
   if (std::filesystem::is_directory(path, ec))
     check_prepared_vocabulary(path, model_vocab_size(config));
-  for (const std::string& file : {path, config.get_string("data.val_path")}) {
+  for (const std::string& file : {path, source.val_path}) {
     if (file.empty() || std::filesystem::is_directory(file, ec)) continue;  // a prepared directory
     const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);  // opened, never read or hashed
     if (fd < 0) {
