@@ -1,6 +1,7 @@
 // The layering of src/ and include/kiln/ (docs/architecture.md), checked from the #include lines:
 // a component includes only components below it, core includes nothing above it, no component
-// includes a rung, and no folder includes another folder's internal.h.
+// includes a rung, and no folder includes another folder's internal.h. And the configuration is
+// read by key ("section.key") only in the schema and options files: logic takes typed options.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -192,6 +193,69 @@ TEST(Layering, TheCheckSeesAViolation) {
   EXPECT_EQ(seen("folder nowhere is not in the layering table"), 1);
   EXPECT_EQ(seen("include/kiln/train.h (train) includes kiln/pilot.h (rungs)"), 1);
   EXPECT_EQ(found.size(), 6u) << "ok.cpp's include is allowed";
+}
+
+// Each read of a Config by a literal key (config.get_int("train.steps")) in a file under
+// root/src or root/include/kiln that is not a schema or options file: "file:line: text".
+std::vector<std::string> keyed_config_reads(const fs::path& root) {
+  static const std::regex read(
+      R"(\.get_(string|int|bool|float|double|enum|table|float_table|string_list)\(\s*")");
+  std::vector<std::string> out;
+  for (const fs::path& dir : std::vector<fs::path>{root / "src", root / "include" / "kiln"}) {
+    if (!fs::exists(dir)) continue;
+    for (const auto& entry : fs::recursive_directory_iterator(dir)) {
+      const std::string name = entry.path().filename().string();
+      if (!entry.is_regular_file() || name.find("schema") != std::string::npos ||
+          name.find("options") != std::string::npos)
+        continue;
+      std::ifstream in(entry.path());
+      std::string line;
+      for (int n = 1; std::getline(in, line); ++n) {
+        if (std::regex_search(line, read)) {
+          out.push_back(fs::relative(entry.path(), root).string() + ":" + std::to_string(n) + ": " +
+                        line);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+TEST(Layering, TheConfigIsReadByKeyOnlyInSchemaAndOptionsFiles) {
+  for (const auto& read : keyed_config_reads(KILN_SOURCE_DIR)) {
+    ADD_FAILURE() << read << "\n  read the key in the component's options file (a typed "
+                  << "Options::from_config) and pass the value";
+  }
+}
+
+// Its negative control: a tree with keyed reads in logic, and the same reads where allowed.
+TEST(Layering, TheKeyedReadCheckSeesAReadInLogic) {
+  const fs::path root =
+      fs::temp_directory_path() / ("kiln-keyed-reads-" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  auto write = [&](const std::string& rel, const std::string& text) {
+    fs::create_directories((root / rel).parent_path());
+    std::ofstream(root / rel) << text;
+  };
+  const std::string read = "  const int64_t steps = config.get_int(\"train.steps\");\n";
+  write("src/train/trainer.cpp", "// train.steps\n" + read);
+  write("src/rungs/pilot.cpp", "x = c.get_string( \"run.dir\");\n");
+  write("include/kiln/train.h", "inline bool f(const Config& c) { return c.get_bool(\"a.b\"); }\n");
+  write("src/train/options.cpp", read);
+  write("src/train/schema.cpp", read);
+  write("src/train/pass.cpp", "config.get_int(key);  // a key passed in: not a literal\n");
+  const std::vector<std::string> found = keyed_config_reads(root);
+  fs::remove_all(root);
+  ASSERT_EQ(found.size(), 3u);
+  std::set<std::string> files;
+  for (const auto& f : found) files.insert(f.substr(0, f.find(':')));
+  EXPECT_EQ(files, (std::set<std::string>{"src/train/trainer.cpp", "src/rungs/pilot.cpp",
+                                          "include/kiln/train.h"}));
+  EXPECT_EQ(std::count_if(
+                found.begin(), found.end(),
+                [](const std::string& f) { return f.starts_with("src/train/trainer.cpp:2: "); }),
+            1)
+      << "names the file and line";
 }
 
 }  // namespace
