@@ -36,6 +36,18 @@ def make_deps(folder: Path, dangling_link: bool = False) -> None:
     (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
+def python_without_torch():
+    """A python3 (3.9 or later, as the script needs) that cannot import torch, or None."""
+    probe = ("import sys, importlib.util; assert sys.version_info >= (3, 9); "
+             "sys.exit(importlib.util.find_spec('torch') is not None)")
+    for python in ("/usr/bin/python3", getattr(sys, "_base_executable", ""),
+                   str(Path(sys.base_prefix) / "bin" / "python3")):
+        if python and Path(python).exists() and subprocess.run(
+                [python, "-c", probe], capture_output=True).returncode == 0:
+            return python
+    return None
+
+
 class DryRun(unittest.TestCase):
     def setUp(self):
         self.tmp = Path(tempfile.mkdtemp(prefix="kiln-gpu-check-"))
@@ -55,18 +67,70 @@ class DryRun(unittest.TestCase):
         doc = json.loads((out / "gpu-check.json").read_text())
         return run, {c["name"]: c for c in doc["checks"]}, doc
 
-    def test_runs_as_written_on_a_cpu_machine_with_nothing_prepared(self):
-        # `scripts/gpu-check DIR --dry-run` as the docs write it: the system python3 (no torch
-        # there), no gpu-deps folder. It plans every check, says what is missing, exits 0.
-        out = self.tmp / "bare"
-        run = subprocess.run(["/usr/bin/python3", str(SCRIPT), str(out), "--dry-run",
-                              "--deps", str(self.tmp / "no-deps"), "--build-dir", str(BUILD)],
+    def bare_checkout(self):
+        """The script in a checkout with no build, no gpu-deps/ and no .venv: a fresh clone."""
+        root = self.tmp / "clone"
+        (root / "scripts").mkdir(parents=True)
+        shutil.copy(SCRIPT, root / "scripts" / "gpu-check")
+        for folder in ("configs", "bench"):
+            (root / folder).symlink_to(SOURCE / folder)
+        return root
+
+    def test_a_dry_run_needs_nothing_but_the_checkout(self):
+        # `scripts/gpu-check DIR --dry-run` as the docs write it, by a python3 that cannot import
+        # torch, with no build and nothing prepared: every check planned, its commands printed,
+        # what this machine lacks said, exit 0.
+        python = python_without_torch()
+        if python is None:
+            self.skipTest("no python3 without torch on this machine")
+        root, out = self.bare_checkout(), self.tmp / "bare"
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(self.tmp)}
+        run = subprocess.run([python, "scripts/gpu-check", str(out), "--dry-run"], cwd=root,
+                             env=env, capture_output=True, text=True, timeout=100)
+        self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+        checks = {c["name"]: c for c in json.loads((out / "gpu-check.json").read_text())["checks"]}
+        self.assertEqual({n: c["status"] for n, c in checks.items()},
+                         dict.fromkeys(["environment", "dependencies", "build", "cuda_tests",
+                                        "ladder_preflight", "ladder", "python_peer"], "planned"))
+        for name in checks:
+            self.assertIn(f"[gpu-check] --- {name}\n", run.stdout)
+        self.assertIn("cannot import torch (ModuleNotFoundError", checks["environment"]["warning"])
+        self.assertIn("gpu-deps/manifest.json missing: not verified",
+                      checks["dependencies"]["warning"])
+        self.assertIn("--prepare", checks["dependencies"]["warning"])
+        for name in ("cuda_tests", "ladder_preflight", "ladder"):
+            self.assertIn("no kiln in", checks[name]["warning"])
+        # What it would run, printed: the build, the tests, the ladder as the GPU runs it.
+        self.assertIn("would run: cmake --build", run.stdout)
+        self.assertIn("would run: ctest --test-dir", run.stdout)
+        self.assertRegex(run.stdout, r"would run: \S+/kiln ladder \S+ --set run\.device=cuda ")
+        self.assertIn("note: " + checks["dependencies"]["warning"], run.stdout)
+        self.assertIn("every check planned (dry run); notes on environment", run.stdout)
+        # The real run refuses on the same machine: no torch, nothing prepared (nothing is built).
+        real = subprocess.run([python, "scripts/gpu-check", str(self.tmp / "real")], cwd=root,
+                              env=env, capture_output=True, text=True, timeout=100)
+        self.assertEqual(real.returncode, 1, real.stdout + real.stderr)
+        checks = {c["name"]: c for c in
+                  json.loads((self.tmp / "real" / "gpu-check.json").read_text())["checks"]}
+        self.assertEqual(checks["environment"]["status"], "failed")
+        self.assertIn("No module named 'torch'", checks["environment"]["error"])
+        self.assertIn(checks["dependencies"]["status"], ("failed", "skipped"))
+        self.assertNotIn("planned", {c["status"] for c in checks.values()})
+
+    def test_a_dry_run_by_a_python_without_torch_probes_the_checkouts_venv(self):
+        python = python_without_torch()
+        if python is None:
+            self.skipTest("no python3 without torch on this machine")
+        out = self.tmp / "system"
+        run = subprocess.run([python, str(SCRIPT), str(out), "--dry-run", "--deps",
+                              str(self.tmp / "no-deps"), "--build-dir", str(BUILD)],
                              capture_output=True, text=True, timeout=100)
         self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
         checks = {c["name"]: c for c in json.loads((out / "gpu-check.json").read_text())["checks"]}
         self.assertEqual({c["status"] for c in checks.values()}, {"planned"}, checks)
-        self.assertIn("missing: not verified", checks["dependencies"]["warning"])
-        self.assertIn("--prepare", checks["dependencies"]["warning"])
+        if (SOURCE / ".venv" / "bin" / "python").exists():
+            self.assertIsNotNone(checks["environment"]["numbers"]["torch"])
+        self.assertIn("ladder check passed", checks["ladder_preflight"]["numbers"]["preflight"])
 
     def test_plans_every_check_and_checks_what_it_can(self):
         run, checks, doc = self.run_script()
