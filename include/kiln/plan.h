@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kiln/models.h"
+#include "kiln/results.h"
 
 namespace kiln {
 
@@ -418,11 +419,12 @@ PilotCalibration read_pilot(const std::filesystem::path& run_dir, const Config& 
 /// Plans `config` on each hardware row (plan.hardware, else the whole catalog) at plan.gpus
 /// GPUs: strategy, step time, days, ETTR, checkpoint interval, 7- and 30-day fit and cost, and the
 /// recommendation. Never builds the model. With `require_cost`, a missing price or MTBF is a
-/// UserError naming the key. Returns plan.json's content.
-nlohmann::json make_plan(const Config& config, const PilotCalibration* pilot, bool require_cost);
+/// UserError naming the key. Returns plan.json's content, whole (the plan rung writes it through
+/// to_json); status.passed: some row fits a 30-day reservation.
+PlanResult make_plan(const Config& config, const PilotCalibration* pilot, bool require_cost);
 
 /// The plan as Markdown: the assumptions, one table row per hardware row, the recommendation.
-std::string plan_markdown(const nlohmann::json& plan);
+std::string plan_markdown(const PlanResult& plan);
 
 // ---- measured matmul peak (src/plan/matmul_peak.cpp) -------------------------------------------
 

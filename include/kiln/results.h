@@ -2,14 +2,15 @@
 // to_json/from_json, so every reader (report.html today; the ladder, `kiln plan --actual` and the
 // tests as they move over) reads a rung's numbers through one declaration instead of string keys
 // (docs/report.md, "Rung files"). from_json and to_json walk one field list per struct
-// (src/report/results*.cpp), so a key is named once for both directions. The baseline and
-// checkpoint, compile, profile, scale and pilot rungs fill their struct and write their file
-// through to_json alone, so a file holds exactly what its struct holds. Parts of a file laid out
-// by another component's own serializer (src/compile's CompileReport::to_json, src/profile's
-// analysis and verdict numbers, src/plan's MemoryEstimate, the session's strategy decision) are
-// typed as far as kiln reads them; the rest of such a part is carried as JSON (the members named
-// `*_more`, or nlohmann::json members that say whose layout they are) and written back unchanged.
-// The plan rung's file is the planner's document (src/plan), read back through PlanResult.
+// (src/results/results*.cpp), so a key is named once for both directions. The baseline and
+// checkpoint, compile, profile, scale, pilot and plan rungs fill their struct (the plan's by
+// src/plan's make_plan) and write their file through to_json alone, so a file holds exactly what
+// its struct holds. Parts of a file laid out by another component's own serializer (src/compile's
+// CompileReport::to_json, src/profile's analysis and verdict numbers, the pilot's MemoryEstimate
+// from src/plan, the session's strategy decision) are typed as far as kiln reads them; the rest of
+// such a part is carried as JSON (the members named `*_more`, or nlohmann::json members that say
+// whose layout they are) and written back unchanged. The plan's parts from src/plan's serializers
+// (the strategy decision, host needs, memory estimate) are typed whole.
 //
 // Versions. A file's "schema_version" (absent = 1: every file kiln wrote before versions existed)
 // says which layout it follows; to_json writes kResultSchemaVersion. Version 2 added the keys
@@ -385,28 +386,60 @@ struct PilotResult {
   PilotRestore restore;
 };
 
-// ---- plan.json (src/plan/planner.cpp, src/rungs/plan.cpp) --------------------------------------
+// ---- plan.json (src/plan/planner.cpp make_plan fills it, src/rungs/plan.cpp writes it) ---------
+// Every key the planner writes (docs/plan.md, "Outputs"). The keys the report read before the plan
+// was written through this struct are required; the others were added to plan.json over time
+// without a schema version of their own, so a file that lacks one reads it as its default.
 
 struct PlanReservation {
   bool fits = false;
-  std::optional<double> cost;  // null without a price for the row
+  std::optional<double> price_per_gpu_hour;  // the row's price (written only with one)
+  std::optional<double> cost;                // GPUs x days x 24 h x price; null without a price
+};
+
+/// Host memory and storage of one row ("host": kiln/plan.h HostNeeds, as its to_json lays it out).
+struct PlanHost {
+  double staging_bytes_per_node = 0, loader_bytes_per_node = 0, host_bytes_per_node = 0;
+  std::optional<double> host_memory_bytes;  // null: the row has no host_memory_gb
+  bool host_fits = true;
+  double storage_bytes = 0;
+  std::optional<double> storage_limit_bytes;  // null: plan.storage_tb not set
+  bool storage_fits = true;
+  std::vector<std::string> warnings;
 };
 
 struct PlanRow {
   std::string hardware, display_name;
   int64_t gpus = 0;
   bool fits_memory = false;
+  // "strategy": the rule's decision (kiln/plan.h StrategyDecision, as its to_json lays it out).
   std::string strategy;  // "ddp", "fsdp", "does-not-fit"
   int64_t fsdp_degree = 0;
-  int64_t tp_degree = 1;  // tensor parallelism (absent in older plans: 1)
+  int64_t tp_degree = 1;                      // tensor parallelism (absent in older plans: 1)
+  double strategy_communication_seconds = 0;  // "communication_seconds": the rule's figure
   double ddp_bytes_per_device = 0, fsdp_bytes_per_device = 0, usable_bytes = 0;
-  std::string strategy_reason;
+  std::string strategy_reason;                                    // "reason"
+  double peak_flops_per_gpu = 0, catalog_peak_flops_per_gpu = 0;  // the peak used; the catalog's
+  std::string peak_flops_source;
+  PlanHost host;
   double mfu = 0;
   std::string mfu_source;
   double step_seconds = 0, compute_seconds_per_step = 0, communication_seconds_per_step = 0;
-  std::optional<double> wall_days;  // null: never finishes (does not fit)
-  double ettr = 0, checkpoint_interval_seconds = 0;
-  std::optional<double> expected_failures;
+  // The budget (kiln/plan.h Budget): seconds over the whole job.
+  double train_seconds = 0, eval_seconds = 0;
+  double save_seconds = 0;       // delta: what one save stalls the job
+  double full_save_seconds = 0;  // the whole save at write_bytes_per_second
+  std::string save_stall_source;
+  double write_bytes_per_second = 0;
+  double restart_seconds = 0, recovery_seconds = 0;  // R, and its part after the requeue
+  std::string recovery_source;
+  double checkpoint_interval_seconds = 0, young_interval_seconds = 0, saves_seconds = 0;
+  double job_mtbf_seconds = 0;                            // 0: failures not modelled
+  std::optional<double> expected_failures, lost_seconds;  // null: not finite
+  double drills_seconds = 0, pilot_seconds = 0;
+  std::optional<double> margin_seconds, wall_seconds;  // null: never finishes
+  std::optional<double> wall_days;                     // null: never finishes (does not fit)
+  double ettr = 0;
   PlanReservation reservation_7d, reservation_30d;
 
   /// "ddp", "fsdp x8", "hsdp 2x4", "does-not-fit": the strategy as every table prints it.
@@ -415,21 +448,53 @@ struct PlanRow {
   double bytes_per_device() const;
 };
 
+/// The memory model's step on one device (kiln/plan.h MemoryEstimate, as its to_json lays it out).
+struct PlanMemoryEstimate {
+  double parameters_bytes = 0, gradients_bytes = 0, optimizer_bytes = 0, activations_bytes = 0,
+         logits_bytes = 0, backward_extra_bytes = 0, autocast_copies_bytes = 0,
+         communication_bytes = 0, gradients_after_step_bytes = 0;
+  bool gradients_held_across_micro_batches = false;
+  std::string peak_at;
+  double step_peak_bytes = 0, total_bytes = 0;
+};
+
+/// "memory_per_device".
+struct PlanMemory {
+  PlanMemoryEstimate estimate;
+  double state_bytes_per_parameter = 0;
+  double activation_calibration = 1;  // the pilot's measured / estimated activations (1: none)
+};
+
+/// "recommendation": the row and reservation advised (null when nothing fits 30 days).
+struct PlanRecommendation {
+  std::string hardware;
+  int64_t reservation_days = 0;
+  std::optional<double> cost;              // with prices: that reservation's cost
+  std::optional<bool> reservation_needed;  // false for a job under a day (written only then)
+};
+
 struct PlanResult {
   static constexpr const char* kRung = "plan";
-  RungStatus status;
-  std::string config;
+  RungStatus status;  // passed: some row fits a 30-day reservation
+  std::string config, job_hash;
   std::optional<std::string> pilot;  // the pilot's run directory that calibrated it
+  // "model"
   std::string architecture;
-  double parameters = 0, flops_per_token = 0;
+  double parameters = 0;
+  int64_t largest_unit_parameters = 0;
+  double flops_per_token = 0;
+  // "job"
   int64_t micro_batch = 0, seq_len = 0, grad_accum_steps = 0, gpus = 0;
   std::string precision, optimizer;
-  double tokens = 0, tokens_per_step = 0, steps = 0;
-  double checkpoint_bytes = 0;
-  std::vector<std::string> assumptions;
+  bool activation_checkpointing = false;
+  double tokens = 0, tokens_per_step = 0, steps = 0, evals = 0;
+  PlanMemory memory_per_device;
+  // "checkpoint"
+  double checkpoint_bytes = 0, assumed_write_bytes_per_second = 0;
+  std::optional<double> pilot_write_bytes_per_second;  // null: no pilot measured it
+  std::vector<std::string> assumptions, warnings;
   std::vector<PlanRow> rows;
-  std::optional<std::string> recommended_hardware;  // "recommendation": null when nothing fits
-  int64_t recommended_days = 0;
+  std::optional<PlanRecommendation> recommendation;
   std::string recommendation_text;
 
   /// The index of the recommended row in `rows`, or -1.

@@ -9,7 +9,6 @@
 #include <limits>
 #include <tuple>
 
-#include "core/strategy_text.h"
 #include "core/strings.h"
 #include "kiln/config.h"
 #include "kiln/error.h"
@@ -38,41 +37,59 @@ std::vector<std::string> split_names(const std::string& text) {
   return out;
 }
 
-json finite_or_null(double value) {
-  return std::isfinite(value) ? json(value) : json(nullptr);
+std::optional<double> finite_or_null(double value) {
+  return std::isfinite(value) ? std::optional<double>(value) : std::nullopt;
 }
 
 std::string days_text(double seconds) {
   return std::isfinite(seconds) ? fmt::format("{:.2f}", seconds / kDay) : "never";
 }
 
-// The table's wall-time cell: "12.34 d", or "1h02m" / "3m05s" for a job shorter than a day.
-std::string wall_text(double seconds) {
-  if (!std::isfinite(seconds)) return "never";
-  return seconds >= kDay ? days_text(seconds) + " d" : format_duration(seconds);
+// The planner's parts as plan.json lays them out (kiln/results.h; their to_json in src/plan).
+PlanHost plan_host(const HostNeeds& h) {
+  PlanHost out;
+  out.staging_bytes_per_node = h.staging_bytes_per_node;
+  out.loader_bytes_per_node = h.loader_bytes_per_node;
+  out.host_bytes_per_node = h.host_bytes_per_node;
+  if (h.host_memory_bytes > 0) out.host_memory_bytes = h.host_memory_bytes;
+  out.host_fits = h.host_fits;
+  out.storage_bytes = h.storage_bytes;
+  if (h.storage_limit_bytes > 0) out.storage_limit_bytes = h.storage_limit_bytes;
+  out.storage_fits = h.storage_fits;
+  out.warnings = h.warnings;
+  return out;
 }
 
-// ETTR as a percentage that never rounds a small one to "0.0%" (a tiny job's ETTR is small: its
-// wall time is mostly the pilot's fixed hours).
-std::string ettr_text(double fraction) {
-  const double percent = 100 * fraction;
-  return percent >= 1 || percent == 0 ? fmt::format("{:.1f}%", percent)
-                                      : fmt::format("{:.2g}%", percent);
+PlanMemoryEstimate plan_memory_estimate(const MemoryEstimate& m) {
+  PlanMemoryEstimate out;
+  out.parameters_bytes = m.parameters;
+  out.gradients_bytes = m.gradients;
+  out.optimizer_bytes = m.optimizer;
+  out.activations_bytes = m.activations;
+  out.logits_bytes = m.logits;
+  out.backward_extra_bytes = m.backward_extra;
+  out.autocast_copies_bytes = m.autocast_copies;
+  out.communication_bytes = m.communication;
+  out.gradients_after_step_bytes = m.gradients_after_step;
+  out.gradients_held_across_micro_batches = m.gradients_held;
+  out.peak_at = m.peak_at;
+  out.step_peak_bytes = m.step_peak();
+  out.total_bytes = m.total();
+  return out;
 }
 
 // Why no row fits 30 days, from the row that comes closest: memory, failures (the job's MTBF
 // against a checkpoint period and a restart), communication, a global batch so large the run is
 // a few steps, or plain compute (the only case more GPUs help).
-std::string what_limits(const json& rows, double steps, double tokens_per_step,
+std::string what_limits(const std::vector<PlanRow>& rows, double steps, double tokens_per_step,
                         bool activation_checkpointing) {
-  const json* closest = nullptr;
+  const PlanRow* closest = nullptr;
   double closest_wall = std::numeric_limits<double>::infinity();
   bool any_fits_memory = false;
   for (const auto& row : rows) {
-    if (!row["fits_memory"].get<bool>()) continue;
+    if (!row.fits_memory) continue;
     any_fits_memory = true;
-    const double wall = row["wall_seconds"].is_null() ? std::numeric_limits<double>::infinity()
-                                                      : row["wall_seconds"].get<double>();
+    const double wall = row.wall_seconds.value_or(std::numeric_limits<double>::infinity());
     if (closest == nullptr || wall < closest_wall) closest = &row, closest_wall = wall;
   }
   if (!any_fits_memory) {
@@ -82,25 +99,25 @@ std::string what_limits(const json& rows, double steps, double tokens_per_step,
                                        "(train.activation_checkpointing = \"block\"), ") +
            "lower train.batch_size, plan more GPUs (plan.gpus) or a row with more memory";
   }
-  const json& row = *closest;
+  const PlanRow& row = *closest;
   std::vector<std::string> limits;
-  const double mtbf = row["job_mtbf_seconds"].get<double>();
-  const double period = row["checkpoint_interval_seconds"].get<double>();
-  const double restart = row["restart_seconds"].get<double>();
-  if (mtbf > 0 && (!std::isfinite(closest_wall) || row["ettr"].get<double>() < 0.5)) {
+  const double mtbf = row.job_mtbf_seconds;
+  const double period = row.checkpoint_interval_seconds;
+  const double restart = row.restart_seconds;
+  if (mtbf > 0 && (!std::isfinite(closest_wall) || row.ettr < 0.5)) {
     limits.push_back(fmt::format(
         "failures: the job's MTBF on {} at {} GPUs is {} (plan.gpu_mtbf_hours / GPUs), against a "
         "checkpoint period of {} and a restart of {}; more GPUs fail more often: use fewer, "
         "faster saves (checkpoint.async) and faster restarts",
-        row["hardware"].get<std::string>(), row["gpus"].get<int64_t>(), format_duration(mtbf),
-        format_duration(period), format_duration(restart)));
+        row.hardware, row.gpus, format_duration(mtbf), format_duration(period),
+        format_duration(restart)));
   }
-  const double comm = row["communication_seconds_per_step"].get<double>();
-  const double compute = row["compute_seconds_per_step"].get<double>();
+  const double comm = row.communication_seconds_per_step;
+  const double compute = row.compute_seconds_per_step;
   if (comm > compute) {
     limits.push_back(fmt::format(
         "communication: {} of each {} step is communication at {} GPUs, and more GPUs add to it",
-        format_duration(comm), format_duration(comm + compute), row["gpus"].get<int64_t>()));
+        format_duration(comm), format_duration(comm + compute), row.gpus));
   }
   constexpr double kFewSteps = 100;
   if (steps < kFewSteps) {
@@ -181,7 +198,7 @@ PilotCalibration read_pilot(const std::filesystem::path& run_dir, const Config& 
   return p;
 }
 
-json make_plan(const Config& config, const PilotCalibration* pilot, bool require_cost) {
+PlanResult make_plan(const Config& config, const PilotCalibration* pilot, bool require_cost) {
   const PlanInputs inputs = PlanInputs::from_config(config);
   const ModelShape shape = model_shape(config);
   const JobShape job = job_shape(config);
@@ -245,8 +262,9 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
   // Rows the pilot measured (its own device) use its MFU, eval time, write speed and duration;
   // every other row uses the assumed figures, listed below with the rows they apply to.
   std::vector<std::string> measured_rows, assumed_rows, warnings, no_host_rows;
-  json out_rows = json::array();
-  json best = nullptr;
+  PlanResult plan;
+  std::vector<PlanRow>& out_rows = plan.rows;
+  std::optional<PlanRecommendation>& best = plan.recommendation;
   double best_cost = 0, best_days = 0;
   for (const Device* device : rows) {
     StrategyInput input = strategy_input(shape, job, device->memory_bytes, headroom);
@@ -325,59 +343,64 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
                                       result.checkpoint_interval_seconds);
     if (fits_memory) warnings.insert(warnings.end(), host.warnings.begin(), host.warnings.end());
     if (device->host_memory_bytes <= 0) no_host_rows.push_back(device->name);
-    json row = {
-        {"hardware", device->name},
-        {"display_name", device->display_name},
-        {"gpus", gpus},
-        {"strategy", to_json(decision)},
-        {"fits_memory", fits_memory},
-        {"peak_flops_per_gpu", peak},
-        {"peak_flops_source", compute.peak_source},
-        {"catalog_peak_flops_per_gpu", catalog_peak},
-        {"host", to_json(host)},
-        {"mfu", mfu},
-        {"mfu_source", compute.mfu_source},
-        {"step_seconds", result.step_seconds},
-        {"compute_seconds_per_step", result.compute_seconds},
-        {"communication_seconds_per_step", result.communication_seconds},
-        {"train_seconds", result.train_seconds},
-        {"eval_seconds", result.eval_seconds},
-        {"save_seconds", result.save_seconds},
-        {"full_save_seconds", save_seconds},
-        {"save_stall_source", stall.source},
-        {"write_bytes_per_second", write_speed},
-        {"restart_seconds", restart_seconds},
-        {"recovery_seconds", recovery_seconds},
-        {"recovery_source", measured_here && pilot->recovery_seconds > 0
-                                ? "pilot (process start, restore, first step)"
-                                : "checkpoint load at the write speed (assumed)"},
-        {"checkpoint_interval_seconds", result.checkpoint_interval_seconds},
-        {"young_interval_seconds", result.young_interval_seconds},
-        {"saves_seconds", result.saves_seconds},
-        {"job_mtbf_seconds", result.job_mtbf_seconds},
-        {"expected_failures", finite_or_null(result.expected_failures)},
-        {"lost_seconds", finite_or_null(result.lost_seconds)},
-        {"drills_seconds", result.drills_seconds},
-        {"pilot_seconds", result.pilot_seconds},
-        {"margin_seconds", finite_or_null(result.margin_seconds)},
-        {"wall_seconds", finite_or_null(result.wall_seconds)},
-        {"wall_days", finite_or_null(result.wall_seconds / kDay)},
-        {"ettr", result.ettr},
-    };
-    for (const auto& [days, prices, key] :
-         {std::tuple{7, &price_7d, "plan.price_7d_per_gpu_hour"},
-          std::tuple{30, &price_30d, "plan.price_30d_per_gpu_hour"}}) {
+    PlanRow row;
+    row.hardware = device->name;
+    row.display_name = device->display_name;
+    row.gpus = gpus;
+    row.strategy = decision.strategy;
+    row.fsdp_degree = decision.fsdp_degree;
+    row.tp_degree = decision.tp_degree;
+    row.strategy_communication_seconds = decision.communication_seconds;
+    row.usable_bytes = decision.usable_bytes;
+    row.ddp_bytes_per_device = decision.ddp_bytes_per_device;
+    row.fsdp_bytes_per_device = decision.fsdp_bytes_per_device;
+    row.strategy_reason = decision.reason;
+    row.fits_memory = fits_memory;
+    row.peak_flops_per_gpu = peak;
+    row.peak_flops_source = compute.peak_source;
+    row.catalog_peak_flops_per_gpu = catalog_peak;
+    row.host = plan_host(host);
+    row.mfu = mfu;
+    row.mfu_source = compute.mfu_source;
+    row.step_seconds = result.step_seconds;
+    row.compute_seconds_per_step = result.compute_seconds;
+    row.communication_seconds_per_step = result.communication_seconds;
+    row.train_seconds = result.train_seconds;
+    row.eval_seconds = result.eval_seconds;
+    row.save_seconds = result.save_seconds;
+    row.full_save_seconds = save_seconds;
+    row.save_stall_source = stall.source;
+    row.write_bytes_per_second = write_speed;
+    row.restart_seconds = restart_seconds;
+    row.recovery_seconds = recovery_seconds;
+    row.recovery_source = measured_here && pilot->recovery_seconds > 0
+                              ? "pilot (process start, restore, first step)"
+                              : "checkpoint load at the write speed (assumed)";
+    row.checkpoint_interval_seconds = result.checkpoint_interval_seconds;
+    row.young_interval_seconds = result.young_interval_seconds;
+    row.saves_seconds = result.saves_seconds;
+    row.job_mtbf_seconds = result.job_mtbf_seconds;
+    row.expected_failures = finite_or_null(result.expected_failures);
+    row.lost_seconds = finite_or_null(result.lost_seconds);
+    row.drills_seconds = result.drills_seconds;
+    row.pilot_seconds = result.pilot_seconds;
+    row.margin_seconds = finite_or_null(result.margin_seconds);
+    row.wall_seconds = finite_or_null(result.wall_seconds);
+    row.wall_days = finite_or_null(result.wall_seconds / kDay);
+    row.ettr = result.ettr;
+    for (const auto& [days, prices, key, r] :
+         {std::tuple{7, &price_7d, "plan.price_7d_per_gpu_hour", &row.reservation_7d},
+          std::tuple{30, &price_30d, "plan.price_30d_per_gpu_hour", &row.reservation_30d}}) {
       const bool fits = fits_memory && result.wall_seconds <= days * kDay;
-      const std::string name = fmt::format("reservation_{}d", days);
-      json r = {{"fits", fits}};
+      r->fits = fits;
       auto price = prices->find(device->name);
       if (price != prices->end()) {
         const double cost = g * days * 24.0 * price->second;
-        r["price_per_gpu_hour"] = price->second;
-        r["cost"] = cost;
-        if (fits && (best.is_null() || cost < best_cost ||
+        r->price_per_gpu_hour = price->second;
+        r->cost = cost;
+        if (fits && (!best || cost < best_cost ||
                      (cost == best_cost && result.wall_seconds / kDay < best_days))) {
-          best = {{"hardware", device->name}, {"reservation_days", days}, {"cost", cost}};
+          best = PlanRecommendation{device->name, days, cost, std::nullopt};
           best_cost = cost;
           best_days = result.wall_seconds / kDay;
         }
@@ -386,12 +409,9 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
             fmt::format("{} has no price for {}; set {}.{} = <price per GPU-hour> "
                         "(prices are never built in)",
                         key, device->name, key, device->name));
-      } else {
-        r["cost"] = nullptr;
       }
-      row[name] = r;
     }
-    out_rows.push_back(row);
+    out_rows.push_back(std::move(row));
   }
 
   std::vector<std::string> assumptions;
@@ -424,16 +444,17 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
 
   // Without prices: the shortest reservation that fits, then the fewest days. A job shorter than
   // a day (a tiny model, a short fine-tune) is not worth a 7-day reservation: said so instead.
-  const bool priced = !best.is_null();
+  const bool priced = best.has_value();
   double best_wall = best_days * kDay;
   if (!priced) {
     int shortest = 0;
     for (const auto& row : out_rows) {
-      for (int days : {7, 30}) {
-        if (!row[fmt::format("reservation_{}d", days)]["fits"].get<bool>()) continue;
-        const double wall = row["wall_seconds"].get<double>();
+      for (const auto& [days, r] :
+           {std::pair{7, &row.reservation_7d}, std::pair{30, &row.reservation_30d}}) {
+        if (!r->fits) continue;
+        const double wall = row.wall_seconds.value_or(std::numeric_limits<double>::infinity());
         if (shortest == 0 || days < shortest || (days == shortest && wall < best_wall)) {
-          best = {{"hardware", row["hardware"]}, {"reservation_days", days}};
+          best = PlanRecommendation{row.hardware, days, std::nullopt, std::nullopt};
           shortest = days;
           best_wall = wall;
         }
@@ -441,142 +462,62 @@ json make_plan(const Config& config, const PilotCalibration* pilot, bool require
     }
   }
   std::string recommendation;
-  if (best.is_null()) {
+  if (!best) {
     recommendation =
         fmt::format("nothing fits a 30-day reservation at {} GPUs: {}", gpus,
                     what_limits(out_rows, steps, tokens_per_step, job.activation_checkpointing));
   } else if (best_wall < kDay) {
-    best["reservation_needed"] = false;
+    best->reservation_needed = false;
     recommendation = fmt::format(
         "{}: the whole job takes {} with the margin, far less than the shortest reservation "
         "(7 days): run it on demand or on hardware at hand rather than reserving",
-        best["hardware"].get<std::string>(), format_duration(best_wall));
+        best->hardware, format_duration(best_wall));
   } else if (priced) {
     recommendation = fmt::format(
         "{} for {} days: the cheapest row that fits with the margin ({:.0f} in the prices given)",
-        best["hardware"].get<std::string>(), best["reservation_days"].get<int>(), best_cost);
+        best->hardware, best->reservation_days, best_cost);
   } else {
     recommendation = fmt::format(
         "{} for {} days: the shortest reservation that fits with the margin ({} days); set "
         "plan.price_7d_per_gpu_hour and plan.price_30d_per_gpu_hour to compare costs",
-        best["hardware"].get<std::string>(), best["reservation_days"].get<int>(),
-        days_text(best_wall));
+        best->hardware, best->reservation_days, days_text(best_wall));
   }
 
-  return {
-      {"config", config.source_name()},
-      {"job_hash", job_hash(config)},
-      {"pilot", pilot ? json(pilot->run_dir.string()) : json(nullptr)},
-      {"model",
-       {{"architecture", shape.architecture},
-        {"parameters", n},
-        {"largest_unit_parameters", largest_unit_parameter_count(shape)},
-        {"flops_per_token", flops_per_token}}},
-      {"job",
-       {{"micro_batch", job.micro_batch},
-        {"seq_len", job.seq_len},
-        {"grad_accum_steps", job.grad_accum_steps},
-        {"gpus", gpus},
-        {"precision", job.precision},
-        {"optimizer", job.optimizer},
-        {"activation_checkpointing", job.activation_checkpointing},
-        {"tokens", planned_tokens},
-        {"tokens_per_step", tokens_per_step},
-        {"steps", steps},
-        {"evals", evals}}},
-      {"memory_per_device",
-       {{"estimate", to_json(memory)},
-        {"state_bytes_per_parameter", state_bytes_per_parameter(job)},
-        {"activation_calibration", activation_ratio}}},
-      {"checkpoint",
-       {{"bytes", checkpoint_bytes},
-        {"assumed_write_bytes_per_second", assumed_write_speed},
-        {"pilot_write_bytes_per_second", pilot && pilot->write_bytes_per_second > 0
-                                             ? json(pilot->write_bytes_per_second)
-                                             : json(nullptr)}}},
-      {"assumptions", assumptions},
-      {"warnings", warnings},
-      {"rows", out_rows},
-      {"recommendation", best.is_null() ? json(nullptr) : best},
-      {"recommendation_text", recommendation},
-  };
-}
-
-std::string plan_markdown(const json& plan) {
-  std::string out = fmt::format(
-      "Model: {} parameters ({}), {:.3g} FLOP/token; job: micro-batch {} x seq {} x accum {} on "
-      "{} GPUs in {} (train.precision), {:.3g} tokens in {:.0f} steps; {}.\n\n",
-      format_number(plan["model"]["parameters"].get<double>()),
-      plan["model"]["architecture"].get<std::string>(),
-      plan["model"]["flops_per_token"].get<double>(), plan["job"]["micro_batch"].get<int64_t>(),
-      plan["job"]["seq_len"].get<int64_t>(), plan["job"]["grad_accum_steps"].get<int64_t>(),
-      plan["job"]["gpus"].get<int64_t>(), plan["job"]["precision"].get<std::string>(),
-      plan["job"]["tokens"].get<double>(), plan["job"]["steps"].get<double>(),
-      plan["pilot"].is_null() ? "no pilot: the assumptions below"
-                              : "calibrated by the pilot in " + plan["pilot"].get<std::string>());
-  out +=
-      "| hardware | fits? | strategy | GPUs | step | wall | ETTR | ckpt every | 7 days | 30 days "
-      "|\n";
-  out += "|---|---|---|---|---|---|---|---|---|---|\n";
-  for (const auto& row : plan["rows"]) {
-    const auto& s = row["strategy"];
-    const std::string strategy =
-        strategy_text(s["strategy"].get<std::string>(), s["fsdp_degree"].get<int64_t>(),
-                      row["gpus"].get<int64_t>(), s.value("tp_degree", int64_t{1}));
-    auto reservation = [&](const char* key) {
-      const auto& r = row[key];
-      std::string text = r["fits"].get<bool>() ? "fits" : "no";
-      if (!r["cost"].is_null()) text += fmt::format(", cost {:.0f}", r["cost"].get<double>());
-      return text;
-    };
-    const double wall = row["wall_seconds"].is_null() ? std::numeric_limits<double>::infinity()
-                                                      : row["wall_seconds"].get<double>();
-    out += fmt::format(
-        "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n", row["hardware"].get<std::string>(),
-        row["fits_memory"].get<bool>() ? "yes" : "**no**", strategy, row["gpus"].get<int64_t>(),
-        format_duration(row["step_seconds"].get<double>()),
-        row["fits_memory"].get<bool>() ? wall_text(wall) : "-",
-        row["fits_memory"].get<bool>() ? ettr_text(row["ettr"].get<double>()) : "-",
-        row["checkpoint_interval_seconds"].get<double>() > 0
-            ? format_duration(row["checkpoint_interval_seconds"].get<double>())
-            : "-",
-        reservation("reservation_7d"), reservation("reservation_30d"));
-  }
-  out +=
-      "\nwall: the whole job with checkpoints, failures, drills, the pilot and the margin; ETTR: "
-      "training time / wall; 7 days, 30 days: whether the job fits that reservation and, with "
-      "prices, its cost (GPUs x hours x plan.price_<N>d_per_gpu_hour, in the prices' currency).\n";
-  out += "\nRecommendation: " + plan["recommendation_text"].get<std::string>() + ".\n";
-  if (plan.contains("warnings") && !plan["warnings"].empty()) {
-    out += "\nWarnings:\n";
-    for (const auto& w : plan["warnings"]) out += "- " + w.get<std::string>() + "\n";
-  }
-  if (!plan["assumptions"].empty()) {
-    out += "\nAssumptions:\n";
-    for (const auto& a : plan["assumptions"]) out += "- " + a.get<std::string>() + "\n";
-  }
-  out += "\nWhy each strategy:\n";
-  for (const auto& row : plan["rows"]) {
-    const auto& s = row["strategy"];
-    const int64_t degree = s["fsdp_degree"].get<int64_t>(), gpus = row["gpus"].get<int64_t>();
-    const int64_t tp = s.value("tp_degree", int64_t{1});
-    std::string how;
-    if (s["strategy"] == "fsdp" && tp > 1) {
-      const int64_t replicas = gpus / (degree * tp);
-      how = fmt::format(
-          "; tensor parallelism over {} inside a node, FSDP over {}{}: run it with "
-          "dist.strategy = \"fsdp\", dist.tp = {}, dist.dp_replicate = {}",
-          tp, degree, replicas > 1 ? fmt::format(" ({} replicas)", replicas) : "", tp, replicas);
-    } else if (s["strategy"] == "fsdp" && degree > 0 && gpus > degree) {
-      how = fmt::format(
-          "; hybrid sharding: {} replicas of shard groups of {}, run by dist.strategy = \"auto\" "
-          "(or \"fsdp\" with dist.dp_replicate = {})",
-          gpus / degree, degree, gpus / degree);
-    }
-    out += fmt::format("- {}: {}{}\n", row["hardware"].get<std::string>(),
-                       s["reason"].get<std::string>(), how);
-  }
-  return out;
+  plan.config = config.source_name();
+  plan.job_hash = job_hash(config);
+  if (pilot) plan.pilot = pilot->run_dir.string();
+  plan.architecture = shape.architecture;
+  plan.parameters = n;
+  plan.largest_unit_parameters = largest_unit_parameter_count(shape);
+  plan.flops_per_token = flops_per_token;
+  plan.micro_batch = job.micro_batch;
+  plan.seq_len = job.seq_len;
+  plan.grad_accum_steps = job.grad_accum_steps;
+  plan.gpus = gpus;
+  plan.precision = job.precision;
+  plan.optimizer = job.optimizer;
+  plan.activation_checkpointing = job.activation_checkpointing;
+  plan.tokens = planned_tokens;
+  plan.tokens_per_step = tokens_per_step;
+  plan.steps = steps;
+  plan.evals = evals;
+  plan.memory_per_device.estimate = plan_memory_estimate(memory);
+  plan.memory_per_device.state_bytes_per_parameter = state_bytes_per_parameter(job);
+  plan.memory_per_device.activation_calibration = activation_ratio;
+  plan.checkpoint_bytes = checkpoint_bytes;
+  plan.assumed_write_bytes_per_second = assumed_write_speed;
+  if (pilot && pilot->write_bytes_per_second > 0)
+    plan.pilot_write_bytes_per_second = pilot->write_bytes_per_second;
+  plan.assumptions = std::move(assumptions);
+  plan.warnings = std::move(warnings);
+  plan.recommendation_text = recommendation;
+  // The plan is advice, not a gate on the job: it "passes" when some row fits 30 days.
+  bool any_fits = false;
+  for (const auto& row : plan.rows) any_fits = any_fits || row.reservation_30d.fits;
+  plan.status.passed = any_fits;
+  plan.status.verdict =
+      any_fits ? recommendation : "nothing fits a 30-day reservation: " + recommendation;
+  return plan;
 }
 
 }  // namespace kiln

@@ -204,7 +204,7 @@ ScoreRow plan_row(const RunData& run) {
     const PlanRow& r = p.rows[static_cast<size_t>(chosen)];
     row.figures.push_back({"recommended",
                            fmt::format("{} x {}, {}, {} days", r.gpus, r.hardware,
-                                       r.strategy_text(), p.recommended_days),
+                                       r.strategy_text(), p.recommendation->reservation_days),
                            kNone});
     if (r.wall_days) {
       row.figures.push_back({"wall_days",

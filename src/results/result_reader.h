@@ -148,6 +148,17 @@ class ReadIo {
     if (version_ < since && !contains(key)) return;
     (*this)(key, value);
   }
+  /// A key added to a file without a schema version of its own (the plan's: every key its
+  /// readers did not read before the planner wrote through its struct): absent, the default
+  /// stays; present, read strictly; always written.
+  template <class T>
+  void added(const char* key, T& value) const {
+    if (contains(key)) (*this)(key, value);
+  }
+  template <class F>
+  void added_object(const char* key, F&& fields) const {
+    if (contains(key)) object(key, std::forward<F>(fields));
+  }
   /// A key that may be absent or null, read as `fallback` then; always written.
   template <class T>
   void or_default(const char* key, T& value, const T& fallback) const {
@@ -245,6 +256,14 @@ class WriteIo {
   template <class T>
   void or_default(const char* key, const T& value, const T&) const {
     (*this)(key, value);
+  }
+  template <class T>
+  void added(const char* key, const T& value) const {
+    (*this)(key, value);
+  }
+  template <class F>
+  void added_object(const char* key, F&& fields) const {
+    object(key, std::forward<F>(fields));
   }
   template <class F>
   void object(const char* key, F&& fields) const {

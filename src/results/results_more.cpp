@@ -145,11 +145,27 @@ void pilot_fields(const Io& io, PilotResult& p) {
 }
 
 // ---- plan --------------------------------------------------------------------------------------
+// The keys read before the plan was written through PlanResult are required; the rest ("added")
+// came into plan.json over time without a schema version: an older file may lack them.
 
 template <class Io>
 void reservation_fields(const Io& io, PlanReservation& r) {
   io("fits", r.fits);
+  io.opt("price_per_gpu_hour", r.price_per_gpu_hour);
   io("cost", r.cost);
+}
+
+template <class Io>
+void plan_host_fields(const Io& h, PlanHost& host) {
+  h.added("staging_bytes_per_node", host.staging_bytes_per_node);
+  h.added("loader_bytes_per_node", host.loader_bytes_per_node);
+  h.added("host_bytes_per_node", host.host_bytes_per_node);
+  h.added("host_memory_bytes", host.host_memory_bytes);
+  h.added("host_fits", host.host_fits);
+  h.added("storage_bytes", host.storage_bytes);
+  h.added("storage_limit_bytes", host.storage_limit_bytes);
+  h.added("storage_fits", host.storage_fits);
+  h.added("warnings", host.warnings);
 }
 
 template <class Io>
@@ -162,28 +178,67 @@ void plan_row_fields(const Io& x, PlanRow& row) {
     s("strategy", row.strategy);
     s("fsdp_degree", row.fsdp_degree);
     s.or_default("tp_degree", row.tp_degree, int64_t{1});
+    s.added("communication_seconds", row.strategy_communication_seconds);
     s("ddp_bytes_per_device", row.ddp_bytes_per_device);
     s("fsdp_bytes_per_device", row.fsdp_bytes_per_device);
     s("usable_bytes", row.usable_bytes);
     s("reason", row.strategy_reason);
   });
+  x.added("peak_flops_per_gpu", row.peak_flops_per_gpu);
+  x.added("peak_flops_source", row.peak_flops_source);
+  x.added("catalog_peak_flops_per_gpu", row.catalog_peak_flops_per_gpu);
+  x.added_object("host", [&](const Io& h) { plan_host_fields(h, row.host); });
   x("mfu", row.mfu);
   x("mfu_source", row.mfu_source);
   x("step_seconds", row.step_seconds);
   x("compute_seconds_per_step", row.compute_seconds_per_step);
   x("communication_seconds_per_step", row.communication_seconds_per_step);
+  x.added("train_seconds", row.train_seconds);
+  x.added("eval_seconds", row.eval_seconds);
+  x.added("save_seconds", row.save_seconds);
+  x.added("full_save_seconds", row.full_save_seconds);
+  x.added("save_stall_source", row.save_stall_source);
+  x.added("write_bytes_per_second", row.write_bytes_per_second);
+  x.added("restart_seconds", row.restart_seconds);
+  x.added("recovery_seconds", row.recovery_seconds);
+  x.added("recovery_source", row.recovery_source);
+  x("checkpoint_interval_seconds", row.checkpoint_interval_seconds);
+  x.added("young_interval_seconds", row.young_interval_seconds);
+  x.added("saves_seconds", row.saves_seconds);
+  x.added("job_mtbf_seconds", row.job_mtbf_seconds);
+  x("expected_failures", row.expected_failures);
+  x.added("lost_seconds", row.lost_seconds);
+  x.added("drills_seconds", row.drills_seconds);
+  x.added("pilot_seconds", row.pilot_seconds);
+  x.added("margin_seconds", row.margin_seconds);
+  x.added("wall_seconds", row.wall_seconds);
   x("wall_days", row.wall_days);
   x("ettr", row.ettr);
-  x("checkpoint_interval_seconds", row.checkpoint_interval_seconds);
-  x("expected_failures", row.expected_failures);
   x.object("reservation_7d", [&](const Io& r) { reservation_fields(r, row.reservation_7d); });
   x.object("reservation_30d", [&](const Io& r) { reservation_fields(r, row.reservation_30d); });
 }
 
-struct PlanRecommendation {
-  std::string hardware;
-  int64_t reservation_days = 0;
-};
+template <class Io>
+void plan_memory_fields(const Io& m, PlanMemory& memory) {
+  m.added_object("estimate", [&](const Io& e) {
+    PlanMemoryEstimate& x = memory.estimate;
+    e.added("parameters_bytes", x.parameters_bytes);
+    e.added("gradients_bytes", x.gradients_bytes);
+    e.added("optimizer_bytes", x.optimizer_bytes);
+    e.added("activations_bytes", x.activations_bytes);
+    e.added("logits_bytes", x.logits_bytes);
+    e.added("backward_extra_bytes", x.backward_extra_bytes);
+    e.added("autocast_copies_bytes", x.autocast_copies_bytes);
+    e.added("communication_bytes", x.communication_bytes);
+    e.added("gradients_after_step_bytes", x.gradients_after_step_bytes);
+    e.added("gradients_held_across_micro_batches", x.gradients_held_across_micro_batches);
+    e.added("peak_at", x.peak_at);
+    e.added("step_peak_bytes", x.step_peak_bytes);
+    e.added("total_bytes", x.total_bytes);
+  });
+  m.added("state_bytes_per_parameter", memory.state_bytes_per_parameter);
+  m.added("activation_calibration", memory.activation_calibration);
+}
 
 template <class Io>
 void plan_fields(const Io& io, PlanResult& p) {
@@ -201,10 +256,12 @@ void plan_fields(const Io& io, PlanResult& p) {
     status_fields(io, p.status, "rows");
   }
   io("config", p.config);
+  io.added("job_hash", p.job_hash);
   io("pilot", p.pilot);
   io.object("model", [&](const Io& model) {
     model("architecture", p.architecture);
     model("parameters", p.parameters);
+    model.added("largest_unit_parameters", p.largest_unit_parameters);
     model("flops_per_token", p.flops_per_token);
   });
   io.object("job", [&](const Io& job) {
@@ -214,23 +271,28 @@ void plan_fields(const Io& io, PlanResult& p) {
     job("gpus", p.gpus);
     job("precision", p.precision);
     job("optimizer", p.optimizer);
+    job.added("activation_checkpointing", p.activation_checkpointing);
     job("tokens", p.tokens);
     job("tokens_per_step", p.tokens_per_step);
     job("steps", p.steps);
+    job.added("evals", p.evals);
   });
-  io.object("checkpoint", [&](const Io& ckpt) { ckpt("bytes", p.checkpoint_bytes); });
+  io.added_object("memory_per_device",
+                  [&](const Io& memory) { plan_memory_fields(memory, p.memory_per_device); });
+  io.object("checkpoint", [&](const Io& ckpt) {
+    ckpt("bytes", p.checkpoint_bytes);
+    ckpt.added("assumed_write_bytes_per_second", p.assumed_write_bytes_per_second);
+    ckpt.added("pilot_write_bytes_per_second", p.pilot_write_bytes_per_second);
+  });
   io("assumptions", p.assumptions);
+  io.added("warnings", p.warnings);
   io.list("rows", p.rows, [](const Io& x, PlanRow& row) { plan_row_fields(x, row); });
-  std::optional<PlanRecommendation> recommendation;
-  if (p.recommended_hardware) recommendation = {*p.recommended_hardware, p.recommended_days};
-  io.nullable_object("recommendation", recommendation, [](const Io& r, PlanRecommendation& rec) {
+  io.nullable_object("recommendation", p.recommendation, [](const Io& r, PlanRecommendation& rec) {
     r("hardware", rec.hardware);
     r("reservation_days", rec.reservation_days);
+    r.opt("cost", rec.cost);
+    r.opt("reservation_needed", rec.reservation_needed);
   });
-  if (Io::kReading && recommendation) {
-    p.recommended_hardware = recommendation->hardware;
-    p.recommended_days = recommendation->reservation_days;
-  }
 }
 
 // ---- manifest.json: what the report shows of it -------------------------------------------------
@@ -330,9 +392,9 @@ double PlanRow::bytes_per_device() const {
 }
 
 int PlanResult::recommended_row() const {
-  if (!recommended_hardware) return -1;
+  if (!recommendation) return -1;
   for (size_t k = 0; k < rows.size(); ++k) {
-    if (rows[k].hardware == *recommended_hardware) return static_cast<int>(k);
+    if (rows[k].hardware == recommendation->hardware) return static_cast<int>(k);
   }
   return -1;
 }

@@ -32,8 +32,9 @@ const std::map<std::string, std::set<std::string>>& allowed() {
     for (const char* component : {"dist", "ckpt", "profile", "peer", "compile"}) {
       t[component] = {"core", "comm", "models", "data", "train", component};
     }
-    t["plan"] = {"core", "models", "plan"};  // reads model shapes, never builds a model
-    t["dist"].insert("plan");                // dist.strategy = "auto" asks the plan's rule
+    // plan: reads model shapes, never builds a model; fills the plan's typed result (results).
+    t["plan"] = {"core", "models", "results", "plan"};
+    t["dist"].insert("plan");  // dist.strategy = "auto" asks the plan's rule
     // results: the typed rung files (kiln/results.h), just above core: rungs write them, the
     // renderers read them. report: the renderers (report.html, compare), reading run
     // directories through results alone; nothing below the rungs includes it.

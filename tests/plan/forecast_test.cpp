@@ -396,19 +396,21 @@ TEST(Forecast, ThePlanUsesThePilotsMeasuredMatmulPeakAndWarnsOnTheCatalog) {
   pilot.device = "NVIDIA H100 80GB HBM3";
   pilot.step_seconds = 0.01;
   pilot.matmul_peak_flops_per_second = 20e12;
-  nlohmann::json plan = make_plan(config, &pilot, false);
-  const auto& row = plan["rows"][0];
-  EXPECT_DOUBLE_EQ(row["peak_flops_per_gpu"].get<double>(), 20e12);
-  EXPECT_DOUBLE_EQ(row["catalog_peak_flops_per_gpu"].get<double>(), 67e12);
-  EXPECT_NEAR(row["mfu"].get<double>(), 7.12704e-5, 1e-15);
-  ASSERT_EQ(plan["warnings"].size(), 1u);
-  EXPECT_THAT(plan["warnings"][0].get<std::string>(), HasSubstr("3.35x"));
+  PlanResult plan = make_plan(config, &pilot, false);
+  ASSERT_EQ(plan.rows.size(), 1u);
+  const PlanRow& row = plan.rows[0];
+  EXPECT_DOUBLE_EQ(row.peak_flops_per_gpu, 20e12);
+  EXPECT_DOUBLE_EQ(row.catalog_peak_flops_per_gpu, 67e12);
+  EXPECT_NEAR(row.mfu, 7.12704e-5, 1e-15);
+  ASSERT_EQ(plan.warnings.size(), 1u);
+  EXPECT_THAT(plan.warnings[0], HasSubstr("3.35x"));
   EXPECT_THAT(plan_markdown(plan), HasSubstr("Warnings:"));
   // Negative control: 60 TFLOP/s measured (67 / 60 = 1.12): no warning.
   pilot.matmul_peak_flops_per_second = 60e12;
   plan = make_plan(config, &pilot, false);
-  EXPECT_TRUE(plan["warnings"].empty());
-  EXPECT_DOUBLE_EQ(plan["rows"][0]["peak_flops_per_gpu"].get<double>(), 60e12);
+  EXPECT_TRUE(plan.warnings.empty());
+  ASSERT_EQ(plan.rows.size(), 1u);
+  EXPECT_DOUBLE_EQ(plan.rows[0].peak_flops_per_gpu, 60e12);
 }
 
 TEST(Forecast, HostMemoryStagingAndStorage) {

@@ -403,17 +403,16 @@ TEST(Pilot, FullCycleRestoreCheckPinsAndPlan) {
                        run_dir.string() + " --set plan.hardware=h100-sxm,this-cpu" +
                        " --set plan.catalog=" + (dir / "cpu.toml").string());
   ASSERT_EQ(plan.exit_code, 0) << plan.err;
-  auto plan_json = nlohmann::json::parse(slurp(run_dir / "plan.json"));
-  EXPECT_EQ(plan_json["pilot"], run_dir.string());
-  EXPECT_DOUBLE_EQ(plan_json["memory_per_device"]["activation_calibration"].get<double>(),
+  const auto planned = read_result<PlanResult>(run_dir / "plan.json");
+  EXPECT_EQ(planned.pilot, std::optional<std::string>(run_dir.string()));
+  EXPECT_DOUBLE_EQ(planned.memory_per_device.activation_calibration,
                    pilot["memory"]["activation_ratio"].get<double>());
-  const auto& mine = plan_json["rows"][1];
-  ASSERT_EQ(mine["hardware"], "this-cpu");
-  EXPECT_DOUBLE_EQ(mine["recovery_seconds"].get<double>(),
-                   pilot["restore"]["recovery_seconds"].get<double>());
-  EXPECT_DOUBLE_EQ(mine["restart_seconds"].get<double>(),
-                   600 + pilot["restore"]["recovery_seconds"].get<double>());
-  EXPECT_NE(plan_json["rows"][0]["recovery_source"], mine["recovery_source"]);
+  ASSERT_EQ(planned.rows.size(), 2u);
+  const PlanRow& mine = planned.rows[1];
+  ASSERT_EQ(mine.hardware, "this-cpu");
+  EXPECT_DOUBLE_EQ(mine.recovery_seconds, pilot["restore"]["recovery_seconds"].get<double>());
+  EXPECT_DOUBLE_EQ(mine.restart_seconds, 600 + pilot["restore"]["recovery_seconds"].get<double>());
+  EXPECT_NE(planned.rows[0].recovery_source, mine.recovery_source);
   auto other = run_kiln("plan " + tiny_pilot_args(dir) + " --set train.batch_size=5 --pilot " +
                         run_dir.string());
   EXPECT_EQ(other.exit_code, 2);
@@ -432,8 +431,8 @@ TEST(Pilot, FullCycleRestoreCheckPinsAndPlan) {
       pilot["mfu_of_matmul_peak"].get<double>(),
       pilot["flops_per_step"].get<double>() / pilot["step_seconds"].get<double>() / matmul_flops,
       1e-9);
-  EXPECT_DOUBLE_EQ(mine["peak_flops_per_gpu"].get<double>(), matmul_flops);
-  EXPECT_DOUBLE_EQ(mine["catalog_peak_flops_per_gpu"].get<double>(), 1e11);
+  EXPECT_DOUBLE_EQ(mine.peak_flops_per_gpu, matmul_flops);
+  EXPECT_DOUBLE_EQ(mine.catalog_peak_flops_per_gpu, 1e11);
 
   // Forecast against actual on the pilot's own run: the forecast step is the pilot's step
   // (achieved rate = FLOPs / step, over the peak and back), and the memory forecast is the

@@ -10,6 +10,7 @@
 
 #include "kiln/error.h"
 #include "kiln/models.h"
+#include "kiln/results.h"
 #include "plan/catalog_fixture.h"
 #include "support/helpers.h"
 
@@ -138,15 +139,17 @@ TEST(PlanKnownAnswers, DaysFromStepsTokensAndMfu) {
         "plan.tokens=1310720000", "train.eval_every=0", "train.eval_batches=1",
         "plan.gpu_mtbf_hours=0", "plan.pilot_hours=0", "plan.margin=0", "plan.restore_drills=0"})
     config.set_from_string(o);
-  const auto plan = make_plan(config, nullptr, /*require_cost=*/false);
-  EXPECT_EQ(plan["job"]["steps"].get<double>(), 10000);
-  EXPECT_EQ(plan["model"]["flops_per_token"].get<double>(), 42'672'635'904.0);
-  const auto& row = plan["rows"][0];
-  EXPECT_EQ(row["strategy"]["strategy"], "ddp");
-  EXPECT_EQ(row["communication_seconds_per_step"].get<double>(), 0);
-  EXPECT_NEAR(row["step_seconds"].get<double>(), 8.5562, 0.0001);
-  EXPECT_NEAR(row["wall_days"].get<double>(), 0.9903, 0.0001);
-  EXPECT_NEAR(row["ettr"].get<double>(), 1.0, 1e-6);
+  const PlanResult plan = make_plan(config, nullptr, /*require_cost=*/false);
+  EXPECT_EQ(plan.steps, 10000);
+  EXPECT_EQ(plan.flops_per_token, 42'672'635'904.0);
+  ASSERT_EQ(plan.rows.size(), 1u);
+  const PlanRow& row = plan.rows[0];
+  EXPECT_EQ(row.strategy, "ddp");
+  EXPECT_EQ(row.communication_seconds_per_step, 0);
+  EXPECT_NEAR(row.step_seconds, 8.5562, 0.0001);
+  ASSERT_TRUE(row.wall_days.has_value());
+  EXPECT_NEAR(*row.wall_days, 0.9903, 0.0001);
+  EXPECT_NEAR(row.ettr, 1.0, 1e-6);
 }
 
 TEST(PlanCatalog, EveryRowHasItsPeaksSourceAndDate) {
@@ -209,11 +212,11 @@ date = "2026-11"
 
 TEST(Plan, SixPointSevenBillionPlan) {
   Config config = gpt_6_7b();
-  const auto plan = make_plan(config, nullptr, /*require_cost=*/false);
-  ASSERT_EQ(plan["rows"].size(), load_catalog().size());
-  for (const auto& row : plan["rows"]) {
-    const std::string name = row["hardware"];
-    const std::string strategy = row["strategy"]["strategy"];
+  const PlanResult plan = make_plan(config, nullptr, /*require_cost=*/false);
+  ASSERT_EQ(plan.rows.size(), load_catalog().size());
+  for (const PlanRow& row : plan.rows) {
+    const std::string& name = row.hardware;
+    const std::string& strategy = row.strategy;
     if (name == "mi300x" || name == "b200") {
       EXPECT_EQ(strategy, "ddp") << name;
     } else if (name == "h200-sxm") {
@@ -221,12 +224,13 @@ TEST(Plan, SixPointSevenBillionPlan) {
     } else {
       EXPECT_EQ(strategy, "fsdp") << name;
     }
-    EXPECT_GT(row["wall_seconds"].get<double>(), row["train_seconds"].get<double>());
-    EXPECT_GT(row["ettr"].get<double>(), 0);
-    EXPECT_LT(row["ettr"].get<double>(), 1);
-    EXPECT_TRUE(row["reservation_7d"]["cost"].is_null());
+    ASSERT_TRUE(row.wall_seconds.has_value()) << name;
+    EXPECT_GT(*row.wall_seconds, row.train_seconds);
+    EXPECT_GT(row.ettr, 0);
+    EXPECT_LT(row.ettr, 1);
+    EXPECT_FALSE(row.reservation_7d.cost.has_value());
   }
-  EXPECT_FALSE(plan["assumptions"].empty());
+  EXPECT_FALSE(plan.assumptions.empty());
   EXPECT_THAT(plan_markdown(plan), HasSubstr("| h100-sxm |"));
 }
 
@@ -236,27 +240,25 @@ TEST(Plan, MixedPrecisionUsesTheHalfPrecisionPeak) {
   Config fp32 = gpt_6_7b();
   Config bf16 = gpt_6_7b();
   bf16.set_from_string("train.precision=bf16-mixed");
-  const auto a = make_plan(fp32, nullptr, /*require_cost=*/false);
-  const auto b = make_plan(bf16, nullptr, /*require_cost=*/false);
-  ASSERT_EQ(a["rows"].size(), b["rows"].size());
+  const PlanResult a = make_plan(fp32, nullptr, /*require_cost=*/false);
+  const PlanResult b = make_plan(bf16, nullptr, /*require_cost=*/false);
+  ASSERT_EQ(a.rows.size(), b.rows.size());
   const auto catalog = load_catalog();
-  for (size_t k = 0; k < a["rows"].size(); ++k) {
-    const auto& ra = a["rows"][k];
-    const auto& rb = b["rows"][k];
-    const Device& d = find_device(catalog, ra["hardware"].get<std::string>(), "k");
-    EXPECT_EQ(rb["peak_flops_per_gpu"].get<double>(), d.peak_flops_for("bf16")) << d.name;
+  for (size_t k = 0; k < a.rows.size(); ++k) {
+    const PlanRow& ra = a.rows[k];
+    const PlanRow& rb = b.rows[k];
+    const Device& d = find_device(catalog, ra.hardware, "k");
+    EXPECT_EQ(rb.peak_flops_per_gpu, d.peak_flops_for("bf16")) << d.name;
     EXPECT_EQ(d.peak_flops_for("bf16-mixed"), d.peak_flops_for("bf16"));
-    EXPECT_NEAR(
-        ra["compute_seconds_per_step"].get<double>() / rb["compute_seconds_per_step"].get<double>(),
-        d.peak_flops_for("bf16") / d.peak_flops_for("fp32"), 1e-9)
+    EXPECT_NEAR(ra.compute_seconds_per_step / rb.compute_seconds_per_step,
+                d.peak_flops_for("bf16") / d.peak_flops_for("fp32"), 1e-9)
         << d.name;
   }
   // Autocast's bf16 copies of the linear weights live at the loss's backward: 2 B x (32 blocks x
   // 12 x 4096^2 + the tied head's 32000 x 4096) = 2 x 6,573,522,944 = 13,147,045,888 B. fp32
   // has none.
-  EXPECT_EQ(b["memory_per_device"]["estimate"]["autocast_copies_bytes"].get<double>(),
-            13'147'045'888.0);
-  EXPECT_EQ(a["memory_per_device"]["estimate"]["autocast_copies_bytes"].get<double>(), 0);
+  EXPECT_EQ(b.memory_per_device.estimate.autocast_copies_bytes, 13'147'045'888.0);
+  EXPECT_EQ(a.memory_per_device.estimate.autocast_copies_bytes, 0);
   EXPECT_EQ(compute_precision("FP16-mixed"), "fp16");
   EXPECT_EQ(compute_precision("tf32"), "tf32");
 }
@@ -267,22 +269,27 @@ TEST(Plan, CostsTheCheapestRowThatFits) {
   config.set_from_string("plan.tokens=2e9");
   config.set_from_string("plan.price_7d_per_gpu_hour={ h100-sxm = 3.0, mi300x = 2.0 }");
   config.set_from_string("plan.price_30d_per_gpu_hour={ h100-sxm = 2.0, mi300x = 1.5 }");
-  const auto plan = make_plan(config, nullptr, /*require_cost=*/true);
-  ASSERT_EQ(plan["rows"].size(), 2u);
-  const auto& h100 = plan["rows"][0];
-  EXPECT_DOUBLE_EQ(h100["reservation_7d"]["cost"].get<double>(), 8 * 7 * 24 * 3.0);
-  EXPECT_DOUBLE_EQ(h100["reservation_30d"]["cost"].get<double>(), 8 * 30 * 24 * 2.0);
+  const PlanResult plan = make_plan(config, nullptr, /*require_cost=*/true);
+  ASSERT_EQ(plan.rows.size(), 2u);
+  const PlanRow& h100 = plan.rows[0];
+  ASSERT_TRUE(h100.reservation_7d.cost && h100.reservation_30d.cost);
+  EXPECT_DOUBLE_EQ(*h100.reservation_7d.cost, 8 * 7 * 24 * 3.0);
+  EXPECT_DOUBLE_EQ(*h100.reservation_30d.cost, 8 * 30 * 24 * 2.0);
   // By hand: 8 GPUs x 7 days x 24 h x price: h100-sxm 4032, mi300x 2688; 30 days at the 30-day
   // prices: h100-sxm 11,520, mi300x 8640. 2e9 tokens take about two days on either, so every
   // reservation fits and the cheapest is the MI300X's 7 days at 2688.
-  EXPECT_DOUBLE_EQ(plan["rows"][1]["reservation_7d"]["cost"].get<double>(), 2688);
-  EXPECT_TRUE(plan["rows"][1]["reservation_7d"]["fits"].get<bool>());
-  EXPECT_EQ(plan["recommendation"]["hardware"], "mi300x");
-  EXPECT_EQ(plan["recommendation"]["reservation_days"], 7);
-  EXPECT_DOUBLE_EQ(plan["recommendation"]["cost"].get<double>(), 2688);
+  ASSERT_TRUE(plan.rows[1].reservation_7d.cost.has_value());
+  EXPECT_DOUBLE_EQ(*plan.rows[1].reservation_7d.cost, 2688);
+  EXPECT_TRUE(plan.rows[1].reservation_7d.fits);
+  ASSERT_TRUE(plan.recommendation.has_value());
+  EXPECT_EQ(plan.recommendation->hardware, "mi300x");
+  EXPECT_EQ(plan.recommendation->reservation_days, 7);
+  ASSERT_TRUE(plan.recommendation->cost.has_value());
+  EXPECT_DOUBLE_EQ(*plan.recommendation->cost, 2688);
   // A two-day job is worth the reservation; each cost cell says it is a cost.
-  EXPECT_FALSE(plan["recommendation"].contains("reservation_needed"));
-  EXPECT_THAT(plan["recommendation_text"].get<std::string>(), HasSubstr("mi300x for 7 days"));
+  EXPECT_FALSE(plan.recommendation->reservation_needed.has_value());
+  EXPECT_FALSE(nlohmann::json(plan)["recommendation"].contains("reservation_needed"));
+  EXPECT_THAT(plan.recommendation_text, HasSubstr("mi300x for 7 days"));
   EXPECT_THAT(plan_markdown(plan), HasSubstr("| fits, cost 2688 |"));
 }
 
@@ -290,19 +297,21 @@ TEST(Plan, CostsTheCheapestRowThatFits) {
 // precision in the header, an ETTR that is small but not "0.0%" (the wall time is mostly the
 // pilot's hour), and no 7-day reservation for a job of about an hour.
 TEST(Plan, ATinyJobReadsInItsOwnUnitsAndIsNotToldToReserve) {
-  const auto plan = make_plan(Config::load(source_dir() / "configs" / "gpt-tiny.toml"), nullptr,
-                              /*require_cost=*/false);
+  const PlanResult plan = make_plan(Config::load(source_dir() / "configs" / "gpt-tiny.toml"),
+                                    nullptr, /*require_cost=*/false);
   const std::string text = plan_markdown(plan);
   EXPECT_THAT(text, HasSubstr("on 8 GPUs in fp32 (train.precision)"));
   EXPECT_THAT(text, Not(HasSubstr("0.0 GB")));
   EXPECT_THAT(text, HasSubstr(" MB/device (state "));
   EXPECT_THAT(text, Not(HasSubstr("| 0.0% |")));
-  for (const auto& row : plan["rows"]) {
-    EXPECT_LT(row["wall_seconds"].get<double>(), 86400.0);
-    EXPECT_GT(row["ettr"].get<double>(), 0);
+  for (const PlanRow& row : plan.rows) {
+    ASSERT_TRUE(row.wall_seconds.has_value()) << row.hardware;
+    EXPECT_LT(*row.wall_seconds, 86400.0);
+    EXPECT_GT(row.ettr, 0);
   }
-  EXPECT_EQ(plan["recommendation"]["reservation_needed"], false);
-  const std::string advice = plan["recommendation_text"];
+  ASSERT_TRUE(plan.recommendation.has_value());
+  EXPECT_EQ(plan.recommendation->reservation_needed, std::optional<bool>(false));
+  const std::string advice = plan.recommendation_text;
   EXPECT_THAT(advice, HasSubstr("far less than the shortest reservation (7 days)"));
   EXPECT_THAT(advice, Not(HasSubstr("for 7 days")));
 }
@@ -379,8 +388,8 @@ TEST(Plan, AtAMillionGpusTheAdviceSaysWhatLimits) {
   Config config = gpt_6_7b();
   config.set_from_string("plan.gpus=1000000");
   config.set_from_string("plan.tokens=1e11");
-  const auto plan = make_plan(config, nullptr, /*require_cost=*/false);
-  const std::string advice = plan["recommendation_text"];
+  const PlanResult plan = make_plan(config, nullptr, /*require_cost=*/false);
+  const std::string& advice = plan.recommendation_text;
   EXPECT_THAT(advice, HasSubstr("nothing fits a 30-day reservation at 1000000 GPUs"));
   EXPECT_THAT(advice, HasSubstr("failures: the job's MTBF"));
   EXPECT_THAT(advice, HasSubstr("the global batch"));
@@ -396,8 +405,7 @@ TEST(Plan, CliPlansWithoutBuildingTheModel) {
   ASSERT_EQ(plan.exit_code, 0) << plan.err;
   EXPECT_THAT(plan.out, HasSubstr("| h100-sxm |"));
   EXPECT_THAT(plan.out, HasSubstr("Recommendation:"));
-  auto j = nlohmann::json::parse(slurp(dir / "gpt-6.7b" / "plan.json"));
-  EXPECT_GT(j["model"]["parameters"].get<double>(), 60e9);
+  EXPECT_GT(read_result<PlanResult>(dir / "gpt-6.7b" / "plan.json").parameters, 60e9);
   // A runtime name for a catalog row: the row it means, in one line, exit 2.
   auto unknown = run_kiln("plan " + (source_dir() / "configs" / "gpt-6.7b.toml").string() +
                           " --set run.dir=" + dir.path().string() + " --set plan.hardware=h100");
@@ -495,13 +503,14 @@ TEST(PlanForecast, AnAsyncJobLosesThePilotsBlockingTimeAndEndWaitPerSaveASyncJob
   // delta^2); the whole save with synchronous saves.
   for (const auto& [config, delta] :
        {std::pair{async_job, 7.5e-4}, std::pair{sync_job, 4.27008e-3}}) {
-    const nlohmann::json row = make_plan(config, &pilot, false)["rows"][0];
-    ASSERT_EQ(row["hardware"], "this-cpu");
-    EXPECT_NEAR(row["save_seconds"].get<double>(), delta, 1e-15);
-    EXPECT_NEAR(row["full_save_seconds"].get<double>(), 4.27008e-3, 1e-15);
-    EXPECT_NEAR(row["checkpoint_interval_seconds"].get<double>(),
-                recovery_aware_interval_seconds(delta, row["job_mtbf_seconds"].get<double>(),
-                                                row["restart_seconds"].get<double>()),
+    const PlanResult plan = make_plan(config, &pilot, false);
+    ASSERT_EQ(plan.rows.size(), 1u);
+    const PlanRow& row = plan.rows[0];
+    ASSERT_EQ(row.hardware, "this-cpu");
+    EXPECT_NEAR(row.save_seconds, delta, 1e-15);
+    EXPECT_NEAR(row.full_save_seconds, 4.27008e-3, 1e-15);
+    EXPECT_NEAR(row.checkpoint_interval_seconds,
+                recovery_aware_interval_seconds(delta, row.job_mtbf_seconds, row.restart_seconds),
                 1e-9);
   }
 }
