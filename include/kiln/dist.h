@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kiln/comm.h"
@@ -27,6 +28,12 @@
 namespace kiln {
 
 class Config;
+
+/// The data parallelism a job runs with: alone (one process, or a world of one without a
+/// process group), DDP (whole replicas) or FSDP (sharded).
+enum class Parallelism { kNone, kDdp, kFsdp };
+/// "none", "ddp", "fsdp": the names dist.strategy, scale.json and plan.json use.
+std::string_view to_string(Parallelism parallelism);
 
 // ---- the launcher's environment ----------------------------------------------------------------
 
@@ -49,15 +56,18 @@ struct DistEnvironment {
 
 /// The [dist] keys that say how a process joins its group (dist/options.cpp reads them).
 struct ProcessGroupOptions {
-  std::string launcher = "auto";   // dist.launcher: "auto", "torchrun", "slurm", "none"
-  std::string backend = "auto";    // dist.backend: "auto" (NCCL on CUDA, else Gloo), "gloo", "nccl"
-  std::string master_addr;         // dist.master_addr (MASTER_ADDR wins)
-  int master_port = 29500;         // dist.master_port (MASTER_PORT wins)
-  double timeout_seconds = 300;    // dist.timeout_seconds
-  std::string torchrun;            // dist.torchrun ("": found, see find_torchrun)
-  std::string device = "cpu";      // run.device (the backend "auto" resolves by it)
-  std::string config_hash;         // Config::hash(): every rank must train the same job
-  std::string strategy = "auto";   // dist.strategy: "auto", "ddp", "fsdp" (resolve_strategy)
+  enum class Launcher { kAuto, kTorchrun, kSlurm, kNone };
+  enum class Backend { kAuto, kGloo, kNccl };  // kAuto: NCCL on CUDA, else Gloo
+  enum class Strategy { kAuto, kDdp, kFsdp };  // kAuto: by the model's memory (resolve_strategy)
+  Launcher launcher = Launcher::kAuto;         // dist.launcher: "auto", "torchrun", "slurm", "none"
+  Backend backend = Backend::kAuto;            // dist.backend: "auto", "gloo", "nccl"
+  std::string master_addr;                     // dist.master_addr (MASTER_ADDR wins)
+  int master_port = 29500;                     // dist.master_port (MASTER_PORT wins)
+  double timeout_seconds = 300;                // dist.timeout_seconds
+  std::string torchrun;                        // dist.torchrun ("": found, see find_torchrun)
+  std::string device = "cpu";                  // run.device (the backend "auto" resolves by it)
+  std::string config_hash;                     // Config::hash(): every rank must train the same job
+  Strategy strategy = Strategy::kAuto;         // dist.strategy: "auto", "ddp", "fsdp"
   int64_t dp_replicate = 0;        // dist.dp_replicate: FSDP's replicas (0: auto, fsdp_mesh_shape)
   int64_t tp = 1;                  // dist.tp: tensor-parallel ranks (DeviceMesh)
   bool tp_across_nodes = false;    // dist.tp_across_nodes
@@ -65,6 +75,11 @@ struct ProcessGroupOptions {
   double memory_headroom = 0.1;    // dist.memory_headroom
   static ProcessGroupOptions from_config(const Config& config);
 };
+
+/// dist.backend's name: "auto", "gloo", "nccl".
+std::string_view to_string(ProcessGroupOptions::Backend backend);
+/// dist.strategy's name: "auto", "ddp", "fsdp".
+std::string_view to_string(ProcessGroupOptions::Strategy strategy);
 
 /// Looks up an environment variable; nullptr when unset. Tests pass a map instead of ::getenv.
 using EnvLookup = std::function<const char*(const char*)>;
@@ -395,7 +410,7 @@ class FullyShardedDataParallel : public TrainerHook,
 
 /// dist.strategy resolved for a job of `world_size` ranks, and why.
 struct StrategyChoice {
-  std::string strategy;     // "ddp" or "fsdp"
+  Parallelism strategy = Parallelism::kNone;  // kDdp or kFsdp (kNone: not resolved)
   MeshShape mesh;           // fsdp: dp_replicate x dp_shard (dp_replicate = 1: over every rank)
   std::string reason;       // one line with the numbers (logged, and in scale.json)
   nlohmann::json decision;  // auto: choose_strategy's decision (kiln/plan.h to_json); else null

@@ -96,7 +96,7 @@ struct StepComposition {
 struct ComposedStep {
   std::unique_ptr<Trainer> trainer;
   /// With a parallel process group: the layout dist.strategy resolved to, and why.
-  StrategyChoice strategy{"none", {}, "", nullptr};
+  StrategyChoice strategy{Parallelism::kNone, {}, "", nullptr};
   std::shared_ptr<DataParallel> ddp;
   std::shared_ptr<FullyShardedDataParallel> fsdp;
   std::shared_ptr<CompiledStep> compiled;

@@ -22,8 +22,8 @@ struct Session {
   std::shared_ptr<Communicator> comm{};  // the process group (a world of one when not distributed)
   std::unique_ptr<Run> run{};
   std::unique_ptr<Trainer> trainer{};
-  // With world size > 1: "ddp" or "fsdp" (dist.strategy, resolved), why, and FSDP's hook.
-  std::string strategy = "none";
+  // With world size > 1: DDP or FSDP (dist.strategy, resolved), why, and FSDP's hook.
+  Parallelism strategy = Parallelism::kNone;
   std::string strategy_reason{};
   nlohmann::json strategy_decision{};  // dist.strategy = "auto": the rule's numbers; else null
   std::shared_ptr<FullyShardedDataParallel> fsdp{};

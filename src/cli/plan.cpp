@@ -162,10 +162,12 @@ int plan_against_actual(const Config& config, const std::string& pilot_dir,
   std::optional<PilotCalibration> pilot;
   if (!pilot_dir.empty()) pilot = read_pilot(pilot_dir, config);
   const ActualRun actual = read_actual_run(run_dir);
-  const std::string strategy =
-      actual.world_size <= 1
-          ? "none"
-          : (ProcessGroupOptions::from_config(config).strategy == "fsdp" ? "fsdp" : "ddp");
+  const std::string strategy = actual.world_size <= 1
+                                   ? "none"
+                                   : (ProcessGroupOptions::from_config(config).strategy ==
+                                              ProcessGroupOptions::Strategy::kFsdp
+                                          ? "fsdp"
+                                          : "ddp");
   const Forecast forecast =
       forecast_run(config, pilot ? &*pilot : nullptr, actual.device, actual.world_size, strategy);
   json comparison = compare_forecast(forecast, actual);

@@ -100,24 +100,28 @@ void die_with_launcher() {
 
 DistEnvironment read_dist_environment(const ProcessGroupOptions& options, const EnvLookup& env) {
   const Variables vars(env);
-  std::string launcher = options.launcher;
+  using Launcher = ProcessGroupOptions::Launcher;
+  Launcher chosen = options.launcher;
   const bool torchrun_vars = vars.has("WORLD_SIZE");
   const bool slurm_vars =
       vars.has("SLURM_PROCID") && vars.has("SLURM_NTASKS") && vars.has("SLURM_STEP_ID");
-  if (launcher == "auto") {
+  if (chosen == Launcher::kAuto) {
     if (torchrun_vars) {
-      launcher = "torchrun";
+      chosen = Launcher::kTorchrun;
     } else if (slurm_vars && vars.integer("SLURM_NTASKS", 1, 1, kMaxRanks, "slurm") > 1) {
-      launcher = "slurm";
+      chosen = Launcher::kSlurm;
     } else {
-      launcher = "none";
+      chosen = Launcher::kNone;
     }
   }
+  const std::string launcher = chosen == Launcher::kTorchrun ? "torchrun"
+                               : chosen == Launcher::kSlurm  ? "slurm"
+                                                             : "none";
   DistEnvironment out;
   out.launcher = launcher;
-  if (launcher == "none") return out;
+  if (chosen == Launcher::kNone) return out;
 
-  if (launcher == "torchrun") {
+  if (chosen == Launcher::kTorchrun) {
     if (!torchrun_vars) {
       throw UserError(
           "dist.launcher = \"torchrun\" but WORLD_SIZE is not set; start kiln with "
@@ -130,7 +134,8 @@ DistEnvironment read_dist_environment(const ProcessGroupOptions& options, const 
     out.restart_count = vars.integer("TORCHELASTIC_RESTART_COUNT", 0, 0, 1 << 30, launcher);
     out.agent_store = vars.text("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
     check_ranks(out);
-    out.process_group = out.world_size > 1 || options.backend != "auto";
+    out.process_group =
+        out.world_size > 1 || options.backend != ProcessGroupOptions::Backend::kAuto;
     if (out.process_group) resolve_master(out, vars, options, "WORLD_SIZE");
     return out;
   }

@@ -422,8 +422,12 @@ void PendingWork::wait() {
 }
 
 std::string resolve_backend(const ProcessGroupOptions& options) {
-  if (options.backend != "auto") return options.backend;
-  return resolve_device(options.device).is_cuda() ? "nccl" : "gloo";
+  using Backend = ProcessGroupOptions::Backend;
+  Backend backend = options.backend;
+  if (backend == Backend::kAuto) {
+    backend = resolve_device(options.device).is_cuda() ? Backend::kNccl : Backend::kGloo;
+  }
+  return std::string(to_string(backend));
 }
 
 std::shared_ptr<Communicator> connect(const DistEnvironment& env,

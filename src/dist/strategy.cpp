@@ -38,13 +38,13 @@ StrategyChoice resolve_strategy(const Config& config, const Model& model,
                                 const torch::Device& device, int world_size) {
   StrategyChoice out;
   const ProcessGroupOptions dist = ProcessGroupOptions::from_config(config);
-  const std::string& asked = dist.strategy;
-  if (asked != "auto") {
-    out.strategy = asked;
-    out.mesh =
-        asked == "fsdp" ? fsdp_mesh_shape(dist.dp_replicate, world_size) : MeshShape{world_size, 1};
-    out.reason = fmt::format("dist.strategy = \"{}\"", asked);
-    if (out.mesh.dp_replicate > 1 && asked == "fsdp") {
+  using Strategy = ProcessGroupOptions::Strategy;
+  if (dist.strategy != Strategy::kAuto) {
+    const bool fsdp = dist.strategy == Strategy::kFsdp;
+    out.strategy = fsdp ? Parallelism::kFsdp : Parallelism::kDdp;
+    out.mesh = fsdp ? fsdp_mesh_shape(dist.dp_replicate, world_size) : MeshShape{world_size, 1};
+    out.reason = fmt::format("dist.strategy = \"{}\"", to_string(dist.strategy));
+    if (out.mesh.dp_replicate > 1 && fsdp) {
       out.reason += fmt::format(", dist.dp_replicate = {}: hybrid sharding {}",
                                 out.mesh.dp_replicate, out.mesh.text());
     }
@@ -97,17 +97,17 @@ StrategyChoice resolve_strategy(const Config& config, const Model& model,
   out.decision = to_json(decision);
   out.decision["activation_source"] = activation_source;
   out.decision["device_memory_source"] = memory_source;
-  out.strategy = decision.strategy == "ddp" ? "ddp" : "fsdp";
+  out.strategy = decision.strategy == "ddp" ? Parallelism::kDdp : Parallelism::kFsdp;
   // FSDP at the plan's degree, replicated over the rest of the world (hybrid sharding); when
   // even every rank does not fit, over every rank.
   const int degree = decision.fsdp_degree > 0 ? static_cast<int>(decision.fsdp_degree) : world_size;
-  out.mesh = out.strategy == "ddp"
+  out.mesh = out.strategy == Parallelism::kDdp
                  ? MeshShape{world_size, 1}
                  : fsdp_mesh_shape(dist.dp_replicate, world_size, world_size / std::max(1, degree));
-  std::string layout = out.strategy;
+  std::string layout(to_string(out.strategy));
   if (decision.strategy == "does-not-fit") {
     layout += " over all ranks, though even that does not fit";
-  } else if (out.strategy == "fsdp" && out.mesh.dp_replicate > 1) {
+  } else if (out.strategy == Parallelism::kFsdp && out.mesh.dp_replicate > 1) {
     layout = fmt::format("hybrid sharding {}", out.mesh.text());
   }
   out.reason = fmt::format(

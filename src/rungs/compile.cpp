@@ -148,12 +148,12 @@ RungResult run_compile(Session& session) {
     compiled_config.set("compile.backend", std::string("inductor"));
     options.backend = CompileOptions::Backend::kInductor;
   }
-  const bool distributed = session.strategy != "none";  // DDP/FSDP over a process group
-  if (distributed && session.strategy != "ddp") {
+  const bool distributed = session.strategy != Parallelism::kNone;  // over a process group
+  if (distributed && session.strategy != Parallelism::kDdp) {
     throw UserError(fmt::format(
         "the compile rung under torchrun measures the compiled step under DDP, but dist.strategy "
         "resolved to \"{}\" ({}); set dist.strategy = \"ddp\"",
-        session.strategy, session.strategy_reason));
+        to_string(session.strategy), session.strategy_reason));
   }
   RungResult result;
   result.rung = "compile";

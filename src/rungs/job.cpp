@@ -51,11 +51,11 @@ std::string auto_strategy_problem(const Job& job, const Model& model, const torc
                                   const Communicator& comm) {
   const CompileOptions& compile = job.compile;
   if (!comm.parallel() || compile.backend == CompileOptions::Backend::kEager ||
-      job.group.strategy != "auto")
+      job.group.strategy != ProcessGroupOptions::Strategy::kAuto)
     return "";
   if (compile.inductor() && compile.granularity == CompileOptions::Granularity::kUnit) return "";
   const StrategyChoice choice = resolve_strategy(job.config, model, device, comm.world_size());
-  if (choice.strategy != "fsdp") return "";
+  if (choice.strategy != Parallelism::kFsdp) return "";
   return fmt::format("{}: {}; set dist.strategy = \"ddp\" or compile.backend = \"eager\"",
                      choice.reason, fsdp_with_compile_problem());
 }
@@ -138,7 +138,7 @@ ComposedStep compose_step(const Job& job, std::shared_ptr<Model> model, Datasets
     if (tp > 1) install_tensor_parallel(trainer, mesh);
     // fsdp with a compiled step: refused before this, by the [compile] rule (dist.strategy =
     // "fsdp") or by compose_training's pre-check (dist.strategy = "auto" resolving to fsdp).
-    if (out.strategy.strategy == "fsdp") {
+    if (out.strategy.strategy == Parallelism::kFsdp) {
       out.fsdp = FullyShardedDataParallel::attach(trainer, mesh, job.fsdp);
     } else {
       out.ddp = DataParallel::attach(trainer, mesh.dp, job.ddp);
@@ -185,7 +185,7 @@ std::unique_ptr<Session> compose_training(const Job& job, std::shared_ptr<Commun
       check_train_start(job.resume, job.checkpoint, *model, job.trainer.optim);
     // A mesh the world cannot hold (UserError naming dist.tp or dist.dp_replicate).
     if (parallel) {
-      if (job.group.strategy == "fsdp") {
+      if (job.group.strategy == ProcessGroupOptions::Strategy::kFsdp) {
         fsdp_mesh_shape(job.group.dp_replicate, world_size, 1, job.group.tp);
       } else {
         ddp_mesh_shape(world_size, job.group.tp);
@@ -272,7 +272,8 @@ std::unique_ptr<Session> compose_training(const Job& job, std::shared_ptr<Commun
     session->strategy_reason = step.strategy.reason;
     session->strategy_decision = step.strategy.decision;
     session->fsdp = step.fsdp;
-    log::info("strategy " + session->strategy + ": " + session->strategy_reason);
+    log::info(
+        fmt::format("strategy {}: {}", to_string(session->strategy), session->strategy_reason));
   }
   // SIGTERM / SIGUSR1: finish the step, commit a checkpoint, throw Preempted (exit 75).
   if (composition.preemption) {

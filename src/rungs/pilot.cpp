@@ -165,12 +165,12 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   trainer.add_hook(fence);
   PilotStepTiming timing;
   timing.first_step_seconds = trainer.train_step(/*sync=*/true).step_seconds;
-  job.strategy =
-      session->strategy == "ddp" || session->strategy == "fsdp" ? session->strategy : "none";
+  job.strategy = std::string(to_string(session->strategy));
   double held_gradients = 0;
   if (session->fsdp) {
     held_gradients = static_cast<double>(session->fsdp->memory().gradient_shards);
-  } else if (job.strategy == "ddp") {  // the buckets: every trainable parameter's bytes
+  } else if (session->strategy ==
+             Parallelism::kDdp) {  // the buckets: every trainable parameter's bytes
     for (const auto& p : trainer.model().parameters())
       if (p.requires_grad()) held_gradients += static_cast<double>(p.nbytes());
   }

@@ -213,7 +213,7 @@ ScaleRankMemory memory_parts(Session& session, const MemoryProbe& probe) {
     }
   }
   ScaleRankMemory out;
-  out.strategy = session.strategy;
+  out.strategy = std::string(to_string(session.strategy));
   out.parameters = parameters;
   out.gradients = gradients;
   out.optimizer_state = optimizer_bytes;

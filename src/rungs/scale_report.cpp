@@ -97,7 +97,7 @@ void global_numbers(const ScaleOutcome& o, ScaleResult& out) {
 ScaleResult scale_numbers(const Session& session, const ScaleOutcome& o) {
   ScaleResult out;
   out.world_size = o.world;
-  out.strategy = session.strategy;
+  out.strategy = std::string(to_string(session.strategy));
   out.strategy_reason = session.strategy_reason;
   out.strategy_decision = session.strategy_decision;
   out.backend = session.comm->backend_name();

@@ -70,12 +70,12 @@ TrainingRunResult run_training(const Config& config, const TrainingRunOptions& o
   composition.check_records = true;
   auto session = compose_training(job, nullptr, composition);
   // A layout asked for where there is none to run: said, not silently trained alone.
-  if (!session->comm->parallel() && job.group.strategy != "auto") {
+  if (!session->comm->parallel() && job.group.strategy != ProcessGroupOptions::Strategy::kAuto) {
     log::warn(fmt::format(
         "dist.strategy = \"{}\" but this is one process without a launcher: it trains alone, "
         "unreplicated and unsharded; start it under torchrun (torchrun --no-python "
         "--nproc-per-node=N kiln train CONFIG) or kiln scale to run {}",
-        job.group.strategy, job.group.strategy));
+        to_string(job.group.strategy), to_string(job.group.strategy)));
   }
   TrainingRunResult result;
   result.run_dir = session->run->dir();

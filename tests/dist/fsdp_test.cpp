@@ -467,11 +467,11 @@ TEST(DistStrategy, AutoPicksFsdpOnlyWhenDdpDoesNotFit) {
     return resolve_strategy(config, *make_model(config), torch::kCPU, 2);
   };
   const StrategyChoice roomy = choose("1e12");
-  EXPECT_EQ(roomy.strategy, "ddp");
+  EXPECT_EQ(roomy.strategy, Parallelism::kDdp);
   EXPECT_EQ(roomy.decision["strategy"], "ddp");
   // Half a MB: below DDP's model state (16 B x ~0.1M parameters): fsdp, and the reason says why.
   const StrategyChoice tight = choose("5e5");
-  EXPECT_EQ(tight.strategy, "fsdp");
+  EXPECT_EQ(tight.strategy, Parallelism::kFsdp);
   EXPECT_THAT(tight.reason, ::testing::HasSubstr("dist.strategy = \"auto\": fsdp"));
   EXPECT_THAT(tight.reason, ::testing::HasSubstr("dist.device_memory_bytes"));
   // At world 4 the plan's degree is the shard group, replicated over the rest (hybrid sharding
@@ -501,7 +501,8 @@ TEST(DistStrategy, AutoPicksFsdpOnlyWhenDdpDoesNotFit) {
   const Config over_all = gpt_config(dir.path(), {"dist.strategy=fsdp"});
   EXPECT_EQ(resolve_strategy(over_all, *make_model(over_all), torch::kCPU, 4).mesh.dp_shard, 4);
   const Config fixed = gpt_config(dir.path(), {"dist.strategy=ddp"});
-  EXPECT_EQ(resolve_strategy(fixed, *make_model(fixed), torch::kCPU, 2).strategy, "ddp");
+  EXPECT_EQ(resolve_strategy(fixed, *make_model(fixed), torch::kCPU, 2).strategy,
+            Parallelism::kDdp);
   EXPECT_TRUE(resolve_strategy(fixed, *make_model(fixed), torch::kCPU, 2).decision.is_null());
 }
 
