@@ -50,6 +50,7 @@ struct CompileOptions {
   bool fullgraph = true;
   bool root = true;  // compile.root: per unit, the root's pieces (embeddings, head, loss) too
   int recompile_limit = 8;
+  int jobs = 1;  // resolved: compile.jobs, 0 -> the machine's cores (at least 1)
   std::vector<int64_t> probe_seq_lens;  // the rung's shape probe (resolved; may be empty)
   double tolerance = 1e-4;  // resolved: compile.tolerance, else default_compile_tolerance()
   bool tolerance_configured = false;  // compile.tolerance set (> 0), not the precision's default
@@ -235,7 +236,10 @@ class CompiledStep : public StepExecutor {
   /// Throws UserError (bad setup, see check_compile_start), TrainingError (graph breaks with
   /// compile.fullgraph = true, listing every break). `model` must outlive the step (the Trainer
   /// that owns the model holds the step as its executor).
-  CompiledStep(const Config& config, Model& model, torch::Device device);
+  /// `options` and `precision` come from a validated Config (CompileOptions::from_config,
+  /// TrainOptions::from_config): the [compile] rules are the config's, not re-checked here.
+  CompiledStep(const CompileOptions& options, TrainOptions::Precision precision, Model& model,
+               torch::Device device);
   ~CompiledStep() override;
 
   /// Throws UserError when `loss_scale` is defined and train.precision is not "fp16-mixed" (or
@@ -246,24 +250,32 @@ class CompiledStep : public StepExecutor {
   /// outputs when the batch runs eager (graph breaks with fullgraph = false, over the limit).
   /// Throws as the constructor does, when the eval package is built.
   EvalOutputs evaluate(const Batch& batch) override;
-  /// Builds (or finds in the cache) the training graph for `shapes` now, as the first step would.
-  /// Per-unit mode: nothing (each unit builds or loads its pair on its first call).
-  void prepare(const InputShapes& shapes);
-  /// The same for the eval graph, as the first evaluation would.
-  void prepare_eval(const InputShapes& shapes);
+  /// Builds (or finds in the cache) the training graph for `train` and, when given, the eval
+  /// graph for `eval` now, as the first step and the first evaluation would. Two packages that
+  /// both miss the cache build at once, in two compiler processes (each compiles its graph's
+  /// C++ serially), when compile.jobs allows two; they load on this thread, train first,
+  /// so the report and the graph-break handling are those of a serial build. Per-unit mode:
+  /// nothing (each unit builds or loads its pair on its first call).
+  void prepare(const InputShapes& train, const std::optional<InputShapes>& eval = std::nullopt);
   const CompileReport& report() const { return report_; }
   bool per_unit() const { return units_ != nullptr; }
 
   struct Loaded;  // implementation detail (src/compile/compiled_step.cpp)
 
  private:
+  struct Build;  // a package as building or finding it left it (src/compile/compiled_step.cpp)
   struct Kind {  // one graph kind's shapes and loaded packages
     bool eval = false;
     std::unique_ptr<ShapeTracker> tracker;
     std::vector<std::unique_ptr<Loaded>> loaded;
+    std::unique_ptr<Build> built;  // prepare's build, not loaded yet
   };
-  /// Builds or loads the package of `kind` for `shape` (narrowed to what the package accepts);
-  /// returns its index, or SIZE_MAX when graph breaks made the step fall back to eager.
+  /// Builds the package of graph kind `eval` for `shape` unless the cache has it; any thread
+  /// (`threads`: the training thread's intra-op thread count, which the compiler runs with).
+  Build build_package(bool eval, const GraphShape& shape, int threads) const;
+  /// Loads the package of `kind` for `shape` (narrowed to what the package accepts), building it
+  /// first unless prepare did; returns its index, or SIZE_MAX when graph breaks made the step
+  /// fall back to eager.
   size_t load_graph(Kind& kind, GraphShape& shape);
   size_t resolve(Kind& kind, const InputShapes& shapes);
 
@@ -279,10 +291,10 @@ class CompiledStep : public StepExecutor {
   std::shared_ptr<UnitWrapper> units_;  // per-unit mode: the wrapper added to the model
 };
 
-/// Attaches what compile.backend asks for to `trainer`: the AOTInductor step ("inductor",
-/// "inductor+cudagraphs"; returned) and the CUDA-graph capture ("cudagraphs",
-/// "inductor+cudagraphs"; attach_captured_step). Returns null when there is no AOTInductor step.
-/// Throws what CompiledStep's constructor throws.
+/// Attaches the AOTInductor step compile.backend asks for ("inductor", "inductor+cudagraphs") to
+/// `trainer` and returns it; null when there is none. The CUDA-graph capture is the next stage,
+/// attach_captured_step (compose_training calls both, in that order). Throws what CompiledStep's
+/// constructor throws.
 std::shared_ptr<CompiledStep> attach_compiled_step(Trainer& trainer, const Config& config);
 
 // ---- CUDA graphs -------------------------------------------------------------------------------

@@ -285,7 +285,7 @@ CompilerRun run_compiler(const CompilerPython& python, const fs::path& scratch, 
                          const std::string& what) {
   spec["device"] = device.is_cuda() ? "cuda" : "cpu";
   spec["precision"] = precision_name(precision);
-  spec["threads"] = at::get_num_threads();
+  if (!spec.contains("threads")) spec["threads"] = at::get_num_threads();  // caller off-thread
   spec["deterministic"] = at::globalContext().deterministicAlgorithms();
   write_file_atomic(scratch / "spec.json", spec.dump(2) + "\n");
   const std::string runner =

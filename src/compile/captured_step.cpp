@@ -5,6 +5,7 @@
 
 #include "compile/internal.h"
 #include "core/clock.h"
+#include "kiln/comm.h"
 #include "kiln/compile.h"
 #include "kiln/config.h"
 #include "kiln/error.h"
@@ -200,6 +201,11 @@ std::shared_ptr<CapturedGraphStep> attach_captured_step(Trainer& trainer, const 
   const B backend = CompileOptions::from_config(config).backend;
   if (backend != B::kCudaGraphs && backend != B::kInductorCudaGraphs) return nullptr;
   trainer.enter_composition_stage(CompositionStage::kCapture, "CUDA graph capture");
+  if (trainer.options().comm && trainer.options().comm->parallel()) {
+    log::info(
+        "compile: DDP's bucket all-reduces (NCCL) are captured into the step's CUDA graph and "
+        "replayed with it; the communication statistics count the capture, not the replays");
+  }
   auto step = std::make_shared<CapturedGraphStep>(config, trainer,
                                                   cuda_graph_recorders(trainer.options().device));
   trainer.set_step_runner(step);

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <future>
 #include <map>
 
 #include "compile/compiled_units.h"
@@ -17,7 +18,6 @@
 #include "core/process.h"
 #include "core/strings.h"
 #include "kiln/build_info.h"
-#include "kiln/comm.h"
 #include "kiln/compile.h"
 #include "kiln/config.h"
 #include "kiln/error.h"
@@ -36,6 +36,15 @@ struct CompiledStep::Loaded {
   std::vector<size_t> gradient_of;  // train: output k + 1 is the gradient of
                                     // parameters_[gradient_of[k]]
   bool correct = false;             // eval: output 1 counts the correct predictions
+};
+
+struct CompiledStep::Build {
+  GraphShape shape;                      // what it was built for
+  std::optional<PackageCache::Hit> hit;  // nullopt: graph breaks, nothing built
+  bool cache_hit = false;
+  std::string cache_note;          // why the cache missed ("" on a hit)
+  double build_seconds = 0;        // 0 on a hit
+  std::vector<GraphBreak> breaks;  // the compiler's, when it found any
 };
 
 namespace {
@@ -178,9 +187,10 @@ json CompileReport::to_json() const {
             {"eager_batches", eval_eager_batches}}}};
 }
 
-CompiledStep::CompiledStep(const Config& config, Model& model, torch::Device device)
-    : options_(CompileOptions::from_config(config)),
-      precision_(TrainOptions::from_config(config).precision),
+CompiledStep::CompiledStep(const CompileOptions& options, TrainOptions::Precision precision,
+                           Model& model, torch::Device device)
+    : options_(options),
+      precision_(precision),
       model_(model),
       device_(device),
       model_json_(model_json(model)),
@@ -188,14 +198,13 @@ CompiledStep::CompiledStep(const Config& config, Model& model, torch::Device dev
       train_{false,
              std::make_unique<ShapeTracker>(options_.dynamic, options_.recompile_limit,
                                             max_seq_len(model)),
-             {}},
+             {},
+             nullptr},
       eval_{true,
             std::make_unique<ShapeTracker>(options_.dynamic, options_.recompile_limit,
                                            max_seq_len(model)),
-            {}} {
-  // The [compile] rules (train.activation_checkpointing, dist.strategy, ...), also for a config
-  // changed in code (the compile rung's compiled side): the line `kiln config validate` prints.
-  config.validate();
+            {},
+            nullptr} {
   if (!options_.inductor()) {
     throw UserError(
         fmt::format("compile.backend = \"{}\" has no AOTInductor step; kiln builds one "
@@ -230,12 +239,27 @@ CompiledStep::CompiledStep(const Config& config, Model& model, torch::Device dev
 
 CompiledStep::~CompiledStep() = default;
 
-void CompiledStep::prepare(const InputShapes& shapes) {
-  if (!units_) resolve(train_, shapes);  // per unit: each unit builds on its first call
-}
-
-void CompiledStep::prepare_eval(const InputShapes& shapes) {
-  if (!units_) resolve(eval_, shapes);
+void CompiledStep::prepare(const InputShapes& train, const std::optional<InputShapes>& eval) {
+  if (units_) return;  // per unit: each unit builds on its first call
+  using Decision = ShapeTracker::Decision::Kind;
+  if (eval && !report_.fallback_to_eager && options_.jobs >= 2) {
+    const ShapeTracker::Decision train_decision = train_.tracker->decide(train);
+    const ShapeTracker::Decision eval_decision = eval_.tracker->decide(*eval);
+    if (train_decision.kind == Decision::kCompile && eval_decision.kind == Decision::kCompile) {
+      // Each compiler process spends most of a cold build in one serial C++ compile: two at once
+      // use two cores. What each build left is loaded below as a serial build would load it.
+      const int threads = at::get_num_threads();  // per thread under OpenMP: read it here
+      std::future<Build> eval_build = std::async(std::launch::async, [&] {
+        return build_package(/*eval=*/true, eval_decision.shape, threads);
+      });
+      Build train_build = build_package(/*eval=*/false, train_decision.shape, threads);
+      eval_.built = std::make_unique<Build>(eval_build.get());
+      train_.built = std::make_unique<Build>(std::move(train_build));
+    }
+  }
+  resolve(train_, train);
+  if (eval) resolve(eval_, *eval);
+  eval_.built.reset();  // unused when the train graph's breaks made the step eager
 }
 
 // The graph of `kind` that runs `shapes` (building or loading it on first sight), or SIZE_MAX
@@ -336,61 +360,78 @@ torch::Tensor CompiledStep::forward_backward(Trainer& trainer, const Batch& batc
   return scale == 1.0 ? outputs[0] : outputs[0].mul(scale);
 }
 
-size_t CompiledStep::load_graph(Kind& kind, GraphShape& shape) {
+CompiledStep::Build CompiledStep::build_package(bool eval, const GraphShape& shape,
+                                                int threads) const {
   const CompilerPython& python = CompilerPython::probe(options_.python);
-  const char* graph_kind = kind_name(kind.eval);
+  const char* graph_kind = kind_name(eval);
   const Fingerprint fingerprint =
       fingerprint_of(python, model_json_, graph_kind, shape, device_, precision_, nullptr);
-  CompileReport::Graph entry;
-  entry.shape = shape;
-  std::string why_not;
+  Build out;
+  out.shape = shape;
   // One builder per package across processes: the others wait here, then find it built.
   PackageCache::BuildLock lock(*cache_, fingerprint);
-  std::optional<PackageCache::Hit> hit = cache_->find(fingerprint, &why_not);
-  entry.cache_hit = hit.has_value();
-  if (!hit) {
-    entry.cache_note = why_not;
-    log::info(
-        fmt::format("compile: building the {} graph for {} with AOTInductor ({}; cache {}: {})",
-                    kind.eval ? "eval (forward and loss)" : "forward+backward", shape.str(),
-                    python.torch_version, cache_->dir().string(), why_not));
-    const auto begin = SteadyClock::now();
-    const fs::path scratch = cache_->scratch_dir(fingerprint);
-    const ModelSpec* model_spec = find_model(model_json_.value("name", ""));
-    const bool tokens = model_spec && model_spec->input == ModelInput::kTokens;
-    const json spec = {
-        {"model", model_json_},
-        {"graph", graph_kind},
-        {"inputs", {{"shape", shape.shapes.inputs}, {"dtype", tokens ? "int64" : "float32"}}},
-        {"targets", {{"shape", shape.shapes.targets}, {"dtype", "int64"}}},
-        {"dynamic", shape.to_json()["dynamic"]},
-        {"package", (scratch / "model.pt2").string()},
-    };
-    const CompilerRun run = run_compiler(python, scratch, spec, device_, precision_, "the step");
-    if (run.graph_breaks()) {
-      const std::vector<GraphBreak> found = run.breaks();
-      report_.breaks.insert(report_.breaks.end(), found.begin(), found.end());
-      const std::string list = describe_breaks(report_.breaks);
-      if (options_.fullgraph) {
-        throw TrainingError(fmt::format(
-            "compile.fullgraph = true and the step has {} graph break(s): {}; remove them from the "
-            "model, or set compile.fullgraph = false to run the step eager",
-            report_.breaks.size(), list));
-      }
-      log::warn(
-          fmt::format("compile: {} graph break(s), so the step runs eager "
-                      "(compile.fullgraph = false): {}",
-                      report_.breaks.size(), list));
-      report_.fallback_to_eager = true;
-      return SIZE_MAX;
-    }
-    run.check_built("the step");
-    const json& result = run.result;
-    hit = cache_->publish(fingerprint, scratch / "model.pt2", result);
-    std::error_code ec;
-    fs::remove_all(scratch, ec);
-    entry.build_seconds = seconds_since(begin);
+  std::string why_not;
+  out.hit = cache_->find(fingerprint, &why_not);
+  out.cache_hit = out.hit.has_value();
+  if (out.hit) return out;
+  out.cache_note = why_not;
+  log::info(fmt::format("compile: building the {} graph for {} with AOTInductor ({}; cache {}: {})",
+                        eval ? "eval (forward and loss)" : "forward+backward", shape.str(),
+                        python.torch_version, cache_->dir().string(), why_not));
+  const auto begin = SteadyClock::now();
+  const fs::path scratch = cache_->scratch_dir(fingerprint);
+  const ModelSpec* model_spec = find_model(model_json_.value("name", ""));
+  const bool tokens = model_spec && model_spec->input == ModelInput::kTokens;
+  const json spec = {
+      {"model", model_json_},
+      {"graph", graph_kind},
+      {"inputs", {{"shape", shape.shapes.inputs}, {"dtype", tokens ? "int64" : "float32"}}},
+      {"targets", {{"shape", shape.shapes.targets}, {"dtype", "int64"}}},
+      {"dynamic", shape.to_json()["dynamic"]},
+      {"package", (scratch / "model.pt2").string()},
+      {"threads", threads},
+  };
+  const CompilerRun run = run_compiler(python, scratch, spec, device_, precision_, "the step");
+  if (run.graph_breaks()) {
+    out.breaks = run.breaks();
+    return out;
   }
+  run.check_built("the step");
+  out.hit = cache_->publish(fingerprint, scratch / "model.pt2", run.result);
+  std::error_code ec;
+  fs::remove_all(scratch, ec);
+  out.build_seconds = seconds_since(begin);
+  return out;
+}
+
+size_t CompiledStep::load_graph(Kind& kind, GraphShape& shape) {
+  const char* graph_kind = kind_name(kind.eval);
+  std::unique_ptr<Build> prepared = std::move(kind.built);
+  Build built = prepared && prepared->shape.str() == shape.str()
+                    ? std::move(*prepared)
+                    : build_package(kind.eval, shape, at::get_num_threads());
+  CompileReport::Graph entry;
+  entry.shape = shape;
+  entry.cache_hit = built.cache_hit;
+  entry.cache_note = built.cache_note;
+  entry.build_seconds = built.build_seconds;
+  if (!built.hit) {  // graph breaks
+    report_.breaks.insert(report_.breaks.end(), built.breaks.begin(), built.breaks.end());
+    const std::string list = describe_breaks(report_.breaks);
+    if (options_.fullgraph) {
+      throw TrainingError(fmt::format(
+          "compile.fullgraph = true and the step has {} graph break(s): {}; remove them from the "
+          "model, or set compile.fullgraph = false to run the step eager",
+          report_.breaks.size(), list));
+    }
+    log::warn(
+        fmt::format("compile: {} graph break(s), so the step runs eager "
+                    "(compile.fullgraph = false): {}",
+                    report_.breaks.size(), list));
+    report_.fallback_to_eager = true;
+    return SIZE_MAX;
+  }
+  const std::optional<PackageCache::Hit>& hit = built.hit;
   const auto load_begin = SteadyClock::now();
   auto loaded = std::make_unique<Loaded>();
   loaded->loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
@@ -498,7 +539,8 @@ std::shared_ptr<CompiledStep> attach_compiled_step(Trainer& trainer, const Confi
   std::shared_ptr<CompiledStep> step;
   if (options.inductor()) {
     trainer.enter_composition_stage(CompositionStage::kCompilation, "compiled step (inductor)");
-    step = std::make_shared<CompiledStep>(config, trainer.model(), trainer.options().device);
+    step = std::make_shared<CompiledStep>(options, TrainOptions::from_config(config).precision,
+                                          trainer.model(), trainer.options().device);
     trainer.set_step_executor(step);
     if (trainer.options().world_size > 1 && !step->per_unit()) {
       log::info(
@@ -506,14 +548,6 @@ std::shared_ptr<CompiledStep> attach_compiled_step(Trainer& trainer, const Confi
           "after it (no overlap with backward); `kiln compile` under torchrun measures the "
           "overlap lost");
     }
-  }
-  if (options.cuda_graphs()) {
-    if (trainer.options().comm && trainer.options().comm->parallel()) {
-      log::info(
-          "compile: DDP's bucket all-reduces (NCCL) are captured into the step's CUDA graph and "
-          "replayed with it; the communication statistics count the capture, not the replays");
-    }
-    attach_captured_step(trainer, config);
   }
   return step;
 }

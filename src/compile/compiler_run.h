@@ -28,7 +28,8 @@ struct CompilerRun {
 };
 
 /// Adds the fields every graph's spec has (device, precision, the thread count and
-/// run.deterministic as this process runs them) to `spec`, writes it to scratch/spec.json, runs
+/// run.deterministic as this process runs them; a caller off the training thread sets "threads"
+/// itself, since OpenMP's count is per thread) to `spec`, writes it to scratch/spec.json, runs
 /// `python`'s kiln_py.compile on it in a child process (blocking; output to
 /// scratch/compile.log) and reads scratch/result.json. `what` names the graph in errors ("the
 /// step", "unit transformer.h.0"). Throws UserError "compiling <what> failed (exit N) without a

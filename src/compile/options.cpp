@@ -1,7 +1,9 @@
 // The [compile] section parsed once into CompileOptions.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <thread>
 
 #include "core/strings.h"
 #include "kiln/build_info.h"
@@ -115,6 +117,9 @@ CompileOptions CompileOptions::from_config(const Config& config) {
                                             : CompileOptions::Granularity::kStep;
   o.fullgraph = config.get_bool("compile.fullgraph");
   o.recompile_limit = static_cast<int>(config.get_int("compile.recompile_limit"));
+  const int64_t jobs = config.get_int("compile.jobs");
+  o.jobs = jobs > 0 ? static_cast<int>(jobs)
+                    : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   const auto probe = parse_probe_seq_lens(config.get_string("compile.probe_seq_lens"));
   if (probe) {
     o.probe_seq_lens = *probe;

@@ -146,6 +146,9 @@ RungResult run_compile(Session& session) {
   Config compiled_config = config;
   if (options.backend == CompileOptions::Backend::kEager) {
     compiled_config.set("compile.backend", std::string("inductor"));
+    // The [compile] rules (train.activation_checkpointing, dist.strategy, ...) for the compiled
+    // side: the line `kiln config validate` prints for compile.backend = "inductor".
+    compiled_config.validate();
     options.backend = CompileOptions::Backend::kInductor;
   }
   const bool distributed = session.strategy != Parallelism::kNone;  // over a process group
@@ -224,8 +227,7 @@ RungResult run_compile(Session& session) {
                         dynamic_name(options.dynamic), options.cache_dir.string()));
   const auto compile_begin = SteadyClock::now();
   try {
-    if (step) step->prepare(train_shapes);
-    if (step && eval_shapes) step->prepare_eval(*eval_shapes);
+    if (step) step->prepare(train_shapes, eval_shapes);  // both at once when both are cold
     // A capture warms up, probes for host synchronisations and captures on its first steps:
     // take them (both sides, untimed) before timing.
     for (int64_t k = 0; captured && k <= options.warmup_steps; ++k) {
@@ -324,8 +326,12 @@ RungResult run_compile(Session& session) {
       if (length >= example.inputs.size(1)) continue;
       const size_t recompiles_before = report_of().recompiles.size();
       const size_t graphs_before = report_of().graphs.size();
+      const size_t eval_recompiles_before = step ? step->report().eval_recompiles.size() : 0;
+      const size_t eval_graphs_before = step ? step->report().eval_graphs.size() : 0;
       const Batch truncated{next.inputs.narrow(1, 0, length).contiguous(),
                             next.targets.narrow(1, 0, length).contiguous()};
+      // A new shape's train and eval graphs build at once, as the first ones did.
+      if (step) step->prepare(InputShapes::of(truncated), InputShapes::of(truncated));
       const StepStats e = eager.train_step_on({truncated});
       const StepStats c = compiled.train_step_on({truncated});
       const double diff = relative_difference(c.loss, e.loss);
@@ -340,8 +346,6 @@ RungResult run_compile(Session& session) {
           recompiles.size() > recompiles_before, report_of().graphs.size() > graphs_before,
           recompiles.size() > recompiles_before && !recompiles.back().compiled, e.loss, c.loss};
       if (step) {  // the eval graph on the same batch: eval's own recompiles
-        const size_t eval_recompiles_before = step->report().eval_recompiles.size();
-        const size_t eval_graphs_before = step->report().eval_graphs.size();
         const double want = eager_eval(eager.model(), truncated).loss.item<double>();
         const double got = compiled_eval(*step, compiled.model(), truncated).loss.item<double>();
         const auto& eval_recompiles = step->report().eval_recompiles;

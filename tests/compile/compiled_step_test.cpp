@@ -101,6 +101,18 @@ TEST(CompiledStep, TheRungCompilesColdThenLoadsTheCachedPackage) {
   EXPECT_TRUE(second["compile"]["eval"]["graphs"][0]["cache_hit"].get<bool>());
   EXPECT_EQ(second["compile"]["eval"]["graphs"][0]["package"], eval_graph["package"]);
 
+  // The cold run built its train and eval packages side by side (compile.jobs = 0: one per core;
+  // a one-core machine builds serially). One at a time, into a cache of its own, the rung computes
+  // the same losses bit for bit: the concurrent builds compiled the same graphs.
+  const CommandResult serial = run_kiln(args + " --set run.name=s --set compile.min_speedup=0" +
+                                        " --set compile.jobs=1 --set compile.cache_dir=" +
+                                        (dir / "serial-cache").string());
+  ASSERT_EQ(serial.exit_code, 0) << serial.out << serial.err;
+  json third = read_json(dir / "s" / "compile.json");
+  EXPECT_EQ(third["cache"], "cold");
+  EXPECT_EQ(third["numerics"]["compiled_losses"], first["numerics"]["compiled_losses"]);
+  EXPECT_EQ(third["eval"], first["eval"]);
+
   // A package whose bytes changed is not run here end to end (it cost a third AOTInductor build):
   // PackageCache.MissThenHitThenRejectsACorruptOrForeignPackage (shapes_test.cpp) proves the cache
   // rejects it with "differs from the one recorded", and a rejected package takes the same miss

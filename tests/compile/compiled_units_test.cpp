@@ -85,7 +85,9 @@ UnitRun run_both(const std::string& precision) {
     model->add_unit_wrapper(make_activation_checkpointing(*model, model->units()));
     std::shared_ptr<CompiledStep> step;
     if (compiled) {
-      step = std::make_shared<CompiledStep>(config, *model, torch::Device(torch::kCPU));
+      step = std::make_shared<CompiledStep>(CompileOptions::from_config(config),
+                                              TrainOptions::from_config(config).precision,
+                                              *model, torch::Device(torch::kCPU));
       EXPECT_TRUE(step->per_unit());
     }
     (compiled ? out.compiled : out.eager) = forward_backward(*model, precision);
@@ -314,7 +316,9 @@ TEST(CompiledUnits, EvaluationRunsTheCompiledRootAroundTheUnits) {
     std::shared_ptr<Model> model = make_model(config);
     model->eval();
     const double eager = model->loss(model->forward(batch.inputs), batch.targets).item<double>();
-    CompiledStep step(config, *model, torch::Device(torch::kCPU));
+    CompiledStep step(CompileOptions::from_config(config),
+                      TrainOptions::from_config(config).precision, *model,
+                      torch::Device(torch::kCPU));
     const StepExecutor::EvalOutputs out = step.evaluate(batch);
     if (!root) {
       EXPECT_FALSE(out.loss.defined());
