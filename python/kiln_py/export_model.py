@@ -16,7 +16,8 @@ The package, all in "out":
   forward.json          the serialized ExportedProgram (torch/_export/serde/schema.py's JSON) after
                         run_decompositions({}): plain ATen operators, batch and sequence symbolic
   weights.safetensors   the initial parameters, buffers and lifted constants, by state_dict name
-  package.json          the manifest: versions, source and its hash, input, dynamic ranges, each
+  package.json          the manifest: versions, source and its hash, input, dynamic ranges, the
+                        unit list (find_units; kiln checks it splits the graph), each
                         file's SHA-256 (kiln refuses a package whose files do not match)
 
 The ExportedProgram's other parts (its pickled state_dict, constants and sample inputs) are not
@@ -144,6 +145,33 @@ def load_weights(module, path, torch):
             p.copy_(tensors[name])
 
 
+def find_units(module, requested, torch):
+    """The unit list: {"prefix": the nn.ModuleList's path, "count": its length}, or None. kiln
+    splits the graph at these modules (each node's nn_module_stack) so activation checkpointing
+    and FSDP wrap each one. `requested`: "" finds the ModuleList holding the most parameters,
+    "none" keeps the model whole, anything else names the list."""
+    if requested == "none":
+        return None
+    if requested:
+        try:
+            found = module.get_submodule(requested)
+        except AttributeError:
+            raise ImportError_(f"--units {requested!r}: the model has no module by that path") \
+                from None
+        if not isinstance(found, (torch.nn.ModuleList, torch.nn.Sequential)) or len(found) == 0:
+            raise ImportError_(f"--units {requested!r} is a {type(found).__name__}, not a "
+                               "non-empty nn.ModuleList (the list of blocks each unit is)")
+        return {"prefix": requested, "count": len(found)}
+    best, best_parameters = None, 0
+    for path, child in module.named_modules():
+        if not path or not isinstance(child, torch.nn.ModuleList) or len(child) == 0:
+            continue
+        parameters = sum(p.numel() for p in child.parameters())
+        if parameters > best_parameters:
+            best, best_parameters = {"prefix": path, "count": len(child)}, parameters
+    return best
+
+
 def export(spec):
     import torch
     from torch._export.serde.serialize import serialize
@@ -152,6 +180,7 @@ def export(spec):
     module = module.float().eval()
     if spec.get("weights"):
         load_weights(module, spec["weights"], torch)
+    units = find_units(module, spec.get("units") or "", torch)
     max_seq = int(spec.get("max_seq") or hf_max_seq or 0)
     if max_seq < 2:
         raise ImportError_("--max-seq: give the longest sequence the model takes (>= 2)")
@@ -216,6 +245,7 @@ def export(spec):
             "input": {"kind": "tokens", "dtype": "int64", "vocab_size": vocab,
                       "dims": {"batch": [1, max_batch], "seq": [2, max_seq]}},
             "output": "logits",
+            "units": units,
             "graphs": [{"name": "forward", "file": "forward.json",
                         "sha256": sha256_file(os.path.join(staging, "forward.json")),
                         "nodes": len(program["graph_module"]["graph"]["nodes"]), "ops": ops}],

@@ -14,7 +14,7 @@ namespace kiln::cli {
 namespace {
 
 struct ImportArgs {
-  std::string module, hf, options = "{}", weights, out;
+  std::string module, hf, options = "{}", weights, out, units;
   int64_t max_seq = 0, max_batch = 0;
 };
 
@@ -35,6 +35,7 @@ int import_command(const ImportArgs& args) {
   options.out = args.out;
   options.max_seq = args.max_seq;
   options.max_batch = args.max_batch;
+  options.units = args.units;
   // The Python the compile step uses: compile.python's default, $KILN_PYTHON, the build's.
   options.python = CompileOptions::from_config(Config::defaults()).python;
   const nlohmann::json manifest = import_model(options);
@@ -45,6 +46,13 @@ int import_command(const ImportArgs& args) {
       std::filesystem::absolute(args.out).lexically_normal().string(), graph.value("nodes", 0),
       graph["ops"].size(), manifest["weights"].value("tensors", 0),
       manifest["input"].value("vocab_size", int64_t{0}), manifest.value("export_seconds", 0.0));
+  if (const nlohmann::json& units = manifest["units"]; units.is_object()) {
+    fmt::print("units: {} x {} (activation checkpointing and FSDP wrap each)\n",
+               units.value("prefix", ""), units.value("count", 0));
+  } else {
+    fmt::print("units: none ({})\n",
+               manifest.value("units_problem", std::string("--units none, or no module list")));
+  }
   fmt::print("train with --set model.name=exported --set model.package={}\n",
              std::filesystem::absolute(args.out).lexically_normal().string());
   return 0;
@@ -73,21 +81,22 @@ void add_model_command(CLI::App& app, Action& action) {
   import->add_option("--max-seq", args->max_seq,
                      "the longest sequence the package takes (default: the HF config's context)");
   import->add_option("--max-batch", args->max_batch, "the largest batch (default 4096)");
-  import->callback([&action, args] { action = [args] { return import_command(*args);
-};
-}  // namespace
-);
+  import->add_option("--units", args->units,
+                     "the nn.ModuleList whose entries are the units activation checkpointing "
+                     "and FSDP wrap (default: the list holding the most parameters; none: the "
+                     "model whole)");
+  import->callback([&action, args] { action = [args] { return import_command(*args); }; });
 
-auto* inspect = model->add_subcommand("inspect", "print what a model package holds");
-auto dir = std::make_shared<std::string>();
-inspect->add_option("package", *dir, "a directory `kiln model import` wrote")->required();
-inspect->callback([&action, dir] {
-  action = [dir] {
-    fmt::print("{}", inspect_package(*dir));
-    return 0;
-  };
-});
-}  // namespace kiln::cli
+  auto* inspect = model->add_subcommand("inspect", "print what a model package holds");
+  auto dir = std::make_shared<std::string>();
+  inspect->add_option("package", *dir, "a directory `kiln model import` wrote")->required();
+  inspect->callback([&action, dir] {
+    action = [dir] {
+      fmt::print("{}", inspect_package(*dir));
+      return 0;
+    };
+  });
+}
 
 const Registration model_registration{91, add_model_command};  // named apart: unity batches
 

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <torch/headeronly/version.h>
 
+#include <algorithm>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -40,6 +41,14 @@ std::string sizes_text(const std::vector<int64_t>& sizes) {
   return out + "]";
 }
 
+// The graph split into the units package.json lists ("units": {"prefix", "count"}, or null).
+// Returns "" or the problem.
+std::string split_package_units(ExportedGraph& graph, const json& manifest) {
+  const json units = manifest.value("units", json());
+  if (!units.is_object()) return "";
+  return graph.split_units(units.value("prefix", ""), units.value("count", int64_t{0}));
+}
+
 std::shared_ptr<const ExportedGraph> load_graph(const fs::path& dir, const json& manifest) {
   const json& graphs = manifest.at("graphs");
   if (graphs.size() != 1 || graphs[0].value("name", "") != "forward") {
@@ -55,7 +64,14 @@ std::shared_ptr<const ExportedGraph> load_graph(const fs::path& dir, const json&
   } catch (const json::exception& e) {
     throw UserError(fmt::format("{}: not JSON ({})", file.string(), e.what()));
   }
-  return std::make_shared<const ExportedGraph>(program, file.string());
+  auto graph = std::make_shared<ExportedGraph>(program, file.string());
+  if (std::string problem = split_package_units(*graph, manifest); !problem.empty()) {
+    throw UserError(
+        fmt::format("{}: the units package.json lists ({}) do not split the graph: "
+                    "{}; re-import with --units none or another --units",
+                    dir.string(), manifest["units"].dump(), problem));
+  }
+  return graph;
 }
 
 class ExportedModel : public Model {
@@ -114,7 +130,13 @@ class ExportedModel : public Model {
     }
     std::vector<at::Tensor> args = tensors_;
     args[static_cast<size_t>(user_input_)] = inputs;
-    std::vector<at::Tensor> outputs = graph_->run(args, inputs.device());
+    std::vector<at::Tensor> outputs =
+        graph_->units().empty()
+            ? graph_->run(args, inputs.device())
+            : graph_->run(args, inputs.device(),
+                          [this](int k, const UnitForward& forward, const at::Tensor& input) {
+                            return run_unit(k, forward, input);
+                          });
     const auto& mutated = graph_->mutated_buffers();
     if (!mutated.empty()) {
       torch::NoGradGuard no_grad;
@@ -128,6 +150,12 @@ class ExportedModel : public Model {
 
   std::string architecture() const override { return "exported"; }
 
+  std::vector<ModelUnit> units() const override {
+    std::vector<ModelUnit> out;
+    for (const GraphUnit& unit : graph_->units()) out.push_back({unit.name, unit.parameters});
+    return out;
+  }
+
   nlohmann::json describe() const override {
     const json& graph = manifest_["graphs"][0];
     return {{"name", "exported"},
@@ -137,6 +165,7 @@ class ExportedModel : public Model {
             {"graph_sha256", graph.value("sha256", "")},
             {"weights_sha256", manifest_["weights"].value("sha256", "")},
             {"nodes", graph_->node_count()},
+            {"units", manifest_.value("units", json())},
             {"vocab_size", manifest_["input"].value("vocab_size", int64_t{0})}};
   }
 
@@ -271,13 +300,35 @@ json import_model(const ImportOptions& options) {
                {"kiln_version", build_info().version}};
   if (!options.module.empty()) spec["module"] = options.module;
   if (!options.hf.empty()) spec["hf"] = fs::absolute(options.hf).string();
+  if (!options.units.empty()) spec["units"] = options.units;
   if (!options.weights.empty()) spec["weights"] = fs::absolute(options.weights).string();
   PythonChild child;
   child.python = options.python;
   child.module = "export_model";
   child.what = "kiln model import";
   child.python_hint = "torch (and transformers for --hf)";
-  return run_python_child(child, spec).at("manifest");
+  json manifest = run_python_child(child, spec).at("manifest");
+  // The unit list found in Python must split the graph kiln runs; where it does not, the package
+  // keeps no units (package.json says why) or, for a --units the user gave, the import fails.
+  if (manifest.value("units", json()).is_object()) {
+    const fs::path dir = options.out;
+    const json& graphs = manifest.at("graphs");
+    ExportedGraph graph(json::parse(read_file(dir / graphs[0].at("file").get<std::string>())),
+                        (dir / graphs[0].at("file").get<std::string>()).string());
+    if (std::string problem = split_package_units(graph, manifest); !problem.empty()) {
+      const std::string units = manifest["units"].value("prefix", "");
+      manifest["units"] = nullptr;
+      manifest["units_problem"] = fmt::format("{}: {}", units, problem);
+      write_file_atomic(dir / "package.json", manifest.dump(2) + "\n");
+      if (!options.units.empty()) {
+        throw UserError(fmt::format(
+            "kiln model import --units {}: {}; the package in {} was written without units "
+            "(give another --units, or --units none)",
+            options.units, problem, dir.string()));
+      }
+    }
+  }
+  return manifest;
 }
 
 std::string inspect_package(const fs::path& dir) {
@@ -329,6 +380,20 @@ std::string inspect_package(const fs::path& dir) {
       "layers {} (width {})\n",
       math.parameters, parameters, buffers, math.flop_parameters, math.attention_layers,
       math.attention_width);
+  if (const auto& units = graph->units(); !units.empty()) {
+    int64_t least = INT64_MAX, most = 0;
+    for (const GraphUnit& unit : units) {
+      least = std::min(least, unit.elements);
+      most = std::max(most, unit.elements);
+    }
+    out << fmt::format("units: {} x {} ({} .. {}), {} to {} parameters each\n",
+                       manifest["units"].value("prefix", ""), units.size(), units.front().name,
+                       units.back().name, least, most);
+  } else {
+    out << fmt::format("units: none ({}); activation checkpointing and FSDP take the model whole\n",
+                       manifest.value("units_problem", std::string("imported with --units none or "
+                                                                   "no module list")));
+  }
   out << fmt::format("train with --set model.name=exported --set model.package={}\n",
                      fs::absolute(dir).lexically_normal().string());
   return out.str();
@@ -358,10 +423,17 @@ ModelSpec exported_spec() {
   spec.math = [](const Config& config) {
     const fs::path dir = ModelBuildOptions::from_config(config).package;
     const json manifest = read_package(dir, "model.package", false);
-    const GraphMath g = load_graph(dir, manifest)->math();
+    const auto graph = load_graph(dir, manifest);
+    const GraphMath g = graph->math();
     ModelMath math;
     math.parameters = g.parameters;
-    math.largest_unit_parameters = g.parameters;
+    // The largest unit, or the root group (what no unit holds) if larger.
+    int64_t root = g.parameters, largest = 0;
+    for (const GraphUnit& unit : graph->units()) {
+      root -= unit.elements;
+      largest = std::max(largest, unit.elements);
+    }
+    math.largest_unit_parameters = std::max(largest, root);
     math.flop_parameters = g.flop_parameters;
     math.n_layer = g.attention_layers;
     math.attention_width = g.attention_width;

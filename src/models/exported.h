@@ -26,6 +26,9 @@ struct ImportOptions {
   int64_t max_seq = 0;            // the longest sequence (0: the HF config's context)
   int64_t max_batch = 0;          // the largest batch (0: 4096)
   std::string python;             // the Python with torch (and transformers for --hf)
+  /// The module list whose entries are the units (activation checkpointing and FSDP wrap each):
+  /// "" finds it (the nn.ModuleList holding the most parameters), "none" keeps the model whole.
+  std::string units;
 };
 
 /// Exports the model into `out` (replaced only when the export succeeds). Returns the package's

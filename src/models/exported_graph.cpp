@@ -33,6 +33,7 @@ using graph_parts::Output;
 using graph_parts::serde_layout;
 using graph_parts::serde_memory_format;
 using graph_parts::serde_scalar_type;
+using graph_parts::slots_read;
 
 // Nodes that only assert what export traced (dtypes, devices, shape facts): the inputs' dtypes
 // and symbolic ranges are checked when the graph is entered instead (check_user_input), so these
@@ -347,6 +348,20 @@ void ExportedGraph::Impl::load_node(const json& n) {
     }
   }
   bind_outputs(node, n);
+  // "key,path,type;key,path,type" from the outermost module in (the root's path is "").
+  if (n.contains("metadata") && n["metadata"].contains("nn_module_stack")) {
+    const std::string stack = n["metadata"]["nn_module_stack"].get<std::string>();
+    for (size_t start = 0; start <= stack.size();) {
+      size_t stop = stack.find(';', start);
+      if (stop == std::string::npos) stop = stack.size();
+      const std::string entry = stack.substr(start, stop - start);
+      const size_t first = entry.find(','), last = entry.rfind(',');
+      if (first != std::string::npos && last > first) {
+        node.module_paths.push_back(entry.substr(first + 1, last - first - 1));
+      }
+      start = stop + 1;
+    }
+  }
   nodes.push_back(std::move(node));
 }
 
@@ -478,12 +493,7 @@ ExportedGraph::ExportedGraph(const json& program, const std::string& file)
   // Each slot is released after the last node that reads it (outputs are kept to the end).
   std::vector<int> last(static_cast<size_t>(g.slots), -1);
   for (size_t i = 0; i < g.nodes.size(); ++i) {
-    for (const ArgSource& a : g.nodes[i].args) {
-      if (a.slot >= 0) last[a.slot] = static_cast<int>(i);
-      for (int s : a.slots) {
-        if (s >= 0) last[s] = static_cast<int>(i);
-      }
-    }
+    for (int s : slots_read(g.nodes[i])) last[s] = static_cast<int>(i);
   }
   for (int s : g.user_output_slots) last[s] = INT_MAX;
   for (int s : g.buffer_output_slots) last[s] = INT_MAX;

@@ -9,6 +9,7 @@
 #include <ATen/core/ivalue.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -45,6 +46,20 @@ struct GraphMath {
   int64_t attention_layers = 0, attention_width = 0;  // scaled_dot_product_attention calls; H*D
 };
 
+/// One unit of the graph (Model::units()): the nodes of one module of the package's unit list
+/// (`prefix`.k in their nn_module_stack), run as one forward from the hidden state it takes to the
+/// one it gives.
+struct GraphUnit {
+  std::string name;                     // "model.layers.0"
+  std::vector<std::string> parameters;  // the parameter inputs it reads, in input order
+  int64_t elements = 0;                 // their elements
+};
+
+/// run()'s hook around each unit: called with the unit's index, its forward and its input; returns
+/// what the forward returns (Model::run_unit, so every unit wrapper runs).
+using ThroughUnit = std::function<at::Tensor(
+    int, const std::function<at::Tensor(const at::Tensor&)>&, const at::Tensor&)>;
+
 class ExportedGraph {
  public:
   /// Loads the program (the parsed JSON). Throws UserError naming `file` and the node, op or
@@ -70,7 +85,18 @@ class ExportedGraph {
 
   /// Runs the graph: `inputs` in inputs() order. Returns the user outputs, then the mutated
   /// buffers' new values. Device arguments in the graph (arange, full, ...) take `device`.
-  std::vector<at::Tensor> run(const std::vector<at::Tensor>& inputs, c10::Device device) const;
+  /// With `through` (and units split), each unit's nodes run inside through(k, forward, input).
+  std::vector<at::Tensor> run(const std::vector<at::Tensor>& inputs, c10::Device device,
+                              const ThroughUnit& through = nullptr) const;
+
+  /// Splits the graph into the units `prefix`.0 .. `prefix`.(count - 1) (the modules in each
+  /// node's nn_module_stack). Returns "" or the problem, naming the node or value that keeps the
+  /// graph from splitting there: a unit's nodes not contiguous, a unit reading more than one value
+  /// that carries gradients from outside it (or not its predecessor's output), giving more than one
+  /// value to the nodes after it, writing a buffer, or sharing a parameter with another piece.
+  std::string split_units(const std::string& prefix, int64_t count);
+  /// The units split_units made, in forward order (none before it).
+  const std::vector<GraphUnit>& units() const { return units_; }
 
   /// For tests: run the first node calling `target` under no-grad.
   void set_no_grad_op_for_test(const std::string& target);
@@ -80,7 +106,13 @@ class ExportedGraph {
   static void run_node(const Impl& g, const graph_parts::Node& node, bool no_grad,
                        std::vector<c10::IValue>& env, std::vector<c10::IValue>& stack,
                        c10::Device device);
+  // Runs nodes [begin, end) in `env` (errors name the node).
+  void run_range(size_t begin, size_t end, std::vector<c10::IValue>& env, c10::Device device) const;
+  // Unit k's forward: its nodes in an environment of their own, from `captured` and `input`.
+  at::Tensor run_unit(size_t k, const std::vector<c10::IValue>& captured, const at::Tensor& input,
+                      c10::Device device) const;
   std::unique_ptr<Impl> impl_;
+  std::vector<GraphUnit> units_;
   std::vector<GraphInput> inputs_;
   std::vector<SymbolRange> ranges_;
   std::vector<std::string> mutated_buffers_;

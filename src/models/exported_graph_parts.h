@@ -53,6 +53,18 @@ struct Node {
   std::vector<Output> outputs;
   std::vector<int> release;  // slots last used here
   char int_op = 0;
+  std::vector<std::string> module_paths;  // nn_module_stack's paths, outermost first
+};
+
+/// The slots a node reads.
+std::vector<int> slots_read(const Node& node);
+
+// How one unit runs (ExportedGraph::split_units).
+struct UnitPlan {
+  size_t begin = 0, end = 0;  // its nodes
+  int in_slot = -1, out_slot = -1;
+  std::vector<int> captured;       // the other slots it reads that are defined before it
+  std::vector<int> release_after;  // slots defined before it whose last reader is in it
 };
 
 }  // namespace graph_parts
@@ -70,7 +82,8 @@ struct ExportedGraph::Impl {
   std::map<std::string, std::pair<std::vector<int64_t>, bool>>
       tensor_sizes;  // name -> (sizes, static)
   GraphMath math;
-  std::set<int> lookup_inputs, used_inputs;  // slots read by an embedding lookup, by others
+  std::set<int> lookup_inputs, used_inputs;       // slots read by an embedding lookup, by others
+  std::vector<graph_parts::UnitPlan> unit_plans;  // ExportedGraph::split_units
 
   // Loading (exported_graph.cpp).
   [[noreturn]] void fail(const std::string& node, const std::string& what) const;

@@ -58,7 +58,7 @@ std::string ExportedGraph::check_user_input(size_t index, const at::Tensor& valu
 }
 
 std::vector<at::Tensor> ExportedGraph::run(const std::vector<at::Tensor>& inputs,
-                                           c10::Device device) const {
+                                           c10::Device device, const ThroughUnit& through) const {
   const Impl& g = *impl_;
   if (inputs.size() != g.input_slots.size()) {
     throw std::invalid_argument(fmt::format("ExportedGraph::run: {} inputs, the graph takes {}",
@@ -66,8 +66,47 @@ std::vector<at::Tensor> ExportedGraph::run(const std::vector<at::Tensor>& inputs
   }
   std::vector<c10::IValue> env(static_cast<size_t>(g.slots));
   for (size_t i = 0; i < inputs.size(); ++i) env[g.input_slots[i]] = inputs[i];
+  size_t next = 0;  // the next node to run
+  if (through) {
+    for (size_t k = 0; k < g.unit_plans.size(); ++k) {
+      const graph_parts::UnitPlan& plan = g.unit_plans[k];
+      run_range(next, plan.begin, env, device);
+      std::vector<c10::IValue> captured;
+      captured.reserve(plan.captured.size());
+      for (int s : plan.captured) captured.push_back(env[s]);
+      // What the forward needs is captured by value; the graph lives as long as its model.
+      const ExportedGraph* graph = this;
+      auto forward = [graph, k, captured = std::move(captured), device](const at::Tensor& input) {
+        return graph->run_unit(k, captured, input, device);
+      };
+      env[plan.out_slot] = through(static_cast<int>(k), forward, env[plan.in_slot].toTensor());
+      for (int s : plan.release_after) env[s] = c10::IValue();
+      next = plan.end;
+    }
+  }
+  run_range(next, g.nodes.size(), env, device);
+  std::vector<at::Tensor> out;
+  for (int s : g.user_output_slots) out.push_back(env[s].toTensor());
+  for (int s : g.buffer_output_slots) out.push_back(env[s].toTensor());
+  return out;
+}
+
+at::Tensor ExportedGraph::run_unit(size_t k, const std::vector<c10::IValue>& captured,
+                                   const at::Tensor& input, c10::Device device) const {
+  const Impl& g = *impl_;
+  const graph_parts::UnitPlan& plan = g.unit_plans.at(k);
+  std::vector<c10::IValue> env(static_cast<size_t>(g.slots));
+  for (size_t i = 0; i < plan.captured.size(); ++i) env[plan.captured[i]] = captured[i];
+  env[plan.in_slot] = input;
+  run_range(plan.begin, plan.end, env, device);
+  return env[plan.out_slot].toTensor();
+}
+
+void ExportedGraph::run_range(size_t begin, size_t end, std::vector<c10::IValue>& env,
+                              c10::Device device) const {
+  const Impl& g = *impl_;
   std::vector<c10::IValue> stack;
-  for (size_t index = 0; index < g.nodes.size(); ++index) {
+  for (size_t index = begin; index < end; ++index) {
     const Node& node = g.nodes[index];
     try {
       run_node(g, node, static_cast<int64_t>(index) == no_grad_node_, env, stack, device);
@@ -77,10 +116,6 @@ std::vector<at::Tensor> ExportedGraph::run(const std::vector<at::Tensor>& inputs
     }
     for (int s : node.release) env[s] = c10::IValue();
   }
-  std::vector<at::Tensor> out;
-  for (int s : g.user_output_slots) out.push_back(env[s].toTensor());
-  for (int s : g.buffer_output_slots) out.push_back(env[s].toTensor());
-  return out;
 }
 
 void ExportedGraph::run_node(const Impl& g, const graph_parts::Node& node, bool no_grad,

@@ -17,13 +17,18 @@
 #include <iostream>
 #include <map>
 
+#include "ckpt/thread_comm.h"
 #include "core/files.h"
 #include "kiln/build_info.h"
+#include "kiln/dist.h"
 #include "kiln/error.h"
 #include "kiln/hf.h"
 #include "kiln/models.h"
 #include "kiln/safetensors.h"
+#include "kiln/train.h"
+#include "support/compose.h"
 #include "support/helpers.h"
+#include "train/activation_checkpointing.h"
 
 namespace kiln::testing {
 namespace {
@@ -247,6 +252,134 @@ TEST(Exported, RefusesPackagesItCannotRun) {
     EXPECT_THAT(config_problem({"model.name=exported", "data.name=text"}),
                 ::testing::HasSubstr("needs model.package = DIR"));
   }
+}
+
+// Counts each unit's forward calls (inside every wrapper added before it).
+struct CountingWrapper : UnitWrapper {
+  std::map<int, int> calls;
+  torch::Tensor run(int unit, const UnitForward& forward, const torch::Tensor& input) override {
+    ++calls[unit];
+    return forward(input);
+  }
+};
+
+TEST(Exported, UnitsAreTheNativeModelsAndActivationCheckpointingRecomputesThem) {
+  const fs::path package = llama_package();
+  auto native = make_model(llama_config());
+  auto exported = make_model(exported_config(package));
+  // The decoder layers, as the native llama names them, with the same parameters.
+  const std::vector<ModelUnit> want = native->units(), got = exported->units();
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t k = 0; k < want.size(); ++k) {
+    EXPECT_EQ(got[k].name, want[k].name);
+    std::vector<std::string> a = want[k].parameters, b = got[k].parameters;
+    std::sort(a.begin(), a.end());
+    std::sort(b.begin(), b.end());
+    EXPECT_EQ(b, a) << want[k].name;
+  }
+  EXPECT_EQ(model_math(exported_config(package)).largest_unit_parameters,
+            model_math(llama_config()).largest_unit_parameters);
+
+  // Activation checkpointing around each unit: the same losses bit for bit, and every unit's
+  // forward runs twice a step (forward, then recomputed in backward).
+  const std::vector<double> plain = train_losses(*exported, 6);
+  auto checkpointed = make_model(exported_config(package));
+  checkpointed->add_unit_wrapper(
+      make_activation_checkpointing(*checkpointed, checkpointed->units()));
+  auto counter = std::make_shared<CountingWrapper>();
+  checkpointed->add_unit_wrapper(counter);
+  EXPECT_EQ(train_losses(*checkpointed, 6), plain);
+  ASSERT_EQ(counter->calls.size(), want.size());
+  for (const auto& [unit, calls] : counter->calls) EXPECT_EQ(calls, 12) << "unit " << unit;
+  const std::vector<double> reference = train_losses(*native, 6);
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_NEAR(plain[i], reference[i], 1e-6);
+
+  // Negative control: the same package imported with --units none has no units, and no wrapper
+  // runs.
+  TempDir dir;
+  const fs::path whole = copy_package(package, dir);
+  rewrite_manifest(whole, [](json& m) { m["units"] = nullptr; });
+  auto undivided = make_model(exported_config(whole));
+  EXPECT_TRUE(undivided->units().empty());
+  auto idle = std::make_shared<CountingWrapper>();
+  undivided->add_unit_wrapper(idle);
+  EXPECT_EQ(train_losses(*undivided, 6), plain);
+  EXPECT_TRUE(idle->calls.empty());
+}
+
+TEST(Exported, FsdpShardsEachUnitAndMatchesOneProcess) {
+  const fs::path package = llama_package();
+  auto config = [&](int64_t batch, bool checkpointing) {
+    return Config::parse(
+        "", "x",
+        {"model.name=exported", "data.name=text", "data.seq_len=16", "data.num_workers=0",
+         "model.package=" + package.string(), "train.batch_size=" + std::to_string(batch),
+         std::string("train.activation_checkpointing=") + (checkpointing ? "block" : "none")});
+  };
+  auto single = [&](const Config& c) {
+    apply_runtime_settings(c);
+    Trainer trainer(TrainerSetup::from_config(c), make_model(c), make_datasets(c));
+    std::vector<double> losses;
+    for (int k = 0; k < 5; ++k) losses.push_back(trainer.train_step().loss);
+    return losses;
+  };
+  const std::vector<double> want = single(config(8, false));
+  for (bool checkpointing : {false, true}) {
+    SCOPED_TRACE(checkpointing ? "with activation checkpointing" : "without");
+    const Config c = config(4, checkpointing);
+    std::vector<std::vector<double>> losses(2);
+    std::vector<std::vector<std::string>> groups(2);
+    run_ranks(2, [&](Communicator& borrowed) {
+      const int rank = borrowed.rank();
+      std::shared_ptr<Communicator> comm(&borrowed, [](Communicator*) {});
+      Trainer trainer(TrainerSetup::from_config(c), make_model(c), make_datasets(c),
+                      TrainerOptions{torch::kCPU, rank, 2, comm});
+      install_configured_checkpointing(trainer);
+      auto fsdp = FullyShardedDataParallel::attach(trainer, comm, FsdpOptions{});
+      for (int k = 0; k < 5; ++k) losses[rank].push_back(trainer.train_step().loss);
+      groups[rank] = fsdp->group_names();
+    });
+    // A group per decoder layer and the root (embeddings, final norm, head).
+    EXPECT_EQ(groups[0].size(), 3u);
+    EXPECT_EQ(losses[1], losses[0]);
+    for (size_t k = 0; k < want.size(); ++k) {
+      EXPECT_NEAR(losses[0][k], want[k], 1e-5 * std::abs(want[k])) << "step " << k + 1;
+    }
+  }
+}
+
+TEST(Exported, RefusesUnitsThatDoNotSplitTheGraph) {
+  TempDir dir;
+  const fs::path package = copy_package(llama_package(), dir);
+  rewrite_manifest(package,
+                   [](json& m) { m["units"] = {{"prefix", "model.layers"}, {"count", 3}}; });
+  try {
+    make_model(exported_config(package));
+    ADD_FAILURE() << "three units of a two-layer graph";
+  } catch (const UserError& e) {
+    EXPECT_THAT(e.what(),
+                ::testing::HasSubstr("no node of the graph runs in module model.layers.2"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("re-import with --units none"));
+  }
+  // --units naming a module that is not a list: refused before anything is exported.
+  ImportOptions options;
+  options.module =
+      (fs::path(KILN_SOURCE_DIR) / "python" / "kiln_py" / "models.py").string() + ":build";
+  json spec = make_model(llama_config())->describe();
+  spec["name"] = "llama";
+  options.options = {{"spec", spec}};
+  options.out = dir / "units";
+  options.max_seq = 32;
+  options.units = "model.norm";
+  options.python = build_info().python;
+  try {
+    import_model(options);
+    ADD_FAILURE() << "--units model.norm imported";
+  } catch (const UserError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("--units 'model.norm'"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("not a non-empty nn.ModuleList"));
+  }
+  EXPECT_FALSE(fs::exists(dir / "units"));
 }
 
 }  // namespace
