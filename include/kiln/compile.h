@@ -285,6 +285,8 @@ class CompiledStep : public StepExecutor {
   torch::Device device_;
   nlohmann::json model_json_;
   std::vector<std::pair<std::string, torch::Tensor>> parameters_;
+  /// The model's buffers (an exported model's rotary tables): bound as constants, never written.
+  std::vector<std::pair<std::string, torch::Tensor>> buffers_;
   std::unique_ptr<PackageCache> cache_;
   Kind train_, eval_;
   CompileReport report_;

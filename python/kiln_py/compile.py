@@ -53,6 +53,7 @@ AUTOCAST = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.floa
 # What each twin takes: (inputs dtype, inputs rank, targets dtype, targets rank).
 SIGNATURES = {"mlp": ("float32", 2, "int64", 1), "gpt": ("int64", 2, "int64", 2)}
 SIGNATURES["llama"] = SIGNATURES["gpt"]  # token ids [B, T] -> logits [B, T, V]
+SIGNATURES["exported"] = SIGNATURES["gpt"]  # kiln_py.exported_twin
 
 
 class SpecError(ValueError):
@@ -309,7 +310,7 @@ class TrainLoss(models.WithLoss):
 
     def forward(self, inputs, targets):
         with autocast(self.device_type, self.precision):
-            return models.loss(self.model(inputs), targets)
+            return models.loss(self._kiln_twin(inputs), targets)
 
 
 class ScaledTrainLoss(TrainLoss):
@@ -329,7 +330,7 @@ class EvalOutputs(TrainLoss):
 
     def forward(self, inputs, targets):
         with autocast(self.device_type, self.precision):
-            logits = self.model(inputs)
+            logits = self._kiln_twin(inputs)
             loss = models.loss(logits, targets)
         if logits.dim() == 2:
             return loss, logits.argmax(1).eq(targets).sum()

@@ -245,10 +245,13 @@ class WithLoss(nn.Module):
             self.register_parameter(name, p)
         for name, b in model.named_buffers(recurse=False):
             self.register_buffer(name, b)
-        object.__setattr__(self, "model", model)  # not a submodule: no "model." prefix
+        # Not a submodule (no prefix), and under a name no model's child takes: torch.export
+        # resolves "model.embed_tokens.weight" through the registered children, which a held
+        # attribute named "model" would shadow (a Hugging Face model's top child is "model").
+        object.__setattr__(self, "_kiln_twin", model)
 
     def forward(self, inputs, targets):
-        return loss(self.model(inputs), targets)
+        return loss(self._kiln_twin(inputs), targets)
 
 
 def build(spec):
@@ -261,6 +264,9 @@ def build(spec):
     name or a missing key.
     """
     name = spec.get("name")
+    if name == "exported":  # a package `kiln model import` wrote: its own graph
+        from kiln_py import exported_twin
+        return exported_twin.build(spec)
     try:
         if name == "mlp":
             return Mlp(int(spec["input_dim"]), int(spec["hidden_dim"]), int(spec["num_classes"]),
@@ -275,7 +281,8 @@ def build(spec):
     except KeyError as e:
         raise ValueError(f"model '{name}' needs the key {e.args[0]!r} in the model JSON "
                          f"(as kiln's Model::describe() writes it)") from None
-    raise ValueError(f"no Python twin for model '{name}'; kiln's Python twins are: mlp, gpt, llama")
+    raise ValueError(f"no Python twin for model '{name}'; kiln's Python twins are: mlp, gpt, "
+                     "llama, exported")
 
 
 def from_config(m):

@@ -212,12 +212,7 @@ CompiledStep::CompiledStep(const CompileOptions& options, TrainOptions::Precisio
                     backend_name(options_.backend)));
   }
   for (auto& item : model.named_parameters()) parameters_.emplace_back(item.key(), item.value());
-  for (auto& item : model.named_buffers()) {
-    throw UserError(fmt::format(
-        "compile.backend = \"{}\": the model has buffer {}, and compiled steps bind parameters "
-        "only; use compile.backend = \"eager\"",
-        backend_name(options_.backend), item.key()));
-  }
+  for (auto& item : model.named_buffers()) buffers_.emplace_back(item.key(), item.value());
   CompilerPython::probe(options_.python);  // fails early, naming compile.python
   report_.granularity = granularity_name(options_.granularity);
   if (options_.granularity == CompileOptions::Granularity::kUnit) {
@@ -440,15 +435,19 @@ size_t CompiledStep::load_graph(Kind& kind, GraphShape& shape) {
   std::map<std::string, size_t> index;
   for (size_t k = 0; k < parameters_.size(); ++k) index[parameters_[k].first] = k;
   std::unordered_map<std::string, torch::Tensor> constants;
+  std::map<std::string, size_t> buffer_index;
+  for (size_t k = 0; k < buffers_.size(); ++k) buffer_index[buffers_[k].first] = k;
   for (const std::string& name : loaded->loader->get_constant_fqns()) {
-    auto it = index.find(name);
-    if (it == index.end()) {
+    if (auto it = index.find(name); it != index.end()) {
+      constants[name] = parameters_[it->second].second;
+    } else if (auto b = buffer_index.find(name); b != buffer_index.end()) {
+      constants[name] = buffers_[b->second].second;
+    } else {
       throw UserError(
           fmt::format("the compiled package {} has constant {}, which is not a "
-                      "parameter of the model; remove it from compile.cache_dir",
+                      "parameter or buffer of the model; remove it from compile.cache_dir",
                       hit->package.string(), name));
     }
-    constants[name] = parameters_[it->second].second;
   }
   // The model's own tensors, not copies: the optimizer's in-place updates are what runs next.
   loaded->loader->load_constants(constants, /*use_inactive=*/false, /*check_full_update=*/true,

@@ -94,14 +94,6 @@ const char* granularity_name(CompileOptions::Granularity granularity) {
   return granularity == CompileOptions::Granularity::kUnit ? "unit" : "step";
 }
 
-bool compiles_per_unit(const Config& config) {
-  const std::string& granularity = config.get_string("compile.granularity");
-  if (granularity != "auto") return granularity == "unit";
-  return config.get_string("compile.backend") == "inductor" &&
-         (config.get_string("train.activation_checkpointing") != "none" ||
-          config.get_string("dist.strategy") == "fsdp");
-}
-
 CompileOptions CompileOptions::from_config(const Config& config) {
   using B = Backend;
   using D = Dynamic;

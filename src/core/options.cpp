@@ -42,4 +42,14 @@ ManifestPins ManifestPins::from_config(const Config& config) {
           .model_revision = revision("model.revision")};
 }
 
+// Declared in kiln/compile.h too (the [compile] rules and CompileOptions use it); defined here,
+// below every component, since a model's own rules (the exported model's) ask it as well.
+bool compiles_per_unit(const Config& config) {
+  const std::string& granularity = config.get_string("compile.granularity");
+  if (granularity != "auto") return granularity == "unit";
+  return config.get_string("compile.backend") == "inductor" &&
+         (config.get_string("train.activation_checkpointing") != "none" ||
+          config.get_string("dist.strategy") == "fsdp");
+}
+
 }  // namespace kiln

@@ -21,4 +21,7 @@ struct ManifestPins {
   static ManifestPins from_config(const Config& config);
 };
 
+/// Whether the config compiles per unit (kiln/compile.h has the rule it decides).
+bool compiles_per_unit(const Config& config);
+
 }  // namespace kiln

@@ -409,6 +409,7 @@ ModelSpec exported_spec() {
   spec.description =
       "a PyTorch model exported by `kiln model import` (model.package), its graph run from C++";
   spec.input = ModelInput::kTokens;
+  spec.python_twin = "kiln_py.models";  // kiln_py.exported_twin: the package's own graph
   spec.build = [](const Config& config, at::Generator&) -> std::shared_ptr<Model> {
     const fs::path dir = ModelBuildOptions::from_config(config).package;
     json manifest = read_package(dir, "model.package", true);
@@ -445,8 +446,8 @@ ModelSpec exported_spec() {
                           "exported: the directory `kiln model import` wrote (package.json, the "
                           "graph, the initial weights; docs/models.md)")};
   spec.rules = {
-      {"exported: model.package names a package this kiln reads, and data.seq_len is inside "
-       "its exported sequence range",
+      {"exported: model.package names a package this kiln reads, data.seq_len is inside "
+       "its exported sequence range, and a compiled step is one graph (no per-unit compilation)",
        [](const Config& c) -> std::string {
          if (!is_exported(c)) return "";
          const ModelBuildOptions options = ModelBuildOptions::from_config(c);
@@ -456,6 +457,13 @@ ModelSpec exported_spec() {
          }
          json manifest;
          if (std::string problem = package_problem(c, &manifest); !problem.empty()) return problem;
+         if (options.compiled && options.compiled_per_unit) {
+           return "model.name = \"exported\" with compile.granularity resolving to \"unit\" "
+                  "(train.activation_checkpointing or dist.strategy = \"fsdp\" ask it): an "
+                  "exported package compiles as one whole-step graph only; set "
+                  "compile.granularity = \"step\" with train.activation_checkpointing = "
+                  "\"none\" and no FSDP, or compile.backend = \"eager\"";
+         }
          const json seq = manifest["input"]["dims"].value("seq", json::array({2, 0}));
          const int64_t seq_len = options.seq_len;
          if (seq_len >= seq.at(0).get<int64_t>() && seq_len <= seq.at(1).get<int64_t>()) return "";

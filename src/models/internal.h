@@ -17,11 +17,13 @@ namespace kiln {
 /// The keys every model build reads (src/models/options.cpp, the only place src/models/ reads
 /// a Config by key).
 struct ModelBuildOptions {
-  std::string name;       // model.name
-  std::string init_from;  // model.init_from: a Hugging Face directory, or ""
-  uint64_t seed = 0;      // run.seed: the initialisation's generator
-  int64_t seq_len = 0;    // data.seq_len: a decoder's block_size must hold it
-  std::string package;    // model.package: the exported model's directory
+  std::string name;                // model.name
+  std::string init_from;           // model.init_from: a Hugging Face directory, or ""
+  uint64_t seed = 0;               // run.seed: the initialisation's generator
+  int64_t seq_len = 0;             // data.seq_len: a decoder's block_size must hold it
+  std::string package;             // model.package: the exported model's directory
+  bool compiled = false;           // compile.backend is not "eager"
+  bool compiled_per_unit = false;  // compiles_per_unit (core/options.h)
   static ModelBuildOptions from_config(const Config& config);
 };
 

@@ -1,6 +1,8 @@
 // The models' reads of the config by key: each built-in model's shape and the keys the registry
 // and the exported model read. The only place in src/models/ that reads a Config by key; the
 // model code takes what these return.
+#include "core/options.h"
+
 #include <fmt/format.h>
 
 #include "kiln/config.h"
@@ -14,7 +16,9 @@ ModelBuildOptions ModelBuildOptions::from_config(const Config& config) {
           .init_from = config.get_string("model.init_from"),
           .seed = static_cast<uint64_t>(config.get_int("run.seed")),
           .seq_len = config.get_int("data.seq_len"),
-          .package = config.get_string("model.package")};
+          .package = config.get_string("model.package"),
+          .compiled = config.get_string("compile.backend") != "eager",
+          .compiled_per_unit = compiles_per_unit(config)};
 }
 
 MlpShape MlpShape::from_config(const Config& config) {

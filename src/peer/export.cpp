@@ -65,6 +65,11 @@ nlohmann::json export_for_peer(const Config& config, int64_t steps,
 
   Trainer trainer(TrainerSetup::from_config(config), model, std::move(data),
                   TrainerOptions{resolve_device(config), 0, 1});
+  // The configured step's recomputation too (as kiln train composes it), so the peer checks it.
+  if (trainer.train_options().activation_checkpointing ==
+      TrainOptions::ActivationCheckpointing::kBlock) {
+    install_activation_checkpointing(trainer);
+  }
   if (initial_loss_scale > 0) {
     TrainState state = trainer.state();
     if (!state.grad_scaler.is_object()) {

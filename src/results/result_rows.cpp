@@ -31,7 +31,15 @@ ResultRows result_rows(const BaselineResult& b) {
                              b.achieved_flops_per_second,
                              b.mfu ? fmt::format(", MFU {:.1f}%", 100 * *b.mfu)
                                    : ", MFU n/a (device not in the hardware catalog; set "
-                                     "baseline.peak_flops_per_second)"));
+                                     "baseline.peak_flops_per_second)") +
+                     // Against the job's largest GEMM timed on this device (any device).
+                     (b.mfu_of_matmul_peak && b.matmul_peak
+                          ? fmt::format("; {:.1f}% of the measured {} matmul peak ({:.3g} "
+                                        "FLOP/s, {}x{}x{})",
+                                        100 * *b.mfu_of_matmul_peak, b.matmul_peak->dtype,
+                                        b.matmul_peak->flops_per_second, b.matmul_peak->m,
+                                        b.matmul_peak->n, b.matmul_peak->k)
+                          : ""));
   t.emplace_back("loss", fmt::format("{:.4f} -> {:.4f}", b.loss_start, b.loss_end));
   t.emplace_back("val loss", fmt::format("{:.4f} -> {:.4f}", b.val_loss_initial, b.val_loss_final) +
                                  (b.val_accuracy_final ? fmt::format(" (accuracy {:.1f}%)",

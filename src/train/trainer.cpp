@@ -132,8 +132,17 @@ void install_activation_checkpointing(Trainer& trainer) {
   trainer.enter_composition_stage(CompositionStage::kActivationCheckpointing,
                                   "activation checkpointing (block)");
   Model& model = trainer.model();
-  if (model.units().empty()) return;
-  model.add_unit_wrapper(make_activation_checkpointing(model, model.units()));
+  const std::vector<ModelUnit> units = model.units();
+  if (units.empty()) {
+    log::warn(fmt::format(
+        "train.activation_checkpointing = \"block\": model {} has no units, so nothing is "
+        "recomputed (an exported package imported with --units none, or without a module list)",
+        model.architecture()));
+    return;
+  }
+  model.add_unit_wrapper(make_activation_checkpointing(model, units));
+  log::info(fmt::format("activation checkpointing: {} units ({} .. {}) recomputed in backward",
+                        units.size(), units.front().name, units.back().name));
 }
 
 void Trainer::set_parallel_layout(std::shared_ptr<ParallelLayout> layout) {

@@ -104,9 +104,9 @@ TEST(CompiledStep, TheRungCompilesColdThenLoadsTheCachedPackage) {
   // The cold run built its train and eval packages side by side (compile.jobs = 0: one per core;
   // a one-core machine builds serially). One at a time, into a cache of its own, the rung computes
   // the same losses bit for bit: the concurrent builds compiled the same graphs.
-  const CommandResult serial = run_kiln(args + " --set run.name=s --set compile.min_speedup=0" +
-                                        " --set compile.jobs=1 --set compile.cache_dir=" +
-                                        (dir / "serial-cache").string());
+  const CommandResult serial =
+      run_kiln(args + " --set run.name=s --set compile.min_speedup=0" +
+               " --set compile.jobs=1 --set compile.cache_dir=" + (dir / "serial-cache").string());
   ASSERT_EQ(serial.exit_code, 0) << serial.out << serial.err;
   json third = read_json(dir / "s" / "compile.json");
   EXPECT_EQ(third["cache"], "cold");
@@ -161,6 +161,46 @@ double worst_loss_difference(const std::map<int64_t, double>& a, const std::map<
     worst = std::max(worst, std::abs(it->second - loss) / std::abs(loss));
   }
   return worst;
+}
+
+// A user's own PyTorch model, imported as a package (the example's causal convolutional LM): its
+// Python twin is the package's own graph (kiln_py/exported_twin.py), compiled as one whole step;
+// the compiled training follows the eager graph runner's.
+TEST(CompiledStep, AnExportedPackageCompilesAsOneGraphAndTrainsAsEager) {
+  TempDir dir;
+  const std::filesystem::path package = dir / "convlm";
+  const CommandResult imported = run_kiln(
+      "model import --module " + (source_dir() / "examples/python_model/model.py").string() +
+      ":build --options '{\"width\": 16}' --max-seq 16 --out " + package.string());
+  ASSERT_EQ(imported.exit_code, 0) << imported.out << imported.err;
+  const std::string common =
+      (source_dir() / "configs/gpt-tiny.toml").string() + " --set run.dir=" + dir.path().string() +
+      " --set run.progress=off --set run.threads=1 --set model.name=exported --set model.package=" +
+      package.string() +
+      " --set data.seq_len=16 --set data.num_workers=0 --set train.batch_size=4"
+      " --set train.steps=5 --set train.eval_every=0 --set train.eval_batches=1"
+      " --set run.name=eager" +
+      shared_cache();
+  const CommandResult eager = run_kiln("train " + common);
+  ASSERT_EQ(eager.exit_code, 0) << eager.out << eager.err;
+  const CommandResult compiled =
+      run_kiln("train " + common + " --set run.name=compiled --set compile.backend=inductor");
+  ASSERT_EQ(compiled.exit_code, 0) << compiled.out << compiled.err;
+  EXPECT_NE(compiled.out.find("compiled step: inductor, 1 graph(s), 0 recompile(s)"),
+            std::string::npos)
+      << compiled.out;
+  EXPECT_LE(worst_loss_difference(read_step_losses(dir / "eager" / "metrics.jsonl"),
+                                  read_step_losses(dir / "compiled" / "metrics.jsonl"), 5),
+            1e-5);
+  // Per-unit compilation of a package is not built: refused by the config rule, before anything
+  // runs (activation checkpointing asks it under compile.granularity = "auto").
+  const CommandResult per_unit = run_kiln("config validate " + common +
+                                          " --set compile.backend=inductor"
+                                          " --set train.activation_checkpointing=block");
+  EXPECT_EQ(per_unit.exit_code, 2) << per_unit.out;
+  EXPECT_NE(per_unit.err.find("an exported package compiles as one whole-step graph only"),
+            std::string::npos)
+      << per_unit.err;
 }
 
 // Mixed precision inside the compiled graph: the package is exported under torch.autocast (the

@@ -56,6 +56,9 @@ class HuggingFaceFamilies(unittest.TestCase):
                     else ()
                 r = self.check(family, extra=extra)
                 self.assertEqual(r.returncode, 0, r.stdout[-2000:] + r.stderr[-2000:])
+                if extra:  # kiln's side ran with the recomputation installed
+                    self.assertIn("2 units (model.layers.0 .. model.layers.1) recomputed",
+                                  r.stdout + r.stderr)
                 self.assertIn("AGREE", r.stdout)
 
     def test_another_function_disagrees(self):

@@ -126,11 +126,11 @@ class EvalGraph(unittest.TestCase):
         self.assertIsNone(make_joint)
         self.assertEqual(kc.outputs_of(ep), ([], ["loss", "correct"]))
         self.assertEqual([n for n, _ in module.named_parameters()],
-                         [n for n, _ in models.WithLoss(module.model).named_parameters()])
+                         [n for n, _ in models.WithLoss(module._kiln_twin).named_parameters()])
         inputs, targets = kc.example_inputs(spec, "cpu")
         with torch.no_grad():
             loss, correct = ep.module()(inputs, targets)
-            logits = module.model(inputs)
+            logits = module._kiln_twin(inputs)
         want = models.loss(logits, targets)
         self.assertLessEqual(abs(loss.item() - want.item()) / abs(want.item()), TOLERANCE)
         self.assertEqual(correct.item(), logits.argmax(1).eq(targets).sum().item())

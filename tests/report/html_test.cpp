@@ -176,6 +176,26 @@ TEST(Results, AStoppedRungRendersItsVerdict) {
             std::string::npos);
 }
 
+TEST(Results, BaselineComputeRowGivesTheMeasuredMatmulPeaksMfu) {
+  auto compute_row = [](const BaselineResult& b) {
+    for (const auto& [name, text] : result_rows(b)) {
+      if (name == "compute") return text;
+    }
+    return std::string();
+  };
+  BaselineResult b;  // a CPU with no catalog peak: MFU against the catalog is n/a
+  b.flops_per_sample = 1e6;
+  b.achieved_flops_per_second = 2.5e9;
+  EXPECT_EQ(compute_row(b).find("matmul peak"), std::string::npos);  // nothing timed
+  b.matmul_peak = MatmulPeakRecord{1e10, 256, 512, 128, "float32", 0.001, 5};
+  b.mfu_of_matmul_peak = 0.25;
+  const std::string row = compute_row(b);
+  EXPECT_NE(row.find("MFU n/a"), std::string::npos) << row;
+  EXPECT_NE(row.find("25.0% of the measured float32 matmul peak (1e+10 FLOP/s, 256x512x128)"),
+            std::string::npos)
+      << row;
+}
+
 TEST(ReportHtml, ScorecardFirstThenFocusedChartsFromTheTypedResults) {
   TempDir dir;
   const auto run = dir / "run";
