@@ -186,8 +186,13 @@ def export(spec):
         raise ImportError_("--max-seq: give the longest sequence the model takes (>= 2)")
     max_batch = int(spec.get("max_batch") or 4096)
     example_seq = min(max_seq, 16)
+    # The probe runs the forward once: a forward that writes its buffers (a step counter, running
+    # statistics) must not change the package's initial state, so they are put back after it.
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     with torch.no_grad():
         probe = module(torch.zeros(2, example_seq, dtype=torch.int64))
+        for name, b in module.named_buffers():
+            b.copy_(buffers[name])
     if not isinstance(probe, torch.Tensor) or probe.dim() != 3:
         raise ImportError_("the model's forward must return logits [B, T, V] as one tensor; it "
                            f"returned {type(probe).__name__}"

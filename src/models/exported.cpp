@@ -225,6 +225,22 @@ std::string package_problem(const Config& c, json* manifest) {
   }
 }
 
+// The first buffer the package's graph writes (a buffer_mutation output), or "".
+std::string written_buffer(const fs::path& dir, const json& manifest) {
+  try {
+    const json program =
+        json::parse(read_file(dir / manifest.at("graphs").at(0).at("file").get<std::string>()));
+    for (const json& spec : program.at("graph_module").at("signature").at("output_specs")) {
+      if (spec.contains("buffer_mutation")) {
+        return spec["buffer_mutation"].value("buffer_name", std::string("?"));
+      }
+    }
+  } catch (const std::exception&) {
+    return "";  // an unreadable graph is refused when the model is built, naming the file
+  }
+  return "";
+}
+
 }  // namespace
 
 json read_package(const fs::path& dir, const std::string& key, bool hashes) {
@@ -463,6 +479,14 @@ ModelSpec exported_spec() {
                   "exported package compiles as one whole-step graph only; set "
                   "compile.granularity = \"step\" with train.activation_checkpointing = "
                   "\"none\" and no FSDP, or compile.backend = \"eager\"";
+         }
+         if (options.compiled) {
+           if (std::string buffer = written_buffer(options.package, manifest); !buffer.empty()) {
+             return fmt::format(
+                 "model.package = \"{}\" writes buffer '{}' in its forward, and a compiled "
+                 "step binds buffers read-only; set compile.backend = \"eager\"",
+                 options.package, buffer);
+           }
          }
          const json seq = manifest["input"]["dims"].value("seq", json::array({2, 0}));
          const int64_t seq_len = options.seq_len;

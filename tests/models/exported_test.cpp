@@ -382,5 +382,47 @@ TEST(Exported, RefusesUnitsThatDoNotSplitTheGraph) {
   EXPECT_FALSE(fs::exists(dir / "units"));
 }
 
+TEST(Exported, AGraphThatWritesABufferTrainsEagerAndIsRefusedCompiled) {
+  TempDir dir;
+  write_text(dir / "counting.py", R"(import torch
+
+
+class Counting(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, 16)
+        self.head = torch.nn.Linear(16, 256)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, idx):
+        self.seen.add_(1)
+        return self.head(self.embed(idx))
+
+
+def build():
+    return Counting()
+)");
+  ImportOptions options;
+  options.module = (dir / "counting.py").string() + ":build";
+  options.out = dir / "package";
+  options.max_seq = 16;
+  options.units = "none";
+  options.python = build_info().python;
+  import_model(options);
+  // Eager: the graph's buffer mutation is applied after each forward.
+  auto model = make_model(exported_config(dir / "package"));
+  model->forward(torch::zeros({2, 8}, torch::kLong));
+  model->forward(torch::zeros({2, 8}, torch::kLong));
+  EXPECT_EQ(model->named_buffers()["seen"].item<double>(), 2.0);
+  // Compiled: the step binds buffers read-only, so the config rule refuses it.
+  EXPECT_THAT(
+      config_problem({"model.name=exported", "data.name=text", "data.seq_len=16",
+                      "model.package=" + (dir / "package").string(), "compile.backend=inductor"}),
+      ::testing::HasSubstr("writes buffer 'seen' in its forward"));
+  EXPECT_EQ(config_problem({"model.name=exported", "data.name=text", "data.seq_len=16",
+                            "model.package=" + (dir / "package").string()}),
+            "");
+}
+
 }  // namespace
 }  // namespace kiln::testing
