@@ -30,6 +30,7 @@ import resource
 import sys
 import time
 import tomllib
+import types
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,26 @@ def clip_mixed(params, max_norm, tp_group):
         (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
 
 
+def gpt_rows_by_rank(c_attn, tp):
+    """Reorders gpt's fused c_attn rows [q; k; v] to [q_0; k_0; v_0; q_1; ...] (q_r: rank r's
+    heads' rows), so ColwiseParallel's even split on dim 0 gives each rank its heads' q, k and v,
+    as kiln's fused placement does; the same math, rows permuted."""
+    with torch.no_grad():
+        for p in (c_attn.weight, c_attn.bias):
+            blocks = p.view(3, tp, p.shape[0] // (3 * tp), *p.shape[1:])
+            p.copy_(blocks.transpose(0, 1).reshape(p.shape))
+
+
+def gpt_local_attention(self, x):
+    """kiln_py.models.Attention.forward on this rank's heads (its c_attn output is 3 x C / tp)."""
+    B, T, _ = x.shape
+    q, k, v = self.c_attn(x).chunk(3, dim=2)
+    width = q.shape[-1]
+    q, k, v = (t.view(B, T, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, width))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--export", required=True, help="a `kiln peer export` directory")
@@ -67,9 +88,11 @@ def main():
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard instead of DDP")
     parser.add_argument("--checkpoint", action="store_true", help="--fsdp: checkpoint_wrapper per block")
     parser.add_argument("--tp", type=int, default=1,
-                        help="tensor parallelism over this many ranks (a llama: parallelize_module "
-                             "with ColwiseParallel q/k/v/gate/up and RowwiseParallel o/down over a "
-                             "DeviceMesh, heads divided, as torchtitan); the data-parallel ranks "
+                        help="tensor parallelism over this many ranks (parallelize_module over a "
+                             "DeviceMesh, heads divided, as torchtitan; llama: ColwiseParallel "
+                             "q/k/v/gate/up, RowwiseParallel o/down; gpt: ColwiseParallel c_attn "
+                             "(rows regrouped by rank) and c_fc, RowwiseParallel the c_projs); the "
+                             "data-parallel ranks "
                              "(world / tp) run DDP; no --fsdp")
     parser.add_argument("--replicate", type=int, default=1,
                         help="--fsdp: hybrid sharding over a 2-D DeviceMesh (replicate, shard) with this "
@@ -122,13 +145,22 @@ def main():
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                        parallelize_module)
         mesh = init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
-        plan = {f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}
-        plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
-                     "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
-        for layer in model.model.layers:
-            parallelize_module(layer, mesh["tp"], plan)
-            layer.self_attn.heads //= args.tp
-            layer.self_attn.kv_heads //= args.tp
+        if hasattr(model, "transformer"):  # gpt: c_attn stacks q, k, v on its output rows
+            plan = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
+                    "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}
+            for block in model.transformer.h:
+                gpt_rows_by_rank(block.attn.c_attn, args.tp)
+                parallelize_module(block, mesh["tp"], plan)
+                block.attn.heads //= args.tp
+                block.attn.forward = types.MethodType(gpt_local_attention, block.attn)
+        else:
+            plan = {f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}
+            plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+                         "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+            for layer in model.model.layers:
+                parallelize_module(layer, mesh["tp"], plan)
+                layer.self_attn.heads //= args.tp
+                layer.self_attn.kv_heads //= args.tp
         if world // args.tp > 1:
             raise SystemExit("--tp with data parallelism: not in this peer (kiln's TP x DDP has no peer here)")
         ddp = model

@@ -54,7 +54,7 @@ def main():
                         help="fsdp: kiln's dist.strategy=fsdp against Python FSDP2 (fully_shard), and "
                              "kiln's DDP once for the memory and step time side by side")
     parser.add_argument("--tp", type=int, default=1,
-                        help="tensor parallelism (a llama config): kiln dist.tp against "
+                        help="tensor parallelism (a gpt or llama config): kiln dist.tp against "
                              "parallelize_module over a DeviceMesh (ddp_peer.py --tp); --world = --tp")
     parser.add_argument("--replicate", type=int, default=1,
                         help="--strategy fsdp: hybrid sharding with this many replicas: kiln "

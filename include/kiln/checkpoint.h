@@ -60,6 +60,11 @@ struct StateTensor {
   Placement placement = Placement::kReplicated;
   std::vector<int64_t> global_shape;  // sharded: the whole tensor's shape (ignored if replicated)
   std::vector<int64_t> offsets;       // sharded: index of tensor[0, ..., 0] in the whole tensor
+  /// Sharded: which of this rank's boxes of `name` this is, when it holds several that are not
+  /// one box (a fused tensor-parallel weight's slice: one per fused block). Box k > 0 is stored
+  /// in the rank's file as "<name>#k" (stored_name()); the index lists each as a chunk of `name`.
+  int part = 0;
+  std::string stored_name() const { return part == 0 ? name : name + "#" + std::to_string(part); }
 };
 
 /// What one rank hands to Checkpointer::save.

@@ -56,11 +56,24 @@ class UnitWrapper {
 class Communicator;  // kiln/comm.h
 
 /// How one parameter is split over the tensor-parallel ranks (Model::tensor_parallel()): this
-/// rank holds indices [offset, offset + its size) of the whole parameter along `dim`.
+/// rank holds indices [offset, offset + its size) of the whole parameter along `dim`. A fused
+/// parameter (gpt's c_attn: q, k and v stacked on dim 0) is `chunks` equal blocks along `dim`,
+/// each split alike: this rank holds [offset, offset + part) of every block, concatenated in
+/// block order (part = its size along `dim` / chunks).
 struct TensorParallelPlacement {
   int dim = 0;  // 0: column-parallel (output features), 1: row-parallel (input features)
   std::vector<int64_t> global_shape;  // the whole parameter's shape
-  int64_t offset = 0;
+  int64_t offset = 0;                 // within each block
+  int64_t length = 0;                 // this rank's indices of each block along `dim`
+  int64_t chunks = 1;                 // fused blocks along `dim`
+  /// A run of this rank's slice along `dim`: `length` indices from `local` in the slice are the
+  /// whole parameter's from `global` on.
+  struct Run {
+    int64_t local = 0, global = 0, length = 0;
+  };
+  /// Where the slice's indices [begin, begin + count) along `dim` (FSDP's rows of a slice) lie in
+  /// the whole parameter: one run per block they touch.
+  std::vector<Run> runs(int64_t begin, int64_t count) const;
 };
 
 /// A trainable model: logits from inputs, and a loss from logits and targets.

@@ -202,6 +202,15 @@ struct TensorPiece {
   /// sharding's replicas beyond the first), which a checkpoint keeps once; it is loaded all the
   /// same.
   bool saved = true;
+  /// A piece that is several boxes of the whole tensor (a fused tensor-parallel weight's slice,
+  /// TensorParallelPlacement::chunks: one box per fused block): rows [row, row + rows) of the
+  /// local tensor on dim 0 sit at `offsets` of the whole one. Empty: the local tensor is one box,
+  /// at the piece's `offsets`.
+  struct Box {
+    int64_t row = 0, rows = 0;
+    std::vector<int64_t> offsets;
+  };
+  std::vector<Box> boxes;
 };
 
 /// Everything a run needs to continue bitwise where it stopped, as one value (torchtitan's

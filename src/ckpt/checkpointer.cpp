@@ -136,7 +136,7 @@ std::shared_ptr<const SaveHandle> Checkpointer::save(SaveRequest request) {
   // here, or with background_staging in the writer thread before it writes (wait_for_staging()
   // fences the caller's next change of them).
   std::vector<std::pair<std::string, torch::Tensor>> live;
-  for (const auto* t : plan.to_write) live.emplace_back(t->name, t->tensor.detach());
+  for (const auto* t : plan.to_write) live.emplace_back(t->stored_name(), t->tensor.detach());
   double staging_seconds = 0;
   if (!options_.async) {
     for (auto& [name, tensor] : live)

@@ -197,8 +197,8 @@ LoadResult load_checkpoint(const std::filesystem::path& step_dir, std::vector<St
     std::set<std::string> names;
     for (size_t i = 0; i < targets.size(); ++i) {
       const StateTensor& target = targets[i];
-      if (!names.insert(target.name).second)
-        throw UserError(where + ": target '" + target.name + "' listed twice");
+      if (!names.insert(target.stored_name()).second)
+        throw UserError(where + ": target '" + target.stored_name() + "' listed twice");
       const TensorInfo* info = index.find(target.name);
       if (!info) {
         throw UserError(where + " has no tensor '" + target.name + "' (it holds " +

@@ -53,8 +53,10 @@ json describe_request(const SaveRequest& request, int rank) {
   uint64_t sharded_bytes = 0;
   for (const auto& t : request.tensors) {
     if (t.name.empty()) throw UserError("checkpoint: a state tensor has an empty name");
-    if (!names.insert(t.name).second)
-      throw UserError("checkpoint: state tensor '" + t.name + "' is listed twice");
+    if (!names.insert(t.stored_name()).second)
+      throw UserError("checkpoint: state tensor '" + t.stored_name() + "' is listed twice");
+    if (t.part != 0 && t.placement != Placement::kSharded)
+      throw UserError("checkpoint: state tensor '" + t.name + "' has parts but is replicated");
     if (!t.tensor.defined())
       throw UserError("checkpoint: state tensor '" + t.name + "' is undefined");
     const std::string dtype = safetensors_dtype(t.tensor.scalar_type());
@@ -77,6 +79,7 @@ json describe_request(const SaveRequest& request, int rank) {
       }
     }
     sharded.push_back({{"name", t.name},
+                       {"stored", t.stored_name()},
                        {"dtype", dtype},
                        {"shape", t.global_shape},
                        {"offsets", t.offsets},
@@ -189,7 +192,7 @@ json draft_index(const SaveRequest& request, const SavePlan& plan, const std::ve
                  {"chunks", json::array()}};
       }
       entry["chunks"].push_back({{"file", rank_file_name(static_cast<int>(r))},
-                                 {"name", s["name"]},
+                                 {"name", s["stored"]},
                                  {"offsets", s["offsets"]},
                                  {"sizes", s["sizes"]}});
     }

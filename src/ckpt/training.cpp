@@ -60,13 +60,27 @@ LoaderPosition resume_position(const TrainState& live, const CheckpointIndex& in
   return position;
 }
 
-// A model or optimizer tensor of the state: whole, or this rank's piece (FSDP) at its offsets.
-StateTensor state_tensor(const std::string& prefix, const std::string& name, torch::Tensor tensor,
-                         const TrainState& state) {
+// A model or optimizer tensor of the state, appended to `out`: whole, or this rank's piece (FSDP,
+// tensor parallelism) at its offsets, or the piece's boxes as parts (TensorPiece::boxes).
+void add_state_tensor(std::vector<StateTensor>& out, const std::string& prefix,
+                      const std::string& name, const torch::Tensor& tensor,
+                      const TrainState& state) {
   auto piece = state.pieces.find(name);
-  if (piece == state.pieces.end()) return {prefix + name, std::move(tensor)};
-  return StateTensor(prefix + name, std::move(tensor), piece->second.global_shape,
-                     piece->second.offsets);
+  if (piece == state.pieces.end()) {
+    out.emplace_back(prefix + name, tensor);
+    return;
+  }
+  const TensorPiece& p = piece->second;
+  if (p.boxes.empty()) {
+    out.emplace_back(prefix + name, tensor, p.global_shape, p.offsets);
+    return;
+  }
+  for (size_t k = 0; k < p.boxes.size(); ++k) {
+    const TensorPiece::Box& box = p.boxes[k];
+    out.emplace_back(prefix + name, tensor.narrow(0, box.row, box.rows), p.global_shape,
+                     box.offsets);
+    out.back().part = static_cast<int>(k);
+  }
 }
 
 bool is_step_count(const std::string& name) {
@@ -100,13 +114,13 @@ LoadResult restore_from(Trainer& trainer, Communicator& comm, const std::filesys
   try {
     state = trainer.state();
     for (const auto& [name, tensor] : state.model)
-      targets.push_back(state_tensor("model/", name, tensor, state));
+      add_state_tensor(targets, "model/", name, tensor, state);
     for (const auto& [name, tensor] : state.optimizer) {
       if (is_step_count(name) && !index.find("optim/" + name)) {
         saved_step_counts = false;
         continue;
       }
-      targets.push_back(state_tensor("optim/", name, tensor, state));
+      add_state_tensor(targets, "optim/", name, tensor, state);
     }
     for (size_t k = 0; k < state.rng.size(); ++k) {
       const std::string name = rng_name(rank, state.rng[k].first);
@@ -237,12 +251,12 @@ SaveRequest capture_training_state(Trainer& trainer, Communicator& comm,
     const auto& [name, tensor] = state.model[k];
     if (saved_elsewhere(name)) continue;
     torch::NoGradGuard no_grad;
-    request.tensors.push_back(
-        state_tensor("model/", name, k < parameters ? tensor : tensor.clone(), state));
+    add_state_tensor(request.tensors, "model/", name, k < parameters ? tensor : tensor.clone(),
+                     state);
   }
   for (const auto& [name, tensor] : state.optimizer) {
     if (saved_elsewhere(name)) continue;
-    request.tensors.push_back(state_tensor("optim/", name, tensor, state));
+    add_state_tensor(request.tensors, "optim/", name, tensor, state);
   }
   json rng = {{"cpu", nullptr}, {"cuda", nullptr}};
   for (const auto& [name, tensor] : state.rng) {

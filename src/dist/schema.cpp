@@ -50,7 +50,8 @@ ConfigSection dist_section() {
                   "the world size"),
           int_key("dist", "tp", 1, 1, 4096,
                   "tensor parallelism: each decoder layer split over this many consecutive ranks "
-                  "(column-parallel q/k/v and gate/up, row-parallel o and down; llama), data "
+                  "(column-parallel q/k/v and the MLP's up projections, row-parallel the "
+                  "attention's output and the MLP's down projection; gpt, llama), data "
                   "parallelism (dist.strategy) over world / tp; must divide the world size"),
           bool_key("dist", "tp_across_nodes", false,
                    "allow dist.tp larger than the ranks of one node (LOCAL_WORLD_SIZE): its "

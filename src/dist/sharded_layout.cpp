@@ -80,16 +80,32 @@ torch::Tensor split_gradient_norm(const std::vector<torch::Tensor>& grads,
   return (parts[0] + parts[1]).sqrt();
 }
 
-// Where a piece of `local` rows [row_offset, row_offset + rows) on dim 0 of a parameter lies
-// in the whole one: its tensor-parallel placement (if any) added.
-TensorPiece whole_piece(const std::vector<int64_t>& local_shape, int64_t row_offset,
+// Where a piece of `rows` rows from `row_offset` on dim 0 of a parameter of `local_shape` (this
+// rank's tensor-parallel slice, when `tp`) lies in the whole one: one box, or one per fused block
+// it touches (TensorParallelPlacement::chunks).
+TensorPiece whole_piece(const std::vector<int64_t>& local_shape, int64_t row_offset, int64_t rows,
                         const std::optional<TensorParallelPlacement>& tp, bool saved) {
   TensorPiece piece;
   piece.global_shape = tp ? tp->global_shape : local_shape;
   piece.offsets.assign(piece.global_shape.size(), 0);
-  if (!piece.offsets.empty()) piece.offsets[0] = row_offset;
-  if (tp) piece.offsets[static_cast<size_t>(tp->dim)] += tp->offset;
   piece.saved = saved;
+  if (piece.offsets.empty()) return piece;
+  piece.offsets[0] = row_offset;
+  if (!tp) return piece;
+  if (tp->dim != 0) {
+    piece.offsets[static_cast<size_t>(tp->dim)] += tp->offset;
+    return piece;
+  }
+  const auto runs = tp->runs(row_offset, rows);
+  if (runs.size() == 1) {
+    piece.offsets[0] = runs[0].global;
+    return piece;
+  }
+  for (const auto& run : runs) {
+    TensorPiece::Box box{run.local - row_offset, run.length, piece.offsets};
+    box.offsets[0] = run.global;
+    piece.boxes.push_back(std::move(box));
+  }
   return piece;
 }
 
@@ -128,7 +144,8 @@ class ShardedLayout final : public ParallelLayout {
                          const ParameterShard& s) {
       if (s.rows == 0) return;
       into.emplace_back(name, s.global_shape.empty() ? t.view({}) : t.narrow(0, 0, s.rows));
-      state.pieces[name] = whole_piece(s.global_shape, s.row_offset, s.tensor_parallel, s.saved);
+      state.pieces[name] =
+          whole_piece(s.global_shape, s.row_offset, s.rows, s.tensor_parallel, s.saved);
     };
     for (const auto& s : shards_) add_piece(state.model, s.name, s.shard, s);
     for (const auto& item : model.named_buffers())
@@ -184,7 +201,7 @@ class TensorParallelLayout final : public ParallelLayout {
       into.emplace_back(name, t);
       auto it = placements.find(parameter);
       if (it != placements.end())
-        state.pieces[name] = whole_piece(t.sizes().vec(), 0, it->second, saved_);
+        state.pieces[name] = whole_piece(t.sizes().vec(), 0, t.size(0), it->second, saved_);
     };
     for (const auto& item : model.named_parameters())
       add(state.model, item.key(), item.key(), item.value());

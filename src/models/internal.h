@@ -53,6 +53,8 @@ std::string llama_tensor_parallel_problem(const LlamaConfig& shape, int64_t tp);
 /// Parameter count and FLOPs of a shape.
 ModelMath llama_math(const LlamaConfig& shape);
 ModelMath gpt_math(const GptConfig& shape);
+/// Why gpt cannot split over `tp` tensor-parallel ranks ("" when it can).
+std::string gpt_tensor_parallel_problem(const GptConfig& shape, int64_t tp);
 
 /// The one line for a model.name nobody registered, listing the registered ones.
 std::string unknown_model_problem(const std::string& name);

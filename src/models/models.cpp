@@ -18,6 +18,7 @@
 #include "kiln/hf.h"
 #include "models/internal.h"
 #include "models/split_forward.h"
+#include "models/tensor_parallel.h"
 
 namespace kiln {
 namespace {
@@ -46,13 +47,11 @@ class Mlp final : public Model {
     }
   }
   torch::Tensor forward(const torch::Tensor& inputs) override {
-    auto hidden = run_unit(
-        0, [this](const torch::Tensor& x) { return fc1_->forward(x); }, inputs);
+    auto hidden = run_unit(0, [this](const torch::Tensor& x) { return fc1_->forward(x); }, inputs);
     // The test model for graph breaks: a branch on the data (a host sync), as `if x.sum() > 0`.
     const bool negative = data_dependent_branch_ && !(inputs.sum().item<double>() > 0);
     hidden = negative ? torch::tanh(hidden) : torch::relu(hidden);
-    return run_unit(
-        1, [this](const torch::Tensor& x) { return fc2_->forward(x); }, hidden);
+    return run_unit(1, [this](const torch::Tensor& x) { return fc2_->forward(x); }, hidden);
   }
   std::string architecture() const override { return "mlp"; }
   bool classifier() const override { return true; }
@@ -87,29 +86,50 @@ torch::Tensor linear(const nn::Linear& layer, const torch::Tensor& x) {
   return torch::linear(x, layer->weight, layer->bias);
 }
 
+// A row-parallel layer's output under tensor parallelism: the ranks' partial products summed,
+// then the (whole, replicated) bias added once.
+torch::Tensor row_parallel(const nn::Linear& layer, const torch::Tensor& x, Communicator& tp) {
+  return tensor_parallel::reduce_from_ranks(torch::linear(x, layer->weight), tp) + layer->bias;
+}
+
+using Placements = std::map<std::string, TensorParallelPlacement>;
+
 class CausalSelfAttention final : public nn::Module {
  public:
-  CausalSelfAttention(int64_t n_embd, int64_t n_head) : n_head_(n_head) {
+  CausalSelfAttention(int64_t n_embd, int64_t n_head) : head_dim_(n_embd / n_head) {
     c_attn_ = register_module("c_attn", nn::Linear(n_embd, 3 * n_embd));
     c_proj_ = register_module("c_proj", nn::Linear(n_embd, n_embd));
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
-    auto qkv = linear(c_attn_, x).split(C, /*dim=*/2);  // 3 x [B, T, C]
+    const int64_t B = x.size(0), T = x.size(1);
+    const int64_t width = c_proj_->weight.size(1);  // C, or this rank's C / tp
+    const torch::Tensor in = tp_ ? tensor_parallel::copy_to_ranks(x, *tp_) : x;
+    auto qkv = linear(c_attn_, in).split(width, /*dim=*/2);  // 3 x [B, T, width]
     auto heads = [&](const torch::Tensor& t) {
-      return t.view({B, T, n_head_, C / n_head_}).transpose(1, 2);  // [B, H, T, C/H]
+      return t.view({B, T, width / head_dim_, head_dim_}).transpose(1, 2);  // [B, H, T, C/H]
     };
     auto y = at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]),
                                               /*attn_mask=*/{}, /*dropout_p=*/0.0,
                                               /*is_causal=*/true);
-    y = y.transpose(1, 2).contiguous().view({B, T, C});
-    return linear(c_proj_, y);
+    y = y.transpose(1, 2).contiguous().view({B, T, width});
+    return tp_ ? row_parallel(c_proj_, y, *tp_) : linear(c_proj_, y);
   }
   nn::Linear c_proj() const { return c_proj_; }
 
+  // Tensor parallelism: this rank's H/tp heads. c_attn stacks q, k and v on its output rows,
+  // so its slice is the heads' rows of each (a fused placement of 3 blocks), column-parallel;
+  // c_proj's matching input columns, row-parallel, its bias whole (added once, after the sum).
+  void shard(std::shared_ptr<Communicator> tp, const std::string& prefix, Placements& placements) {
+    placements[prefix + "c_attn.weight"] = tensor_parallel::shard(c_attn_->weight, 0, *tp, 3);
+    placements[prefix + "c_attn.bias"] = tensor_parallel::shard(c_attn_->bias, 0, *tp, 3);
+    placements[prefix + "c_proj.weight"] = tensor_parallel::shard(c_proj_->weight, 1, *tp);
+    tp_ = std::move(tp);
+  }
+
  private:
-  int64_t n_head_;
+  int64_t head_dim_;
   nn::Linear c_attn_{nullptr}, c_proj_{nullptr};
+  std::shared_ptr<Communicator> tp_;  // set by shard()
 };
 
 class Block final : public nn::Module {
@@ -124,8 +144,20 @@ class Block final : public nn::Module {
   }
   torch::Tensor forward(torch::Tensor x) {
     x = x + attn_->forward(ln_1_->forward(x));
-    auto h = torch::gelu(linear(c_fc_, ln_2_->forward(x)), "tanh");  // [B, T, 4C]
-    return x + linear(c_proj_, h);
+    torch::Tensor in = ln_2_->forward(x);
+    if (tp_) in = tensor_parallel::copy_to_ranks(in, *tp_);
+    auto h = torch::gelu(linear(c_fc_, in), "tanh");  // [B, T, 4C] (4C / tp)
+    return x + (tp_ ? row_parallel(c_proj_, h, *tp_) : linear(c_proj_, h));
+  }
+  // Tensor parallelism: the attention's heads, and the MLP's c_fc columns (with their bias)
+  // and c_proj's matching rows.
+  void shard(const std::shared_ptr<Communicator>& tp, const std::string& prefix,
+             Placements& placements) {
+    attn_->shard(tp, prefix + "attn.", placements);
+    placements[prefix + "mlp.c_fc.weight"] = tensor_parallel::shard(c_fc_->weight, 0, *tp);
+    placements[prefix + "mlp.c_fc.bias"] = tensor_parallel::shard(c_fc_->bias, 0, *tp);
+    placements[prefix + "mlp.c_proj.weight"] = tensor_parallel::shard(c_proj_->weight, 1, *tp);
+    tp_ = tp;
   }
   // The two residual projections, whose init is scaled by 1/sqrt(2 * n_layer).
   std::vector<torch::Tensor> residual_projections() const {
@@ -137,6 +169,7 @@ class Block final : public nn::Module {
   std::shared_ptr<CausalSelfAttention> attn_;
   std::shared_ptr<nn::Module> mlp_;
   nn::Linear c_fc_{nullptr}, c_proj_{nullptr};
+  std::shared_ptr<Communicator> tp_;  // set by shard()
 };
 
 class Gpt final : public Model, public SplitForward {
@@ -205,6 +238,19 @@ class Gpt final : public Model, public SplitForward {
     return gpt_math(config_).train_flops_per_token(seq_len) * static_cast<double>(seq_len);
   }
   std::vector<ModelUnit> units() const override { return block_units("transformer.h", blocks_); }
+
+  // The blocks split (heads, MLP width); the embeddings, the norms and the tied head stay whole
+  // on every rank: the head's logits are computed whole, so the loss needs no
+  // vocabulary-parallel cross-entropy, and the tied wte needs no split embedding lookup (the
+  // cost: the [C, V] matmul on every rank).
+  void shard_tensor_parallel(std::shared_ptr<Communicator> tp) override {
+    if (!tensor_parallel_.empty()) throw std::logic_error("gpt: already tensor-parallel");
+    if (std::string problem = gpt_tensor_parallel_problem(config_, tp->world_size());
+        !problem.empty())
+      throw UserError(problem);
+    for (size_t i = 0; i < blocks_.size(); ++i)
+      blocks_[i]->shard(tp, fmt::format("transformer.h.{}.", i), tensor_parallel_);
+  }
 
  private:
   void initialise(at::Generator& generator) {
@@ -285,6 +331,16 @@ GptConfig resolve_gpt_config(const Config& config) {
   return out;
 }
 
+std::string gpt_tensor_parallel_problem(const GptConfig& g, int64_t tp) {
+  if (g.n_head % tp != 0) {
+    return fmt::format(
+        "dist.tp = {} must divide the attention heads (model.n_head = {}; the MLP width 4 x "
+        "model.n_embd follows): each rank computes whole heads; pick a tp that divides n_head",
+        tp, g.n_head);
+  }
+  return "";
+}
+
 ModelMath gpt_math(const GptConfig& g) {
   const int64_t C = g.n_embd;
   // ln_1 2C, c_attn 3C^2 + 3C, attn.c_proj C^2 + C, ln_2 2C, c_fc 4C^2 + 4C, mlp.c_proj 4C^2 + C
@@ -304,6 +360,10 @@ ModelMath gpt_math(const GptConfig& g) {
   m.block_size = g.block_size;
   m.tie_embeddings = true;
   m.units = g.n_layer;
+  // Sliced by the plan (Gpt::shard_tensor_parallel): c_attn, attn.c_proj and the MLP's weights,
+  // with c_attn's and c_fc's biases; the norms and the row-parallel biases (6C) stay whole.
+  m.tensor_parallel_parameters = g.n_layer * (block - 6 * C);
+  m.tensor_parallel_block_parameters = block;
   m.step_layout = ModelMath::StepLayout::kGptDecoder;
   return m;
 }
@@ -349,6 +409,9 @@ ModelSpec gpt_spec() {
   spec.python_twin = "kiln_py.models";
   spec.load_hf = load_hf_gpt2;
   spec.save_hf = save_hf_gpt2;
+  spec.tensor_parallel_problem = [](const Config& config, int64_t tp) {
+    return gpt_tensor_parallel_problem(gpt_shape(config), tp);
+  };
   return spec;
 }
 

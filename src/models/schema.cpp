@@ -202,8 +202,8 @@ ConfigSection model_section() {
                     "256 or more";
            },
            {"model.name=gpt", "data.name=text", "model.vocab_size=100"}},
-          {"dist.tp > 1 needs a model with a tensor-parallel plan (llama) whose shape splits "
-           "over dist.tp ranks",
+          {"dist.tp > 1 needs a model with a tensor-parallel plan (gpt, llama) whose shape "
+           "splits over dist.tp ranks",
            [](const Config& c) -> std::string {
              const int64_t tp = c.get_int("dist.tp");
              const ModelSpec* spec = find_model(c.get_string("model.name"));
@@ -211,13 +211,9 @@ ConfigSection model_section() {
              if (!spec->tensor_parallel_problem) {
                return fmt::format(
                    "dist.tp = {} splits each layer over {} ranks, but model.name = \"{}\" "
-                   "declares no tensor-parallel plan{}; set dist.tp = 1 (model.name = "
-                   "\"llama\" has one)",
-                   tp, tp, spec->name,
-                   spec->name == "gpt"
-                       ? " (its fused c_attn [3C, C] would split into three row ranges per "
-                         "rank, which a checkpoint piece cannot describe)"
-                       : "");
+                   "declares no tensor-parallel plan; set dist.tp = 1 (model.name = \"gpt\" "
+                   "and \"llama\" have one)",
+                   tp, tp, spec->name);
              }
              return spec->tensor_parallel_problem(c, tp);
            },

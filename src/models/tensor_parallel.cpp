@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <torch/autograd.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kiln/error.h"
@@ -15,6 +16,19 @@ void Model::shard_tensor_parallel(std::shared_ptr<Communicator> /*tp*/) {
       "model '{}' declares no tensor-parallel plan; set dist.tp = 1 (a registered model gives "
       "one with ModelSpec::tensor_parallel_problem and Model::shard_tensor_parallel)",
       architecture()));
+}
+
+std::vector<TensorParallelPlacement::Run> TensorParallelPlacement::runs(int64_t begin,
+                                                                        int64_t count) const {
+  const int64_t block = global_shape.at(static_cast<size_t>(dim)) / chunks;
+  std::vector<Run> out;
+  for (int64_t at = begin, end = begin + count; at < end;) {
+    const int64_t c = at / length, within = at % length;
+    const int64_t take = std::min(end - at, length - within);
+    out.push_back({at, c * block + offset + within, take});
+    at += take;
+  }
+  return out;
 }
 
 namespace tensor_parallel {
@@ -65,20 +79,26 @@ torch::Tensor reduce_from_ranks(const torch::Tensor& x, Communicator& comm) {
   return ReduceFromRanks::apply(x, &comm);
 }
 
-TensorParallelPlacement shard(torch::Tensor& param, int dim, const Communicator& comm) {
+TensorParallelPlacement shard(torch::Tensor& param, int dim, const Communicator& comm,
+                              int64_t chunks) {
   const int64_t whole = param.size(dim), ranks = comm.world_size();
-  if (whole % ranks != 0) {
-    throw std::invalid_argument(
-        fmt::format("tensor parallelism: dimension {} of size {} does not split over {} ranks", dim,
-                    whole, ranks));
+  if (chunks < 1 || whole % (chunks * ranks) != 0) {
+    throw std::invalid_argument(fmt::format(
+        "tensor parallelism: dimension {} of size {} does not split into {} blocks over {} ranks",
+        dim, whole, chunks, ranks));
   }
-  const int64_t part = whole / ranks;
+  const int64_t block = whole / chunks, part = block / ranks;
   TensorParallelPlacement placement;
   placement.dim = dim;
   placement.global_shape = param.sizes().vec();
   placement.offset = part * comm.rank();
+  placement.length = part;
+  placement.chunks = chunks;
   torch::NoGradGuard no_grad;
-  param.set_data(param.narrow(dim, placement.offset, part).contiguous().clone());
+  std::vector<torch::Tensor> slices;
+  for (int64_t c = 0; c < chunks; ++c)
+    slices.push_back(param.narrow(dim, c * block + placement.offset, part));
+  param.set_data(at::cat(slices, dim).contiguous().clone());
   return placement;
 }
 

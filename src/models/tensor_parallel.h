@@ -18,7 +18,10 @@ torch::Tensor copy_to_ranks(const torch::Tensor& x, Communicator& comm);
 torch::Tensor reduce_from_ranks(const torch::Tensor& x, Communicator& comm);
 
 /// Replaces `param`'s data by this rank's slice along `dim` (contiguous, a copy; the size along
-/// `dim` must divide by comm.world_size()) and returns its placement.
-TensorParallelPlacement shard(torch::Tensor& param, int dim, const Communicator& comm);
+/// `dim` must divide by chunks x comm.world_size()) and returns its placement. `chunks` > 1: the
+/// parameter is that many fused blocks along `dim` (gpt's c_attn: q, k, v), each split alike and
+/// this rank's parts concatenated.
+TensorParallelPlacement shard(torch::Tensor& param, int dim, const Communicator& comm,
+                              int64_t chunks = 1);
 
 }  // namespace kiln::tensor_parallel

@@ -186,8 +186,7 @@ TEST(Ckpt, AOneProcessAsyncSaveCommitsWithoutWaitingForAPoll) {
   auto handle = checkpointer.save(request(1, replicated_state(1)));
   // No poll, no wait: only the writer thread can publish step-1 and latest.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (!std::filesystem::exists(dir / "latest") &&
-         std::chrono::steady_clock::now() < deadline) {
+  while (!std::filesystem::exists(dir / "latest") && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   ASSERT_TRUE(std::filesystem::exists(dir / "latest")) << "not committed without a poll";
@@ -324,6 +323,53 @@ TEST(Ckpt, ReshardsOneRankToTwo) {
   });
 }
 
+// A rank holding several boxes of one tensor (a fused tensor-parallel slice: rank r's rows of
+// each of 3 blocks) saves them as parts ("name#k" in its file), loads them back in place, and
+// one process reads the whole tensor; the same part listed twice is refused.
+TEST(Ckpt, PartsOfOnePieceRoundTripAndReshard) {
+  TempDir dir;
+  const auto whole = iota(12, 3);  // 3 blocks of 4 rows; rank r holds rows [2r, 2r + 2) of each
+  auto parts_of = [&](int rank, bool zero) {
+    std::vector<StateTensor> out;
+    for (int block = 0; block < 3; ++block) {
+      StateTensor t("fused", whole.narrow(0, block * 4 + 2 * rank, 2).clone(), {12, 3},
+                    {block * 4 + 2 * rank, 0});
+      if (zero) t.tensor.zero_();
+      t.part = block;
+      out.push_back(std::move(t));
+    }
+    return out;
+  };
+  run_ranks(2, [&](Communicator& comm) {
+    Checkpointer checkpointer(options_for(dir.path(), /*async=*/false), comm);
+    auto handle = checkpointer.save(request(2, parts_of(comm.rank(), false)));
+    checkpointer.wait();
+    if (!handle->committed()) throw std::runtime_error(handle->error());
+  });
+  EXPECT_TRUE(verify_checkpoint(dir / "step-2").ok());
+  const CheckpointIndex index = read_checkpoint_index(dir / "step-2");
+  ASSERT_NE(index.find("fused"), nullptr);
+  EXPECT_EQ(index.find("fused")->chunks.size(), 6u);
+  run_ranks(2, [&](Communicator& comm) {
+    auto targets = parts_of(comm.rank(), true);
+    load_checkpoint(dir / "step-2", targets, comm);
+    const auto expected = parts_of(comm.rank(), false);
+    for (size_t k = 0; k < targets.size(); ++k) {
+      if (!torch::equal(targets[k].tensor, expected[k].tensor))
+        throw std::runtime_error("part " + std::to_string(k) + " differs");
+    }
+  });
+  auto comm = single_process_communicator();
+  std::vector<StateTensor> one = {{"fused", torch::zeros({12, 3})}};
+  load_checkpoint(dir / "step-2", one, *comm);
+  EXPECT_TRUE(torch::equal(one[0].tensor, whole));
+  auto twice = parts_of(0, true);
+  twice[1].part = 0;
+  EXPECT_THROW(load_checkpoint(dir / "step-2", twice, *comm), UserError);
+  Checkpointer checkpointer(options_for(dir / "again", /*async=*/false), *comm);
+  EXPECT_THROW(checkpointer.save(request(3, twice)), UserError);
+}
+
 TEST(Ckpt, ShardedLoadReadsOnlyTheOverlappingBytes) {
   TempDir dir;
   const auto whole = iota(1024, 256);  // 1 MiB
@@ -427,7 +473,9 @@ TEST(Ckpt, AStepSavedAgainIsReplacedWholeAndACrashMidReplaceLosesNothing) {
   // save (index written) is still step-2.tmp.
   std::filesystem::rename(step2, dir / "step-2.replaced");
   std::filesystem::copy(dir / "step-1", dir / "step-2.tmp");
-  { Checkpointer checkpointer(options_for(dir.path(), false), *comm); }
+  {
+    Checkpointer checkpointer(options_for(dir.path(), false), *comm);
+  }
   ASSERT_TRUE(std::filesystem::exists(step2 / "index.json")) << "the committed step-2 was lost";
   EXPECT_TRUE(verify_checkpoint(step2).ok());
   expect_same(load_step2(), replicated_state(3));
@@ -436,7 +484,9 @@ TEST(Ckpt, AStepSavedAgainIsReplacedWholeAndACrashMidReplaceLosesNothing) {
 
   // Killed after the second rename: step-2 is the new one, the .replaced copy is the old one.
   std::filesystem::copy(dir / "step-1", dir / "step-2.replaced");
-  { Checkpointer checkpointer(options_for(dir.path(), false), *comm); }
+  {
+    Checkpointer checkpointer(options_for(dir.path(), false), *comm);
+  }
   expect_same(load_step2(), replicated_state(3));
   EXPECT_FALSE(std::filesystem::exists(dir / "step-2.replaced"));
 }
@@ -498,7 +548,7 @@ TEST(Ckpt, WriteErrorFailsTheHandleAndKeepsThePreviousCheckpoint) {
   auto first = checkpointer.save(request(1, small));
   checkpointer.wait();
   ASSERT_TRUE(first->committed()) << first->error();
-  struct rlimit saved {};
+  struct rlimit saved{};
   if (!tmpfs) {
     ::signal(SIGXFSZ, SIG_IGN);
     ::getrlimit(RLIMIT_FSIZE, &saved);

@@ -370,8 +370,8 @@ def case_hsdp_sigkill(args, work):
 
 def case_tp_train(args, work):
     """`kiln train` of a llama with tensor parallelism under torchrun at world 4 on Gloo: dist.tp =
-    2 with DDP over the other 2 (TP 2 x DDP 2), and with FSDP (TP 2 x FSDP 2), against one process
-    of the same global batch: per-step losses within 1e-5. A tp that does not divide the world (2
+    2 with DDP over the other 2 (TP 2 x DDP 2), and with FSDP (TP 2 x FSDP 2), and of a gpt at TP 2 x
+    FSDP 2, against one process of the same global batch: per-step losses within 1e-5. A tp that does not divide the world (2
     of 3 ranks) is refused at start, before the run directory exists."""
     cfg = os.path.join(args.source, "configs/llama-tiny.toml")
     common = ["model.n_layer=2", "run.progress=log", "run.log_every=5", "data.num_workers=1",
@@ -388,6 +388,16 @@ def case_tp_train(args, work):
         check("tensor parallel over 2 ranks" in err and "14 of" in err,
               f"the ranks log the split (TP 2 x {strategy})")
         compare_losses(work, "single", name, 6, 1e-5)
+    # gpt: its fused c_attn split as three blocks per rank, FSDP's rows of them saved as boxes.
+    gpt = os.path.join(args.source, "configs/gpt-tiny.toml")
+    rc, _, err, _ = run([args.kiln, "train", gpt] + sets(common + ["run.name=gpt-single", "train.batch_size=8"]))
+    check(rc == 0, f"gpt: single process trains (exit {rc})") or print(err)
+    rc, _, err, _ = run(torchrun(args, 4, [args.kiln, "train", gpt] +
+                                 sets(common + ["run.name=gpt-tp-fsdp", "train.batch_size=4", "dist.tp=2",
+                                                "dist.strategy=fsdp"])))
+    check(rc == 0 and "tensor parallel over 2 ranks" in err and "12 of" in err,
+          f"gpt: torchrun with 4 ranks as TP 2 x FSDP 2 trains, the ranks log the split (exit {rc})") or print(err)
+    compare_losses(work, "gpt-single", "gpt-tp-fsdp", 6, 1e-5)
     rc, _, err, _ = run(torchrun(args, 3, [args.kiln, "train", cfg] +
                                  sets(common + ["run.name=refused", "dist.tp=2"])))
     check(rc != 0 and "dist.tp = 2 does not divide the world of 3 ranks" in err

@@ -29,7 +29,7 @@ Config gpt_6_7b_config() {
 }
 // Tensor parallelism in the plan: the degrees a model's plan accepts come from its spec (llama 3
 // 8B's 8 key/value heads and 14336-wide MLP: 2, 4, 8), the sliced fraction from its math
-// (q/k/v/o and gate/up/down: all but the norms, embedding and head); gpt has no plan.
+// (q/k/v/o and gate/up/down: all but the norms, embedding and head); gpt's from its heads.
 TEST(PlanModel, TensorParallelDegreesAndFractionComeFromTheModel) {
   const Config llama = Config::load(source_dir() / "configs" / "llama3-8b.toml");
   const ModelShape shape = model_shape(llama);
@@ -43,10 +43,16 @@ TEST(PlanModel, TensorParallelDegreesAndFractionComeFromTheModel) {
   EXPECT_DOUBLE_EQ(in.tensor_parallel_unit_bytes.at(8), 4.0 * (2.0 * 128256 * 4096 + 4096));
   // 4 all-reduces per layer of [1, 8192, 4096] in bf16 per micro-batch.
   EXPECT_DOUBLE_EQ(in.tensor_parallel_bytes, 4.0 * 32 * 8192 * 4096 * 2);
+  // gpt's plan splits whole heads (32): 2 to 32; its blocks but the norms and the row-parallel
+  // biases: 32 x (12 x 4096^2 + 7 x 4096) / 6,583,623,680 = 0.9787.
   const ModelShape gpt = model_shape(gpt_6_7b_config());
-  EXPECT_TRUE(gpt.tensor_parallel_degrees.empty());
+  EXPECT_EQ(gpt.tensor_parallel_degrees, (std::vector<int64_t>{2, 4, 8, 16, 32}));
+  EXPECT_NEAR(strategy_input(gpt, job_shape(gpt_6_7b_config()), 80e9, 0.1).tensor_parallel_fraction,
+              6'443'368'448.0 / 6'583'623'680.0, 1e-9);
+  // A model without a plan (the mlp) offers no degree.
+  const Config mlp = model_config({"model.name=mlp"});
   EXPECT_TRUE(
-      strategy_input(gpt, job_shape(gpt_6_7b_config()), 80e9, 0.1).tensor_parallel_degrees.empty());
+      strategy_input(model_shape(mlp), job_shape(mlp), 80e9, 0.1).tensor_parallel_degrees.empty());
 }
 
 // configs/llama3-70b.toml on two nodes of 8 H200 (docs/plan.md works it by hand): DDP holds the
