@@ -51,13 +51,16 @@ def clip_mixed(params, max_norm, tp_group):
     the tp group, the replicated ones' once (as torchtitan's clip_grad_norm_ does per mesh)."""
     from torch.distributed.tensor import DTensor
     grads = [p.grad for p in params if p.grad is not None]
-    split = sum((g.to_local().float().norm() ** 2 for g in grads if isinstance(g, DTensor)), torch.zeros(()))
-    whole = sum((g.float().norm() ** 2 for g in grads if not isinstance(g, DTensor)), torch.zeros(()))
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    # A DTensor replicated over the tp group (RowwiseParallel's bias) counts once, as a plain one.
+    sliced = [isinstance(g, DTensor) and any(p.is_shard() for p in g.placements) for g in grads]
+    split = sum((t.float().norm() ** 2 for t, s in zip(local, sliced) if s), torch.zeros(()))
+    whole = sum((t.float().norm() ** 2 for t, s in zip(local, sliced) if not s), torch.zeros(()))
     dist.all_reduce(split, group=tp_group)
     total = (split + whole).sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+    for t in local:
+        t.mul_(coef)
 
 
 def gpt_rows_by_rank(c_attn, tp):
