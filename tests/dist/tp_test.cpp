@@ -166,19 +166,34 @@ TEST(TensorParallel, MeshesMatchOneProcess) {
 }
 
 // Composed with activation checkpointing (each layer's recomputation in backward runs its
-// all-reduces again) and bf16-mixed (the all-reduces in bf16), against one process with the
-// same keys: checkpointing to summation order, bf16 to the precision tests' 2e-2 (bf16 rounds
-// at ~4e-3).
+// all-reduces again), bf16-mixed (the all-reduces in bf16) and fp16-mixed (the loss scaler's
+// overflow flag summed over the tp group with the norm), against one process with the same
+// keys: checkpointing to summation order, bf16 and fp16 to the precision tests' 2e-2.
 TEST(TensorParallel, ComposesWithCheckpointingAndMixedPrecision) {
   TempDir dir;
-  for (const auto& [keys, tolerance] : std::vector<std::pair<std::vector<std::string>, double>>{
-           {{"train.activation_checkpointing=block"}, kTolerance},
-           {{"train.precision=bf16-mixed"}, 2e-2}}) {
-    const Mesh one{1, 1, "ddp", keys}, split{4, 2, "fsdp", keys};
-    SCOPED_TRACE(split.text());
-    const std::vector<double> single = train(dir / "cfg", one, 4, dir / one.text());
-    expect_close(train(dir / "cfg", split, 4, dir / split.text()), single, tolerance);
+  for (Family family : {Family::kLlama, Family::kGpt}) {
+    for (const auto& [keys, tolerance] : std::vector<std::pair<std::vector<std::string>, double>>{
+             {{"train.activation_checkpointing=block"}, kTolerance},
+             {{"train.precision=bf16-mixed"}, 2e-2},
+             {{"train.precision=fp16-mixed"}, 2e-2}}) {
+      const Mesh one = Mesh{1, 1, "ddp", keys}.of(family);
+      const Mesh split = Mesh{4, 2, "fsdp", keys}.of(family);
+      SCOPED_TRACE(split.text());
+      const std::vector<double> single = train(dir / "cfg", one, 4, dir / one.text());
+      expect_close(train(dir / "cfg", split, 4, dir / split.text()), single, tolerance);
+    }
   }
+}
+
+// The 3-D mesh: hybrid sharding (2 replicas of 2 shards) over TP 2 slices, 8 ranks.
+TEST(TensorParallel, HybridShardingOverTensorParallelMatchesOneProcess) {
+  TempDir dir;
+  const Mesh one = Mesh{1, 1, "ddp"}.of(Family::kGpt);
+  const Mesh hsdp = Mesh{8, 2, "fsdp", {"dist.dp_replicate=2"}}.of(Family::kGpt);
+  const std::vector<double> single = train(dir / "cfg", one, 4, dir / "one");
+  expect_close(train(dir / "cfg", hsdp, 4, dir / "hsdp"), single, kTolerance);
+  expect_close(read_checkpoint_tensors(step_dir(dir / "hsdp", 4), "model/", true),
+               read_checkpoint_tensors(step_dir(dir / "one", 4), "model/", true), kTolerance);
 }
 
 // Megatron's f and g dropped: each rank's row-parallel output is its partial sum only.
