@@ -97,6 +97,8 @@ struct ComposedStep {
   std::unique_ptr<Trainer> trainer;
   /// With a parallel process group: the layout dist.strategy resolved to, and why.
   StrategyChoice strategy{Parallelism::kNone, {}, "", nullptr};
+  /// The mesh the world runs: dp_replicate x dp_shard x tp (1 x 1 x 1 in one process).
+  MeshShape mesh{};
   std::shared_ptr<DataParallel> ddp;
   std::shared_ptr<FullyShardedDataParallel> fsdp;
   std::shared_ptr<CompiledStep> compiled;

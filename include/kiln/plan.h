@@ -186,6 +186,12 @@ struct JobShape {
   bool fsdp_prefetch = true;               // dist.fsdp_prefetch
   bool fsdp_reshard_after_forward = true;  // dist.reshard_after_forward
   bool fsdp_accumulate_sharded = false;    // dist.fsdp_accumulate = "sharded"
+  /// The mesh over world_size ranks (kiln/dist.h MeshShape; the caller that knows the layout
+  /// sets it): tensor parallelism over `tp` ranks (each holds its slice of the model's split
+  /// layers and their 1/tp of the heads' and MLP's activations), and FSDP's shards over
+  /// world_size / (tp x dp_replicate) ranks (hybrid sharding's replicas hold the same shards).
+  int64_t tp = 1;
+  int64_t dp_replicate = 1;
 };
 
 /// The config's job shape: train.batch_size, data.seq_len (gpt), train.grad_accum_steps,

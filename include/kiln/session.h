@@ -26,6 +26,7 @@ struct Session {
   Parallelism strategy = Parallelism::kNone;
   std::string strategy_reason{};
   nlohmann::json strategy_decision{};  // dist.strategy = "auto": the rule's numbers; else null
+  MeshShape mesh{};                    // dp_replicate x dp_shard x tp (ComposedStep::mesh)
   std::shared_ptr<FullyShardedDataParallel> fsdp{};
   std::shared_ptr<CompiledStep> compiled{};       // compile.backend = "inductor" (else null)
   std::shared_ptr<CapturedGraphStep> captured{};  // CUDA graph capture (else null)

@@ -87,9 +87,11 @@ torch::Tensor linear(const nn::Linear& layer, const torch::Tensor& x) {
 }
 
 // A row-parallel layer's output under tensor parallelism: the ranks' partial products summed,
-// then the (whole, replicated) bias added once.
+// then the (whole, replicated) bias added once, in the product's dtype (under autocast the
+// bf16 product, as at::linear adds its cast bias without TP, not promoted to fp32).
 torch::Tensor row_parallel(const nn::Linear& layer, const torch::Tensor& x, Communicator& tp) {
-  return tensor_parallel::reduce_from_ranks(torch::linear(x, layer->weight), tp) + layer->bias;
+  const torch::Tensor sum = tensor_parallel::reduce_from_ranks(torch::linear(x, layer->weight), tp);
+  return sum + layer->bias.to(sum.scalar_type());
 }
 
 using Placements = std::map<std::string, TensorParallelPlacement>;

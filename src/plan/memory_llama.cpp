@@ -9,6 +9,7 @@
 // normed input and the gate and up projections two.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -21,14 +22,16 @@ namespace {
 // llama's parameters per FSDP group: each decoder layer in registration order (q, k, v, o,
 // gate, up, down, input_layernorm, post_attention_layernorm), then the root (embed_tokens, norm,
 // and lm_head when untied).
-std::vector<std::vector<Param>> llama_groups(const ModelShape& s) {
+// Under tensor parallelism over `tp` ranks, this rank's slices (Llama::shard_tensor_parallel):
+// q, k, v, gate and up's rows, o and down's columns.
+std::vector<std::vector<Param>> llama_groups(const ModelShape& s, double tp) {
   const double c = static_cast<double>(s.n_embd);
   const double d = c / static_cast<double>(s.n_head);
-  const double kv = static_cast<double>(s.n_kv_head) * d;
-  const double i = static_cast<double>(s.intermediate_size);
-  const std::vector<Param> layer = {{c, c, true}, {kv, c, true}, {kv, c, true},
-                                    {c, c, true}, {i, c, true},  {i, c, true},
-                                    {c, i, true}, {c, 1, false}, {c, 1, false}};
+  const double kv = static_cast<double>(s.n_kv_head) * d / tp;
+  const double i = static_cast<double>(s.intermediate_size) / tp;
+  const std::vector<Param> layer = {{c / tp, c, true}, {kv, c, true}, {kv, c, true},
+                                    {c, c / tp, true}, {i, c, true},  {i, c, true},
+                                    {c, i, true},      {c, 1, false}, {c, 1, false}};
   std::vector<std::vector<Param>> groups(static_cast<size_t>(s.n_layer), layer);
   const double v = static_cast<double>(s.vocab_size);
   std::vector<Param> root = {{v, c, s.tie_embeddings}, {c, 1, false}};
@@ -41,10 +44,14 @@ enum LayerParam { kQ, kK, kV, kO, kGate, kUp, kDown, kNorm1, kNorm2 };
 
 class LlamaStep final : public StepWalk {
  public:
-  LlamaStep(const ModelShape& s, const JobShape& job) : StepWalk(s, job, llama_groups(s)) {
+  // Under tensor parallelism the heads' tensors (q_ query elements, kv_, the log-sum-exp) and
+  // the MLP's (m_) are this rank's 1/tp; the residual stream and the norms stay whole.
+  LlamaStep(const ModelShape& s, const JobShape& job)
+      : StepWalk(s, job, llama_groups(s, static_cast<double>(std::max<int64_t>(1, job.tp)))) {
     const double d = h_ / heads_;
-    kv_ = tok_ * static_cast<double>(s.n_kv_head) * d;
-    m_ = tok_ * static_cast<double>(s.intermediate_size);
+    q_ = x_ / tp_;
+    kv_ = tok_ * static_cast<double>(s.n_kv_head) * d / tp_;
+    m_ = tok_ * static_cast<double>(s.intermediate_size) / tp_;
   }
 
  private:
@@ -80,8 +87,8 @@ class LlamaStep final : public StepWalk {
   // One decoder layer's forward. `saving`: grad mode; else (activation checkpointing's first
   // forward) what the layer saves is freed as it goes.
   void layer_forward(size_t g, bool saving, const std::string& moment) {
-    const double X = x_, e = e_, r = r_, kv = kv_, m = m_;
-    const double lse = 4.0 * heads_ * tok_;
+    const double X = x_, e = e_, r = r_, q = q_, kv = kv_, m = m_;
+    const double lse = 4.0 * heads_ * tok_ / tp_;
     // x = x + attention(input_layernorm(x))
     norm_forward(moment);
     if (cast_) {
@@ -90,25 +97,25 @@ class LlamaStep final : public StepWalk {
       walk_.free(kActivations, r * X);               // its fp32 original
     }
     const double normed_inputs = cast_ ? 3.0 * e * X : r * X;
-    walk_.add(kActivations, e * X + 2.0 * e * kv, moment);  // q, k, v
+    walk_.add(kActivations, e * q + 2.0 * e * kv, moment);  // q, k, v
     // Rotary: q cos, plus (in place) the swapped halves times the signed sin.
-    walk_.add(kActivations, e * X, moment);     // rotated q
-    walk_.add(kBackward, 2.0 * e * X, moment);  // the swapped halves, their product
-    walk_.free(kBackward, 2.0 * e * X);
-    walk_.free(kActivations, e * X);          // q
+    walk_.add(kActivations, e * q, moment);     // rotated q
+    walk_.add(kBackward, 2.0 * e * q, moment);  // the swapped halves, their product
+    walk_.free(kBackward, 2.0 * e * q);
+    walk_.free(kActivations, e * q);          // q
     walk_.add(kActivations, e * kv, moment);  // rotated k
     walk_.add(kBackward, 2.0 * e * kv, moment);
     walk_.free(kBackward, 2.0 * e * kv);
     walk_.free(kActivations, e * kv);  // k
     // Attention reads the key/value heads as they are (grouped inside SDPA).
-    const double attention_inputs = e * X + 2.0 * e * kv;
-    walk_.add(kActivations, e * X + lse, moment);  // attention output (saved), log-sum-exp
+    const double attention_inputs = e * q + 2.0 * e * kv;
+    walk_.add(kActivations, e * q + lse, moment);  // attention output (saved), log-sum-exp
     if (cast_) walk_.add(kCopies, weight_copy(g, kO), moment);
-    walk_.add(kActivations, e * X, moment);  // o_proj's output
+    row_parallel_output(moment);             // o_proj's output
     walk_.add(kActivations, r * X, moment);  // x2, the residual sum
     walk_.free(kActivations, e * X);         // o_proj's output
     if (!saving)
-      walk_.free(kActivations, norm_saved() + normed_inputs + attention_inputs + e * X + lse);
+      walk_.free(kActivations, norm_saved() + normed_inputs + attention_inputs + e * q + lse);
     // x2 + down(silu(gate(n)) * up(n)), n = post_attention_layernorm(x2)
     norm_forward(moment);
     if (cast_) {
@@ -118,7 +125,7 @@ class LlamaStep final : public StepWalk {
     }
     walk_.add(kActivations, 4.0 * e * m, moment);  // gate, silu(gate), up, their product
     if (cast_) walk_.add(kCopies, weight_copy(g, kDown), moment);
-    walk_.add(kActivations, e * X, moment);  // down's output
+    row_parallel_output(moment);             // down's output
     walk_.add(kActivations, r * X, moment);  // the layer's output
     walk_.free(kActivations, e * X);
     if (!saving) {
@@ -134,8 +141,8 @@ class LlamaStep final : public StepWalk {
 
   // One layer's backward from the gradient of its output (live in kBackward, r X).
   void layer_backward(size_t g, const std::string& moment) {
-    const double X = x_, e = e_, r = r_, kv = kv_, m = m_;
-    const double lse = 4.0 * heads_ * tok_;
+    const double X = x_, e = e_, r = r_, q = q_, kv = kv_, m = m_;
+    const double lse = 4.0 * heads_ * tok_ / tp_;
     const bool ac = job_.activation_checkpointing;
     // The MLP.
     if (cast_) walk_.add(kBackward, e * X, moment);  // the branch's gradient, cast
@@ -159,6 +166,7 @@ class LlamaStep final : public StepWalk {
     walk_.free(kActivations, cast_ ? 2.0 * e * X : r * X);
     walk_.add(kBackward, r * X, moment);  // d n, summed (fp32 under autocast)
     walk_.free(kBackward, 2.0 * e * X);
+    all_reduced_input_gradient(moment);
     norm_backward(g, kNorm2, moment);
     walk_.free(kBackward, r * X);  // d n
     // Summed into the residual gradient: in place, except inside checkpointing's recomputed
@@ -167,24 +175,25 @@ class LlamaStep final : public StepWalk {
     walk_.free(kBackward, r * X);
     // Attention.
     if (cast_) walk_.add(kBackward, e * X, moment);
-    walk_.add(kBackward, e * X, moment);  // d attention output
+    walk_.add(kBackward, e * q, moment);  // d attention output
     gradients(g, {kO}, moment);
     walk_.free(kCopies, weight_copy(g, kO));
     if (cast_) walk_.free(kBackward, e * X);
-    walk_.add(kBackward, e * X + 2.0 * e * kv, moment);  // d q, d k, d v (their own heads)
-    walk_.free(kBackward, e * X);
-    walk_.free(kActivations, e * X + lse + e * X + 2.0 * e * kv);  // output, lse, q, k, v
+    walk_.add(kBackward, e * q + 2.0 * e * kv, moment);  // d q, d k, d v (their own heads)
+    walk_.free(kBackward, e * q);
+    walk_.free(kActivations, e * q + lse + e * q + 2.0 * e * kv);  // output, lse, q, k, v
     // Rotary's backward for d q and d k.
-    walk_.add(kBackward, 2.0 * e * X + 2.0 * e * kv, moment);
-    walk_.free(kBackward, 2.0 * e * X + 2.0 * e * kv);
-    walk_.free(kActivations, e * X + e * kv);   // rotated q, k
+    walk_.add(kBackward, 2.0 * e * q + 2.0 * e * kv, moment);
+    walk_.free(kBackward, 2.0 * e * q + 2.0 * e * kv);
+    walk_.free(kActivations, e * q + e * kv);   // rotated q, k
     walk_.add(kBackward, 3.0 * e * X, moment);  // d n through q, k, v
     gradients(g, {kQ, kK, kV}, moment);
-    walk_.free(kBackward, e * X + 2.0 * e * kv);  // d q, d k, d v
+    walk_.free(kBackward, e * q + 2.0 * e * kv);  // d q, d k, d v
     walk_.free(kCopies, weight_copy(g, kQ) + weight_copy(g, kK) + weight_copy(g, kV));
     walk_.free(kActivations, cast_ ? 3.0 * e * X : r * X);
     walk_.add(kBackward, r * X, moment);  // d n, summed
     walk_.free(kBackward, 3.0 * e * X);
+    all_reduced_input_gradient(moment);
     norm_backward(g, kNorm1, moment);
     if (ac) walk_.free(kActivations, r * X);  // the layer's input, kept by the checkpoint
     walk_.free(kBackward, r * X);             // d n
@@ -281,7 +290,24 @@ class LlamaStep final : public StepWalk {
     if (ddp_ && communicating_) walk_.free(kGradients, walk_.live(kGradients));
   }
 
-  double kv_ = 0, m_ = 0;
+  // A row-parallel layer's output (o, down): under tensor parallelism the rank's partial sum,
+  // cloned for the all-reduce (src/models/tensor_parallel.cpp).
+  void row_parallel_output(const std::string& moment) {
+    walk_.add(kActivations, e_ * x_, moment);
+    if (tp_ > 1) {
+      walk_.add(kActivations, e_ * x_, moment);
+      walk_.free(kActivations, e_ * x_);
+    }
+  }
+  // Under tensor parallelism, the gradient of the column-parallel layers' whole input (d n,
+  // summed, live) is this rank's partial sum, cloned for the all-reduce (Megatron's f backward).
+  void all_reduced_input_gradient(const std::string& moment) {
+    if (tp_ <= 1) return;
+    walk_.add(kBackward, r_ * x_, moment);
+    walk_.free(kBackward, r_ * x_);
+  }
+
+  double q_ = 0, kv_ = 0, m_ = 0;
 };
 
 }  // namespace

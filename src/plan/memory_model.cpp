@@ -31,14 +31,16 @@ using plan_walk::kLogits;
 using plan_walk::Param;
 
 // gpt's parameters per FSDP group: each block (Model::units()), then the root (wte, wpe, ln_f).
-std::vector<std::vector<Param>> gpt_groups(const ModelShape& s) {
+// Under tensor parallelism over `tp` ranks, this rank's slices (Gpt::shard_tensor_parallel):
+// c_attn's and c_fc's rows, the c_projs' columns; the norms and the c_projs' biases whole.
+std::vector<std::vector<Param>> gpt_groups(const ModelShape& s, double tp) {
   const double h = static_cast<double>(s.n_embd);
-  const std::vector<Param> block = {{h, 1, false},    {h, 1, false},     // ln_1
-                                    {3 * h, h, true}, {3 * h, 1, true},  // attn.c_attn
-                                    {h, h, true},     {h, 1, true},      // attn.c_proj
-                                    {h, 1, false},    {h, 1, false},     // ln_2
-                                    {4 * h, h, true}, {4 * h, 1, true},  // mlp.c_fc
-                                    {h, 4 * h, true}, {h, 1, true}};     // mlp.c_proj
+  const std::vector<Param> block = {{h, 1, false},         {h, 1, false},          // ln_1
+                                    {3 * h / tp, h, true}, {3 * h / tp, 1, true},  // attn.c_attn
+                                    {h, h / tp, true},     {h, 1, true},           // attn.c_proj
+                                    {h, 1, false},         {h, 1, false},          // ln_2
+                                    {4 * h / tp, h, true}, {4 * h / tp, 1, true},  // mlp.c_fc
+                                    {h, 4 * h / tp, true}, {h, 1, true}};          // mlp.c_proj
   std::vector<std::vector<Param>> groups(static_cast<size_t>(s.n_layer), block);
   groups.push_back({{static_cast<double>(s.vocab_size), h, false},
                     {static_cast<double>(s.block_size), h, false},
@@ -50,7 +52,8 @@ std::vector<std::vector<Param>> gpt_groups(const ModelShape& s) {
 // The gpt step on one device (src/models/models.cpp).
 class GptStep final : public plan_walk::StepWalk {
  public:
-  GptStep(const ModelShape& s, const JobShape& job) : StepWalk(s, job, gpt_groups(s)) {}
+  GptStep(const ModelShape& s, const JobShape& job)
+      : StepWalk(s, job, gpt_groups(s, static_cast<double>(std::max<int64_t>(1, job.tp)))) {}
 
  private:
   // Autocast's weight copies of block g's linears (cached for the autocast scope; the weights'
@@ -65,37 +68,57 @@ class GptStep final : public plan_walk::StepWalk {
   // ---- forward ----
   // One block's forward. `saving`: grad mode (the saved tensors stay); else (activation
   // checkpointing's first forward) each tensor is freed where the C++ statement ends.
+  // A row-parallel layer's output (c_proj): under tensor parallelism the rank's partial sum,
+  // cloned for the all-reduce (src/models/tensor_parallel.cpp), then the bias added.
+  void row_parallel_output(const std::string& moment) {
+    walk_.add(kActivations, e_ * x_, moment);
+    if (tp_ > 1) {
+      walk_.add(kActivations, e_ * x_, moment);
+      walk_.free(kActivations, e_ * x_);
+    }
+  }
+
+  // One block's forward. Under tensor parallelism (tp_ ranks) the heads' and the MLP's tensors
+  // are this rank's 1/tp_; the residual stream and the norms stay whole.
   void block_forward(size_t g, bool saving, const std::string& moment) {
-    const double X = x_, e = e_, r = r_, stats = 2.0 * 4.0 * tok_;
-    const double lse = 4.0 * heads_ * tok_;
+    const double X = x_, e = e_, r = r_, stats = 2.0 * 4.0 * tok_, T = tp_;
+    const double lse = 4.0 * heads_ * tok_ / T;
     // x = x + attn(ln_1(x))
     walk_.add(kActivations, stats + r * X, moment);  // ln_1: mean/rstd, output
     if (cast_) walk_.add(kCopies, weight_copy(g, 2) + weight_copy(g, 3), moment);
     if (cast_) walk_.add(kActivations, e * X, moment);  // the input cast for c_attn
-    walk_.add(kActivations, 3 * e * X, moment);         // qkv
-    walk_.add(kActivations, e * X + lse, moment);       // attention output, log-sum-exp
+    walk_.add(kActivations, 3 * e * X / T, moment);     // qkv
+    walk_.add(kActivations, e * X / T + lse, moment);   // attention output, log-sum-exp
     if (cast_) walk_.add(kCopies, weight_copy(g, 4) + weight_copy(g, 5), moment);
-    walk_.add(kActivations, e * X, moment);      // c_proj's output
+    row_parallel_output(moment);                 // c_proj's output
     walk_.add(kActivations, r * X, moment);      // x2, the residual sum
     walk_.free(kActivations, e * X);             // c_proj's output
     if (cast_) walk_.free(kActivations, r * X);  // ln_1's fp32 output (its cast is saved)
     if (!saving) {
-      walk_.free(kActivations, stats + (cast_ ? e : r) * X + 3 * e * X + e * X + lse);
+      walk_.free(kActivations, stats + (cast_ ? e : r) * X + 4 * e * X / T + lse);
     }
     // h = gelu(c_fc(ln_2(x)))
     walk_.add(kActivations, stats + r * X, moment);
     if (cast_) walk_.add(kCopies, weight_copy(g, 8) + weight_copy(g, 9), moment);
     if (cast_) walk_.add(kActivations, e * X, moment);
-    walk_.add(kActivations, 4 * e * X, moment);  // c_fc's output
-    walk_.add(kActivations, 4 * e * X, moment);  // gelu's output
+    walk_.add(kActivations, 4 * e * X / T, moment);  // c_fc's output
+    walk_.add(kActivations, 4 * e * X / T, moment);  // gelu's output
     if (cast_) walk_.free(kActivations, r * X);
-    if (!saving) walk_.free(kActivations, stats + (cast_ ? e : r) * X + 4 * e * X);
+    if (!saving) walk_.free(kActivations, stats + (cast_ ? e : r) * X + 4 * e * X / T);
     // x + c_proj(h)
     if (cast_) walk_.add(kCopies, weight_copy(g, 10) + weight_copy(g, 11), moment);
-    walk_.add(kActivations, e * X, moment);
+    row_parallel_output(moment);
     walk_.add(kActivations, r * X, moment);  // the block's output
     walk_.free(kActivations, e * X);
-    if (!saving) walk_.free(kActivations, 4 * e * X + r * X);  // h and x2
+    if (!saving) walk_.free(kActivations, 4 * e * X / T + r * X);  // h and x2
+  }
+
+  // Under tensor parallelism, the gradient of a column-parallel layer's whole input (`bytes`,
+  // live) is this rank's partial sum, cloned for the all-reduce (Megatron's f backward).
+  void all_reduced_input_gradient(double bytes, const std::string& moment) {
+    if (tp_ <= 1) return;
+    walk_.add(kBackward, bytes, moment);
+    walk_.free(kBackward, bytes);
   }
 
   void forward_and_loss() override {
@@ -138,29 +161,30 @@ class GptStep final : public plan_walk::StepWalk {
   // ---- backward ----
   // One block's backward from the gradient of its output (live in kBackward).
   void block_backward(size_t g, const std::string& moment) {
-    const double X = x_, e = e_, r = r_, stats = 2.0 * 4.0 * tok_;
-    const double lse = 4.0 * heads_ * tok_;
+    const double X = x_, e = e_, r = r_, stats = 2.0 * 4.0 * tok_, T = tp_;
+    const double lse = 4.0 * heads_ * tok_ / T;
     const bool ac = job_.activation_checkpointing;
     // x3 = x2 + c_proj(h): the bf16 branch's gradient is a cast copy.
     if (cast_) walk_.add(kBackward, e * X, moment);
-    walk_.add(kBackward, 4 * e * X, moment);  // d h
+    walk_.add(kBackward, 4 * e * X / T, moment);  // d h
     gradients(g, {10, 11}, moment);
-    walk_.free(kActivations, 4 * e * X);  // h
+    walk_.free(kActivations, 4 * e * X / T);  // h
     walk_.free(kCopies, weight_copy(g, 10));
     if (cast_) walk_.free(kBackward, e * X);
-    walk_.add(kBackward, 4 * e * X, moment);  // d c_fc output (gelu's backward)
-    walk_.free(kActivations, 4 * e * X);
-    walk_.free(kBackward, 4 * e * X);
+    walk_.add(kBackward, 4 * e * X / T, moment);  // d c_fc output (gelu's backward)
+    walk_.free(kActivations, 4 * e * X / T);
+    walk_.free(kBackward, 4 * e * X / T);
     walk_.add(kBackward, e * X, moment);  // d ln_2 output
     gradients(g, {8, 9}, moment);
     walk_.free(kActivations, (cast_ ? e : r) * X);
     walk_.free(kCopies, weight_copy(g, 8));
-    walk_.free(kBackward, 4 * e * X);
+    walk_.free(kBackward, 4 * e * X / T);
     if (cast_) {
       walk_.add(kBackward, r * X, moment);
       walk_.free(kBackward, e * X);
     }
     const double d_ln = cast_ ? r * X : e * X;
+    all_reduced_input_gradient(d_ln, moment);
     walk_.add(kBackward, r * X, moment);  // d x2 through ln_2
     gradients(g, {6, 7}, moment);
     walk_.free(kActivations, stats + r * X);  // ln_2's mean/rstd, x2
@@ -171,24 +195,25 @@ class GptStep final : public plan_walk::StepWalk {
     walk_.free(kBackward, r * X);
     // x2 = x + attn(ln_1(x))
     if (cast_) walk_.add(kBackward, e * X, moment);
-    walk_.add(kBackward, e * X, moment);  // d attention output
+    walk_.add(kBackward, e * X / T, moment);  // d attention output
     gradients(g, {4, 5}, moment);
     walk_.free(kCopies, weight_copy(g, 4));
     if (cast_) walk_.free(kBackward, e * X);
-    walk_.add(kBackward, 3 * e * X, moment);  // d q, d k, d v
-    walk_.free(kBackward, e * X);
-    walk_.free(kActivations, e * X + lse);
-    walk_.add(kBackward, 3 * e * X, moment);  // d qkv
-    walk_.free(kBackward, 3 * e * X);
+    walk_.add(kBackward, 3 * e * X / T, moment);  // d q, d k, d v
+    walk_.free(kBackward, e * X / T);
+    walk_.free(kActivations, e * X / T + lse);
+    walk_.add(kBackward, 3 * e * X / T, moment);  // d qkv
+    walk_.free(kBackward, 3 * e * X / T);
     walk_.add(kBackward, e * X, moment);  // d ln_1 output
     gradients(g, {2, 3}, moment);
-    walk_.free(kActivations, 3 * e * X + (cast_ ? e : r) * X);
+    walk_.free(kActivations, 3 * e * X / T + (cast_ ? e : r) * X);
     walk_.free(kCopies, weight_copy(g, 2));
-    walk_.free(kBackward, 3 * e * X);
+    walk_.free(kBackward, 3 * e * X / T);
     if (cast_) {
       walk_.add(kBackward, r * X, moment);
       walk_.free(kBackward, e * X);
     }
+    all_reduced_input_gradient(d_ln, moment);
     walk_.add(kBackward, r * X, moment);  // d x through ln_1
     gradients(g, {0, 1}, moment);
     walk_.free(kActivations, stats + r * X);  // ln_1's mean/rstd, the block's input

@@ -93,9 +93,16 @@ class StepWalk {
     const std::string compute = compute_precision(job.precision);  // "bf16-mixed" -> "bf16"
     mixed_ = compute == "bf16" || compute == "fp16";
     e_ = mixed_ ? 2.0 : 4.0;
-    fsdp_ = job.strategy == "fsdp" && job.world_size > 1;
-    ddp_ = job.strategy == "ddp" && job.world_size > 1;
-    world_ = fsdp_ ? static_cast<double>(job.world_size) : 1.0;
+    // The mesh: tensor parallelism over tp_ ranks, data parallelism over the rest, FSDP's
+    // shards over the shard group (world / (tp x replicas)).
+    tp_ = static_cast<double>(std::max<int64_t>(1, job.tp));
+    const int64_t dp = job.world_size / std::max<int64_t>(1, job.tp);
+    fsdp_ = job.strategy == "fsdp" && dp > 1;
+    ddp_ = job.strategy == "ddp" && dp > 1;
+    world_ =
+        fsdp_
+            ? static_cast<double>(std::max<int64_t>(1, dp / std::max<int64_t>(1, job.dp_replicate)))
+            : 1.0;
     r_ = fsdp_ && mixed_ ? 2.0 : 4.0;  // FSDP mixed: bf16 parameters, a bf16 residual stream
     cast_ = mixed_ && !fsdp_;          // autocast copies fp32 weights and activations
     gathered_dtype_ = mixed_ ? 2.0 : 4.0;
@@ -294,7 +301,7 @@ class StepWalk {
   const ModelShape& s_;
   const JobShape& job_;
   double b_ = 0, t_ = 0, h_ = 0, heads_ = 0, v_ = 0, tok_ = 0, x_ = 0;
-  double e_ = 4, r_ = 4, gathered_dtype_ = 4, world_ = 1;
+  double e_ = 4, r_ = 4, gathered_dtype_ = 4, world_ = 1, tp_ = 1;
   bool mixed_ = false, fsdp_ = false, ddp_ = false, cast_ = false;
   std::vector<std::vector<Param>> groups_;
   std::vector<double> full_, shard_, grad_bytes_, reduce_bytes_;

@@ -117,6 +117,7 @@ ComposedStep compose_step(const Job& job, std::shared_ptr<Model> model, Datasets
     out.strategy = resolve_strategy(job.config, *model, options.device, dp);
     MeshShape shape = out.strategy.mesh;
     shape.tp = static_cast<int>(tp);
+    out.mesh = shape;
     // Hybrid sharding's and tensor parallelism's groups are created here, on every rank.
     mesh = build_device_mesh(options.comm, shape);
     trainer_options.rank = mesh.dp_index();
@@ -271,6 +272,7 @@ std::unique_ptr<Session> compose_training(const Job& job, std::shared_ptr<Commun
     session->strategy = step.strategy.strategy;
     session->strategy_reason = step.strategy.reason;
     session->strategy_decision = step.strategy.decision;
+    session->mesh = step.mesh;
     session->fsdp = step.fsdp;
     log::info(
         fmt::format("strategy {}: {}", to_string(session->strategy), session->strategy_reason));

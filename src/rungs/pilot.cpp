@@ -166,6 +166,8 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   PilotStepTiming timing;
   timing.first_step_seconds = trainer.train_step(/*sync=*/true).step_seconds;
   job.strategy = std::string(to_string(session->strategy));
+  job.tp = session->mesh.tp;  // the mesh it runs: the estimate is per rank of it
+  job.dp_replicate = session->mesh.dp_replicate;
   double held_gradients = 0;
   if (session->fsdp) {
     held_gradients = static_cast<double>(session->fsdp->memory().gradient_shards);

@@ -182,6 +182,42 @@ TEST(PlanModel, AModelIsPlannedFromItsMathNotItsName) {
   EXPECT_DOUBLE_EQ(plain.parameters, expected.parameters);
 }
 
+// The walk per rank of a mesh (JobShape::tp, dp_replicate; the pilot compares it with what a
+// rank measures, tests/dist/dist_cases.py pilot_mesh): under TP 2 a rank holds its half of each
+// split weight (the whole rest) and its half of the heads' and MLP's activations; under HSDP
+// the shards of its shard group, as FSDP over that group alone.
+TEST(PlanModel, TheMemoryWalkIsOneRanksShareOfTheMesh) {
+  for (const char* name : {"gpt", "llama"}) {
+    SCOPED_TRACE(name);
+    const Config config = model_config({std::string("model.name=") + name, "data.name=text"});
+    const ModelShape shape = model_shape(config);
+    const double n = static_cast<double>(analytic_parameter_count(shape));
+    const double split = static_cast<double>(shape.math_tensor_parallel_parameters);
+    ASSERT_GT(split, 0);
+    JobShape job = job_shape(config);
+    job.world_size = 4;
+    job.strategy = "ddp";
+    const MemoryEstimate whole = estimate_memory(shape, job);
+    job.tp = 2;
+    const MemoryEstimate sliced = estimate_memory(shape, job);
+    EXPECT_DOUBLE_EQ(whole.parameters, 4.0 * n);
+    EXPECT_DOUBLE_EQ(sliced.parameters, 4.0 * (n - split / 2));
+    EXPECT_LT(sliced.step_peak() - sliced.parameters - sliced.optimizer - sliced.communication,
+              whole.step_peak() - whole.parameters - whole.optimizer - whole.communication);
+    job.strategy = "fsdp";  // TP 2 x FSDP 2: the slices sharded over 2
+    EXPECT_NEAR(estimate_memory(shape, job).parameters, 4.0 * (n - split / 2) / 2, 0.01 * n);
+    job.tp = 1;
+    job.dp_replicate = 2;  // HSDP 2 x 2: as FSDP over 2
+    const MemoryEstimate hybrid = estimate_memory(shape, job);
+    JobShape two = job;
+    two.world_size = 2;
+    two.dp_replicate = 1;
+    EXPECT_DOUBLE_EQ(hybrid.step_peak(), estimate_memory(shape, two).step_peak());
+    job.dp_replicate = 1;  // the control: FSDP over all 4 holds less
+    EXPECT_LT(estimate_memory(shape, job).parameters, hybrid.parameters);
+  }
+}
+
 // llama through its ModelSpec::math: the model's own FLOP count, and Llama 3 8B's published
 // shape by hand (docs/models.md): N = 2 x 128,256 x 4,096 + 32 x (2 x 4,096 x 4,096 + 2 x 4,096 x
 // 1,024 + 3 x 4,096 x 14,336 + 2 x 4,096) + 4,096 = 8,030,261,248; per token at T = 8,192:
