@@ -48,7 +48,11 @@ def sets(overrides):
 def kiln(args, command, extra, name):
     cmd = [args.kiln, command, args.config] + extra + sets(args.set + [
         f"run.dir={args.work}/runs", f"run.name={name}", "run.progress=off"])
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    env = None
+    if args.nproc > 1 and command in ("pilot", "train"):  # the mesh's ranks, one thread each
+        cmd = [args.torchrun, "--standalone", "--no-python", f"--nproc-per-node={args.nproc}"] + cmd
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
     return os.path.join(args.work, "runs", name), done
@@ -67,6 +71,10 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--result")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="run the pilots and the train under torchrun with this many ranks (the "
+                        "mesh from --set dist.*; the baseline, one process only, is left out)")
+    p.add_argument("--torchrun", default=os.path.join(os.path.dirname(sys.executable), "torchrun"))
     args = p.parse_args()
     args.work = tempfile.mkdtemp(prefix="kiln-bench-plan-")
     args.set = args.set + [f"train.steps={args.steps}", f"baseline.steps={args.steps}",
@@ -82,12 +90,14 @@ def main():
         forecast_line = next((line for line in (done.stdout + done.stderr).splitlines()
                               if "forecast (" in line), None)
         kiln(args, "plan", ["--pilot", pilot, "--actual", train], f"p{k}")
-        base, _ = kiln(args, "baseline", [], f"b{k}")
-        kiln(args, "plan", ["--pilot", pilot, "--actual", base], f"p{k}")
+        base = None
+        if args.nproc == 1:
+            base, _ = kiln(args, "baseline", [], f"b{k}")
+            kiln(args, "plan", ["--pilot", pilot, "--actual", base], f"p{k}")
         second, _ = kiln(args, "pilot", [], f"q{k}")
         kiln(args, "plan", ["--pilot", pilot, "--actual", second], f"p{k}")
         on_train = json.load(open(os.path.join(train, "plan-vs-actual.json")))
-        on_base = json.load(open(os.path.join(base, "plan-vs-actual.json")))
+        on_base = json.load(open(os.path.join(base, "plan-vs-actual.json"))) if base else None
         on_second = json.load(open(os.path.join(second, "plan-vs-actual.json")))
         pilot_json = json.load(open(os.path.join(pilot, "pilot.json")))
         final = [json.loads(line)["plan"] for line in open(os.path.join(train, "metrics.jsonl"))
@@ -105,7 +115,7 @@ def main():
             "baseline": on_base,
             "second_pilot": on_second,
             "ratio_step_train": ratios(on_train)["step time"],
-            "ratio_step_baseline": ratios(on_base)["step time"],
+            "ratio_step_baseline": ratios(on_base)["step time"] if on_base else None,
             "ratio_peak_memory_second_pilot": ratios(on_second)["peak memory"],
             "ratio_save_second_pilot": ratios(on_second)["checkpoint save"],
             "train_final_plan_record": final,
@@ -116,8 +126,10 @@ def main():
             "load_average": os.getloadavg(),
         }
         repeats.append(row)
+        baseline_text = (f"{row['ratio_step_baseline']:.3f} (baseline)" if on_base
+                         else "no baseline (torchrun)")
         print(f"repeat {k + 1}: step forecast/actual {row['ratio_step_train']:.3f} (train), "
-              f"{row['ratio_step_baseline']:.3f} (baseline); peak memory "
+              f"{baseline_text}; peak memory "
               f"{row['ratio_peak_memory_second_pilot']:.3f}, save "
               f"{row['ratio_save_second_pilot']:.3f} (second pilot); checkpoint time "
               f"{row['ratio_checkpoint_time_train']:.3f}, wall {row['ratio_wall_train']:.3f}, "
@@ -126,12 +138,14 @@ def main():
               f"{on_train['most_wrong']['text']}", flush=True)
 
     def median(key):
-        return statistics.median(r[key] for r in repeats)
+        values = [r[key] for r in repeats if r[key] is not None]
+        return statistics.median(values) if values else None
 
     result = {
         "benchmark": "plan forecast (calibrated by a pilot) vs separate runs of the same job",
         "config": args.config,
         "overrides": args.set,
+        "ranks": args.nproc,
         "steps": args.steps,
         "repeats": repeats,
         "median_ratio_step_forecast_over_train": median("ratio_step_train"),

@@ -115,7 +115,9 @@ ActualRun read_actual_run(const std::filesystem::path& dir) {
     }
     a.steps = static_cast<double>(seconds.size());
     a.step_seconds = plan_cli_median(seconds);
-    a.tokens_per_second = plan_cli_median(tokens);
+    // metrics.jsonl records the step's tokens over every rank; the forecast is per device.
+    a.tokens_per_second =
+        plan_cli_median(tokens) / static_cast<double>(std::max<int64_t>(1, a.world_size));
     a.step_source = fmt::format("metrics.jsonl, the median of steps {}-{} (the first {} left out)",
                                 steps[warmup].step, steps.back().step, warmup);
   } else {

@@ -71,11 +71,18 @@ Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
   JobShape job = job_shape(config);
   job.world_size = std::max<int64_t>(1, world_size);
   job.strategy = std::string(strategy);
+  // The mesh the run's keys give (the memory walk is per rank of it).
+  job.tp = std::max<int64_t>(1, config.get_int("dist.tp"));
+  job.dp_replicate =
+      job.strategy == "fsdp" ? std::max<int64_t>(1, config.get_int("dist.dp_replicate")) : 1;
   Forecast f;
   f.device = std::string(device_name);
   f.world_size = job.world_size;
   f.calibration = pilot ? "pilot " + pilot->run_dir.string() : "uncalibrated";
-  f.tokens_per_step = static_cast<double>(job.micro_batch * job.grad_accum_steps * job.seq_len);
+  // Per device: a data-parallel rank's tokens, shared by the dist.tp devices of its
+  // tensor-parallel group (as kiln train counts them: the step's tokens over every device).
+  f.tokens_per_step = static_cast<double>(job.micro_batch * job.grad_accum_steps * job.seq_len) /
+                      static_cast<double>(std::max<int64_t>(1, config.get_int("dist.tp")));
   f.flops_per_step =
       train_flops_per_token(shape, job.seq_len, job.activation_checkpointing) * f.tokens_per_step;
   f.steps = static_cast<double>(inputs.train_steps);
@@ -104,7 +111,10 @@ Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
   f.memory_calibration = same_device && pilot->activation_ratio > 0 ? pilot->activation_ratio : 1.0;
   f.peak_memory_bytes = held + (memory.step_peak() - held) * f.memory_calibration;
 
-  f.checkpoint_bytes = memory.parameters + memory.optimizer;
+  // The checkpoint holds every parameter and optimizer tensor once (every rank's files together,
+  // as the pilot's write speed counts them), not one rank's share.
+  f.checkpoint_bytes =
+      static_cast<double>(analytic_parameter_count(shape)) * (state_bytes_per_parameter(job) - 4.0);
   f.write_bytes_per_second = same_device && pilot->write_bytes_per_second > 0
                                  ? pilot->write_bytes_per_second
                                  : inputs.plan_checkpoint_write_gb_per_second * 1e9;

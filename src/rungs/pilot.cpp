@@ -207,9 +207,11 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   const std::string device_name = manifest_device_name(
       manifest, session->device.is_cuda() ? static_cast<int>(session->device.index()) : -1);
   const double peak_flops = device_peak_flops(config, device_name, job);
+  // The step's tokens: each data-parallel rank's batch (a tensor-parallel group shares one).
   const double flops_per_step =
       train_flops_per_token(shape, job.seq_len) *
-      static_cast<double>(job.micro_batch * job.seq_len * job.grad_accum_steps * world);
+      static_cast<double>(job.micro_batch * job.seq_len * job.grad_accum_steps * world /
+                          std::max(1, session->mesh.tp));
   const double mfu = peak_flops > 0 ? flops_per_step / measured.step_seconds /
                                           (static_cast<double>(world) * peak_flops)
                                     : 0;

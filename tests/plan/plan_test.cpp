@@ -432,6 +432,28 @@ Config stall_config(const std::vector<std::string>& extra = {}) {
   return config_with(o);
 }
 
+// A run over a mesh is forecast per device: under TP 2 a rank's share of the step's tokens is
+// half its data-parallel rank's batch (4 x 16 / 2), the peak memory a rank's of TP 2 x FSDP 2
+// (the walk per rank of the mesh), and the checkpoint every tensor once (427,008 B, as in one
+// process: the pilot's write speed counts every rank's files). The control: the same job with
+// no TP is forecast a whole batch per device.
+TEST(PlanForecast, AMeshRunIsForecastPerDevice) {
+  TempDir dir;
+  write_this_cpu_catalog(dir / "cpu.toml");
+  const std::string catalog = "plan.catalog=" + (dir / "cpu.toml").string();
+  const Forecast one = forecast_run(stall_config({catalog}), nullptr, "cpu", 1, "none");
+  const Forecast mesh = forecast_run(stall_config({catalog, "dist.tp=2", "dist.strategy=fsdp"}),
+                                     nullptr, "cpu", 4, "fsdp");
+  const Forecast flat =
+      forecast_run(stall_config({catalog, "dist.strategy=fsdp"}), nullptr, "cpu", 4, "fsdp");
+  EXPECT_DOUBLE_EQ(one.tokens_per_step, 64.0);
+  EXPECT_DOUBLE_EQ(mesh.tokens_per_step, 32.0);
+  EXPECT_DOUBLE_EQ(flat.tokens_per_step, 64.0);
+  EXPECT_DOUBLE_EQ(mesh.checkpoint_bytes, 427'008.0);
+  EXPECT_DOUBLE_EQ(flat.checkpoint_bytes, one.checkpoint_bytes);
+  EXPECT_LT(mesh.peak_memory_bytes, one.peak_memory_bytes);
+}
+
 TEST(PlanForecast, AnAsyncJobLosesThePilotsBlockingTimeAndEndWaitPerSaveASyncJobTheWholeSave) {
   TempDir dir;
   write_this_cpu_catalog(dir / "cpu.toml");
