@@ -1,10 +1,8 @@
 // `kiln data prepare` and the token files it writes: tokenizers trained in the test on three
 // fortunes files (tests/data/make_tokenizers.py, no downloads), one prepared corpus shared by
 // the tests of a build (build/test-data/), bad input, and training on the result.
-#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -57,37 +55,36 @@ const Corpus& shared_corpus() {
     c.tokenizer = c.root / "tok" / "bpe.json";
     c.wide_tokenizer = c.root / "tok" / "wide.json";
     c.prepared = c.root / "prepared";
-    const int lock = ::open((c.root / ".lock").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644);
-    EXPECT_GE(lock, 0);
-    ::flock(lock, LOCK_EX);
-    if (!fs::exists(c.root / "tok" / "expected.json")) {
-      fs::create_directories(c.corpus);
-      std::string files;
-      for (const char* name : {"art", "debian", "drugs"}) {
-        fs::copy_file(fs::path("/usr/share/games/fortunes") / name, c.corpus / name,
-                      fs::copy_options::overwrite_existing);
-        files += " " + quote(c.corpus / name);
+    {
+      const FileLock lock(c.root / ".lock");
+      if (!fs::exists(c.root / "tok" / "expected.json")) {
+        fs::create_directories(c.corpus);
+        std::string files;
+        for (const char* name : {"art", "debian", "drugs"}) {
+          fs::copy_file(fs::path("/usr/share/games/fortunes") / name, c.corpus / name,
+                        fs::copy_options::overwrite_existing);
+          files += " " + quote(c.corpus / name);
+        }
+        const CommandResult made =
+            run_shell(quote(test_python()) + " " +
+                      quote(source_dir() / "tests" / "data" / "make_tokenizers.py") + " " +
+                      quote(c.root / "tok") + files);
+        EXPECT_EQ(made.exit_code, 0) << made.err;
       }
-      const CommandResult made =
-          run_shell(quote(test_python()) + " " +
-                    quote(source_dir() / "tests" / "data" / "make_tokenizers.py") + " " +
-                    quote(c.root / "tok") + files);
-      EXPECT_EQ(made.exit_code, 0) << made.err;
+      // Prepared already, by this very prepare.py? (Else prepare: it rewrites what changed.)
+      bool current = false;
+      c.prepare.exit_code = 0;
+      if (fs::exists(c.prepared / "data.json")) {
+        const json d = json::parse(slurp(c.prepared / "data.json"), nullptr, false);
+        current =
+            d.is_object() && d.value("recipe", json::object()).value("prepare_py_sha256", "") ==
+                                 sha256sum(source_dir() / "python" / "kiln_py" / "prepare.py");
+      }
+      if (!current) {
+        c.prepare = run_kiln("data prepare --tokenizer " + quote(c.tokenizer) + " --out " +
+                             quote(c.prepared) + " --shard-tokens 20000 " + quote(c.corpus));
+      }
     }
-    // Prepared already, by this very prepare.py? (Else prepare: it rewrites what changed.)
-    bool current = false;
-    c.prepare.exit_code = 0;
-    if (fs::exists(c.prepared / "data.json")) {
-      const json d = json::parse(slurp(c.prepared / "data.json"), nullptr, false);
-      current = d.is_object() && d.value("recipe", json::object()).value("prepare_py_sha256", "") ==
-                                     sha256sum(source_dir() / "python" / "kiln_py" / "prepare.py");
-    }
-    if (!current) {
-      c.prepare = run_kiln("data prepare --tokenizer " + quote(c.tokenizer) + " --out " +
-                           quote(c.prepared) + " --shard-tokens 20000 " + quote(c.corpus));
-    }
-    ::flock(lock, LOCK_UN);
-    ::close(lock);
     EXPECT_EQ(c.prepare.exit_code, 0) << c.prepare.err;  // 0 when it did not run
     c.first_file_ids = json::parse(slurp(c.root / "tok" / "expected.json"))["bpe_first_file"]
                            .get<std::vector<int64_t>>();
@@ -163,7 +160,7 @@ TEST(DataPrepare, RerunWithTheSameInputsWritesNothingAndSaysSo) {
   const Corpus& c = shared_corpus();
   std::map<std::string, int64_t> before;
   auto modified = [](const fs::path& p) {
-    struct stat st {};
+    struct stat st{};
     ::stat(p.c_str(), &st);
     return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
   };

@@ -4,11 +4,9 @@
 #include "models/exported.h"
 
 #include <ATen/CPUGeneratorImpl.h>
-#include <fcntl.h>
 #include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <sys/file.h>
 #include <torch/optim/adamw.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -71,8 +69,7 @@ fs::path llama_package() {
   const fs::path root = KILN_TEST_MODEL_PACKAGES;
   fs::create_directories(root);
   const fs::path package = root / ("llama-" + key);
-  const int lock = ::open((root / ".lock").c_str(), O_CREAT | O_RDWR, 0644);
-  ::flock(lock, LOCK_EX);
+  const FileLock lock(root / ".lock");
   if (!fs::exists(package / "package.json")) {
     TempDir scratch;
     std::vector<std::pair<std::string, torch::Tensor>> weights;
@@ -91,8 +88,6 @@ fs::path llama_package() {
     options.python = build_info().python;
     import_model(options);
   }
-  ::flock(lock, LOCK_UN);
-  ::close(lock);
   return package;
 }
 

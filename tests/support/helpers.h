@@ -1,10 +1,16 @@
 // Test helpers: temporary directories, running the kiln CLI, small configs.
 #pragma once
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -28,6 +34,28 @@ class TempDir {
 
  private:
   std::filesystem::path path_;
+};
+
+/// An exclusive flock(2) on `path` for the scope: a cache shared by the test processes of a build
+/// (a package, a prepared dataset) filled by whichever gets there first. Released when the scope
+/// ends, by an exception too, so a failed fill fails its test and not the next one's lock.
+class FileLock {
+ public:
+  explicit FileLock(const std::filesystem::path& path)
+      : fd_(::open(path.c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644)) {
+    if (fd_ < 0) throw std::runtime_error("cannot open the lock file " + path.string());
+    while (::flock(fd_, LOCK_EX) != 0 && errno == EINTR) {
+    }
+  }
+  ~FileLock() {
+    ::flock(fd_, LOCK_UN);
+    ::close(fd_);
+  }
+  FileLock(const FileLock&) = delete;
+  FileLock& operator=(const FileLock&) = delete;
+
+ private:
+  int fd_;
 };
 
 struct CommandResult {
