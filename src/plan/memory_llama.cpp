@@ -166,7 +166,7 @@ class LlamaStep final : public StepWalk {
     walk_.free(kActivations, cast_ ? 2.0 * e * X : r * X);
     walk_.add(kBackward, r * X, moment);  // d n, summed (fp32 under autocast)
     walk_.free(kBackward, 2.0 * e * X);
-    all_reduced_input_gradient(moment);
+    all_reduced_input_gradient(r * X, moment);
     norm_backward(g, kNorm2, moment);
     walk_.free(kBackward, r * X);  // d n
     // Summed into the residual gradient: in place, except inside checkpointing's recomputed
@@ -193,7 +193,7 @@ class LlamaStep final : public StepWalk {
     walk_.free(kActivations, cast_ ? 3.0 * e * X : r * X);
     walk_.add(kBackward, r * X, moment);  // d n, summed
     walk_.free(kBackward, 3.0 * e * X);
-    all_reduced_input_gradient(moment);
+    all_reduced_input_gradient(r * X, moment);
     norm_backward(g, kNorm1, moment);
     if (ac) walk_.free(kActivations, r * X);  // the layer's input, kept by the checkpoint
     walk_.free(kBackward, r * X);             // d n
@@ -288,23 +288,6 @@ class LlamaStep final : public StepWalk {
     walk_.free(kActivations, 2.0 * 8.0 * tok_);  // the batch
     group_ready(rg, embed);
     if (ddp_ && communicating_) walk_.free(kGradients, walk_.live(kGradients));
-  }
-
-  // A row-parallel layer's output (o, down): under tensor parallelism the rank's partial sum,
-  // cloned for the all-reduce (src/models/tensor_parallel.cpp).
-  void row_parallel_output(const std::string& moment) {
-    walk_.add(kActivations, e_ * x_, moment);
-    if (tp_ > 1) {
-      walk_.add(kActivations, e_ * x_, moment);
-      walk_.free(kActivations, e_ * x_);
-    }
-  }
-  // Under tensor parallelism, the gradient of the column-parallel layers' whole input (d n,
-  // summed, live) is this rank's partial sum, cloned for the all-reduce (Megatron's f backward).
-  void all_reduced_input_gradient(const std::string& moment) {
-    if (tp_ <= 1) return;
-    walk_.add(kBackward, r_ * x_, moment);
-    walk_.free(kBackward, r_ * x_);
   }
 
   double q_ = 0, kv_ = 0, m_ = 0;

@@ -68,16 +68,6 @@ class GptStep final : public plan_walk::StepWalk {
   // ---- forward ----
   // One block's forward. `saving`: grad mode (the saved tensors stay); else (activation
   // checkpointing's first forward) each tensor is freed where the C++ statement ends.
-  // A row-parallel layer's output (c_proj): under tensor parallelism the rank's partial sum,
-  // cloned for the all-reduce (src/models/tensor_parallel.cpp), then the bias added.
-  void row_parallel_output(const std::string& moment) {
-    walk_.add(kActivations, e_ * x_, moment);
-    if (tp_ > 1) {
-      walk_.add(kActivations, e_ * x_, moment);
-      walk_.free(kActivations, e_ * x_);
-    }
-  }
-
   // One block's forward. Under tensor parallelism (tp_ ranks) the heads' and the MLP's tensors
   // are this rank's 1/tp_; the residual stream and the norms stay whole.
   void block_forward(size_t g, bool saving, const std::string& moment) {
@@ -111,14 +101,6 @@ class GptStep final : public plan_walk::StepWalk {
     walk_.add(kActivations, r * X, moment);  // the block's output
     walk_.free(kActivations, e * X);
     if (!saving) walk_.free(kActivations, 4 * e * X / T + r * X);  // h and x2
-  }
-
-  // Under tensor parallelism, the gradient of a column-parallel layer's whole input (`bytes`,
-  // live) is this rank's partial sum, cloned for the all-reduce (Megatron's f backward).
-  void all_reduced_input_gradient(double bytes, const std::string& moment) {
-    if (tp_ <= 1) return;
-    walk_.add(kBackward, bytes, moment);
-    walk_.free(kBackward, bytes);
   }
 
   void forward_and_loss() override {

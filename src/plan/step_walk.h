@@ -295,6 +295,24 @@ class StepWalk {
     for (size_t k : indices) parameter_gradient(g, groups_[g][k], moment);
   }
 
+  // ---- tensor parallelism (src/models/tensor_parallel.cpp) ----
+  // A row-parallel layer's output (whole, e X): under tensor parallelism this rank's partial
+  // sum, and its copy for the all-reduce while the sum is made.
+  void row_parallel_output(const std::string& moment) {
+    walk_.add(kActivations, e_ * x_, moment);
+    if (tp_ > 1) {
+      walk_.add(kActivations, e_ * x_, moment);
+      walk_.free(kActivations, e_ * x_);
+    }
+  }
+  // The gradient of the column-parallel layers' whole input (`bytes`, live): under tensor
+  // parallelism this rank's partial sum, copied for its all-reduce (Megatron's f backward).
+  void all_reduced_input_gradient(double bytes, const std::string& moment) {
+    if (tp_ <= 1) return;
+    walk_.add(kBackward, bytes, moment);
+    walk_.free(kBackward, bytes);
+  }
+
   // Autocast's copy of group g's parameter k (cached for the autocast scope).
   double weight_copy(size_t g, size_t k) const { return cast_ ? e_ * groups_[g][k].numel() : 0; }
 
