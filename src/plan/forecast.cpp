@@ -72,9 +72,8 @@ Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
   job.world_size = std::max<int64_t>(1, world_size);
   job.strategy = std::string(strategy);
   // The mesh the run's keys give (the memory walk is per rank of it).
-  job.tp = std::max<int64_t>(1, config.get_int("dist.tp"));
-  job.dp_replicate =
-      job.strategy == "fsdp" ? std::max<int64_t>(1, config.get_int("dist.dp_replicate")) : 1;
+  job.tp = std::max<int64_t>(1, inputs.dist_tp);
+  job.dp_replicate = job.strategy == "fsdp" ? std::max<int64_t>(1, inputs.dist_dp_replicate) : 1;
   Forecast f;
   f.device = std::string(device_name);
   f.world_size = job.world_size;
@@ -82,7 +81,7 @@ Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
   // Per device: a data-parallel rank's tokens, shared by the dist.tp devices of its
   // tensor-parallel group (as kiln train counts them: the step's tokens over every device).
   f.tokens_per_step = static_cast<double>(job.micro_batch * job.grad_accum_steps * job.seq_len) /
-                      static_cast<double>(std::max<int64_t>(1, config.get_int("dist.tp")));
+                      static_cast<double>(job.tp);
   f.flops_per_step =
       train_flops_per_token(shape, job.seq_len, job.activation_checkpointing) * f.tokens_per_step;
   f.steps = static_cast<double>(inputs.train_steps);

@@ -17,9 +17,11 @@ PlanInputs PlanInputs::from_config(const Config& config) {
   in.data_seq_len = config.get_int("data.seq_len");
   in.data_val_path = config.get_string("data.val_path");
   in.dist_fsdp_accumulate = config.get_string("dist.fsdp_accumulate");
+  in.dist_dp_replicate = config.get_int("dist.dp_replicate");
   in.dist_fsdp_prefetch = config.get_bool("dist.fsdp_prefetch");
   in.dist_reshard_after_forward = config.get_bool("dist.reshard_after_forward");
   in.dist_strategy = config.get_string("dist.strategy");
+  in.dist_tp = config.get_int("dist.tp");
   in.model_name = config.get_string("model.name");
   in.optim_momentum = config.get_float("optim.momentum");
   in.optim_name = config.get_string("optim.name");

@@ -21,10 +21,12 @@ struct PlanInputs {
   int64_t data_prefetch = 0;                       // data.prefetch
   int64_t data_seq_len = 0;                        // data.seq_len
   std::string data_val_path;                       // data.val_path
+  int64_t dist_dp_replicate = 0;                   // dist.dp_replicate
   std::string dist_fsdp_accumulate;                // dist.fsdp_accumulate
   bool dist_fsdp_prefetch = false;                 // dist.fsdp_prefetch
   bool dist_reshard_after_forward = false;         // dist.reshard_after_forward
   std::string dist_strategy;                       // dist.strategy
+  int64_t dist_tp = 1;                             // dist.tp
   std::string model_name;                          // model.name
   double optim_momentum = 0;                       // optim.momentum
   std::string optim_name;                          // optim.name
