@@ -82,6 +82,10 @@ torch::Tensor reduce_from_ranks(const torch::Tensor& x, Communicator& comm) {
 TensorParallelPlacement shard(torch::Tensor& param, int dim, const Communicator& comm,
                               int64_t chunks) {
   const int64_t whole = param.size(dim), ranks = comm.world_size();
+  // A fused slice's checkpoint boxes are cut on dim 0 (whole_piece in dist/sharded_layout.cpp,
+  // where FSDP's rows lie too): a fused row-parallel parameter would need boxes on dim 1.
+  if (chunks > 1 && dim != 0)
+    throw std::logic_error("tensor parallelism: a fused (chunks > 1) slice must split dim 0");
   if (chunks < 1 || whole % (chunks * ranks) != 0) {
     throw std::invalid_argument(fmt::format(
         "tensor parallelism: dimension {} of size {} does not split into {} blocks over {} ranks",
