@@ -408,24 +408,49 @@ class FullyShardedDataParallel : public TrainerHook,
 // ---- choosing the strategy
 // -----------------------------------------------------------------------
 
-/// dist.strategy resolved for a job of `world_size` ranks, and why.
+/// dist.strategy resolved for a job, and why.
 struct StrategyChoice {
   Parallelism strategy = Parallelism::kNone;  // kDdp or kFsdp (kNone: not resolved)
-  MeshShape mesh;           // fsdp: dp_replicate x dp_shard (dp_replicate = 1: over every rank)
+  /// The whole mesh: dp_replicate x dp_shard x tp over the world (fsdp: dp_replicate = 1 shards
+  /// over every data-parallel rank; ddp: dp_shard = 1).
+  MeshShape mesh;
   std::string reason;       // one line with the numbers (logged, and in scale.json)
   nlohmann::json decision;  // auto: choose_strategy's decision (kiln/plan.h to_json); else null
 };
 
-/// "ddp" or "fsdp" when dist.strategy says so. "auto": kiln::choose_strategy (kiln/plan.h, the
-/// rule `kiln plan` uses) on this model's measured sizes: DDP's model state (its parameters x
-/// state_bytes_per_parameter for optim.name and the precision), the largest FSDP group's
-/// parameter bytes, the activations of one micro-batch (plan's estimate, calibrated by the run's
-/// pilot.json when one exists for this job), against dist.device_memory_bytes (0: the device's
-/// total; CPU: the machine's physical memory) with dist.memory_headroom. DDP when it fits, else
-/// FSDP over all ranks (also when even FSDP does not fit: the reason says so). Memory is the only
-/// reason it picks FSDP. Throws UserError (a model shape plan cannot estimate).
+/// Where a job's ranks sit, for resolve_strategy.
+struct StrategyWorld {
+  int world_size = 1;
+  /// Ranks on one node (LOCAL_WORLD_SIZE): the fast link. 0: every rank on one node.
+  int local_world_size = 0;
+  /// dist.tp = 0 under "auto" may choose a tensor-parallel degree: false where the rest of the
+  /// config refuses dist.tp > 1 (compile.backend other than eager); a model without a
+  /// tensor-parallel plan offers no degrees anyway.
+  bool tensor_parallel_allowed = false;
+  /// The pilot's production world (plan.gpus, more ranks than this world; its node the catalog
+  /// row's gpus_per_node, else local_world_size): "auto" chooses the layout at that world and
+  /// runs its tp and dp_shard here with fewer replicas, so the pilot measures a production rank's
+  /// memory. A layout whose tp x dp_shard does not divide this world is said in the reason, and
+  /// auto chooses for this world instead. 0: this world is production.
+  int production_world_size = 0;
+};
+
+/// "ddp" or "fsdp" when dist.strategy says so, over world / dist.tp data-parallel ranks (dist.tp
+/// = 0 means 1; throws UserError naming dist.tp when it does not divide the world).
+/// "auto": kiln::choose_strategy (kiln/plan.h, the rule `kiln plan` uses), its input built as
+/// the planner builds it (strategy_input: the model's state and largest unit, the activations
+/// of one micro-batch, calibrated by the run's pilot.json when one exists for this job, the
+/// tensor-parallel degrees the model's plan accepts when dist.tp = 0 and TP is allowed), with
+/// this job's world, LOCAL_WORLD_SIZE as the node, the links of the catalog row matching the
+/// device's name ("NVIDIA H200 ..."; "cpu" matches no built-in row, but a plan.catalog row may
+/// match it; without links FSDP is preferred over TP, the rule's default), against
+/// dist.device_memory_bytes (0: the device's total; CPU: the machine's physical memory) with
+/// dist.memory_headroom: DDP when it fits, else FSDP inside a node replicated across nodes, else
+/// FSDP across nodes or TP inside a node with FSDP over the slices, whichever communicates less;
+/// FSDP over all ranks when nothing fits (the reason says so). Memory is the only reason it leaves
+/// DDP. Throws UserError (a model shape plan cannot estimate, a malformed plan.catalog).
 StrategyChoice resolve_strategy(const Config& config, const Model& model,
-                                const torch::Device& device, int world_size);
+                                const torch::Device& device, const StrategyWorld& world);
 
 // ---- launching local ranks under torchrun -------------------------------------------------------
 

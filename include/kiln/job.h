@@ -87,6 +87,9 @@ struct ComposedStep;
 /// What compose_step installs besides activation checkpointing and the layout.
 struct StepComposition {
   bool compile = true;  // the job's compile.backend (eager: nothing)
+  /// The pilot: the production world (plan.gpus) whose "auto" layout it runs scaled down
+  /// (StrategyWorld::production_world_size); 0: this world is production.
+  int production_world_size = 0;
   /// Runs after the layout and before compilation: a resume restores the state there, so the
   /// compiled step binds the restored tensors (compose_training's resume and first hooks).
   std::function<void(ComposedStep&)> before_compilation{};

@@ -296,6 +296,16 @@ std::string compute_precision(std::string_view precision);
 double catalog_peak_flops(const Config& config, std::string_view device_name,
                           std::string_view precision);
 
+/// The catalog row (plan.catalog rows included) matching a runtime device name, as
+/// device_for_name; std::nullopt when none matches ("cpu", unless plan.catalog adds a row that
+/// matches it). dist.strategy = "auto" reads its links through set_links().
+std::optional<Device> catalog_device(const Config& config, std::string_view device_name);
+
+/// A catalog row's node and links into the strategy rule's input, as `kiln plan` reads them for
+/// that row: gpus_per_node, the intra-node bandwidth per device one way (the row's interconnect
+/// figure sums both directions: half of it) and the network's between nodes.
+void set_links(StrategyInput& input, const Device& device);
+
 /// The runtime name of a device from a manifest's device records: "cpu" for cuda_index < 0, else
 /// the record's "name" of CUDA device `cuda_index` ("cuda:<index>" when it has none).
 std::string manifest_device_name(const nlohmann::json& manifest, int cuda_index);
@@ -506,9 +516,22 @@ struct Forecast {
 /// ("none" | "ddp" | "fsdp"): the plan's formulas, the pilot's measurements when the pilot ran on
 /// the same device (its measured matmul peak and the MFU it achieved against it), else the
 /// catalog row's peak and plan.mfu.
+/// `tp` and `dp_replicate` (0: the config's dist.tp and dist.dp_replicate) are the mesh the
+/// memory walk is per rank of.
 Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
                       std::string_view device_name, int64_t world_size,
-                      std::string_view strategy = "none");
+                      std::string_view strategy = "none", int64_t tp = 0, int64_t dp_replicate = 0);
+
+/// The layout a run in `run_dir` trained under: its strategy.json (kiln train records the
+/// resolved strategy and mesh there, dist.strategy = "auto"'s choice included) when present, else
+/// the config's keys for `world_size` ranks (auto read as ddp, tp and dp_replicate 0 = the keys).
+struct RunLayout {
+  std::string strategy = "none";  // "none" | "ddp" | "fsdp"
+  int64_t tp = 0, dp_replicate = 0;
+  std::string source;  // "strategy.json" | "the config (no strategy.json)"
+};
+RunLayout run_layout(const Config& config, const std::filesystem::path& run_dir,
+                     int64_t world_size);
 /// One line: "forecast (calibrated by pilot runs/p): step 12.3 ms, 41.6k tokens/s, peak memory
 /// 430 MiB, 300 steps in 3.7 s".
 std::string forecast_text(const Forecast& forecast);

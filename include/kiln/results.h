@@ -517,6 +517,17 @@ struct RunIdentity {
   std::string command_line, start_time_utc;
 };
 
+// ---- strategy.json: the layout a parallel kiln train, scale or pilot ran
+// --------------------------
+/// Written by rank 0 once the strategy is resolved (src/rungs/job.cpp): the strategy, the mesh
+/// (dist.strategy = "auto" chooses it, tp included), and auto's decision. `kiln plan --actual` and
+/// the run's own forecast read the mesh from it instead of the config's keys.
+struct StrategyRecord {
+  std::string strategy, reason;  // "ddp" | "fsdp"
+  int64_t world_size = 1, dp_replicate = 1, dp_shard = 1, tp = 1;
+  nlohmann::json decision;  // auto's decision (src/dist/strategy.cpp); null otherwise
+};
+
 // ---- metrics.jsonl: one record per line ---------------------------------------------------------
 
 /// A step record (loss, lr, timing, throughput) or an evaluation record (val_loss).
@@ -562,6 +573,7 @@ KILN_RESULT_JSON(RunIdentity)
 KILN_RESULT_JSON(ScaleRank)     // one rank's entry: the ranks exchange them
 KILN_RESULT_JSON(PilotRestore)  // rank 0's restore check: the ranks share it
 KILN_RESULT_JSON(MetricsRecord)
+KILN_RESULT_JSON(StrategyRecord)
 #undef KILN_RESULT_JSON
 
 /// The rows a rung prints under its name and report.md shows (kiln/rungs.h RungResult::table),

@@ -41,6 +41,7 @@ struct SessionOptions {
   std::string metrics_file = "metrics.jsonl";    // see RunOptions
   bool compile = false;   // compose the job's compiled step (compile.backend) too
   std::string rung = {};  // a rung run alone (its CLI command): its records apart (RunOptions)
+  int production_world_size = 0;  // the pilot: plan.gpus (StepComposition)
 };
 
 /// Locks the directories `job` writes, for every rank of `comm` at once: rank 0 locks the run

@@ -164,16 +164,17 @@ int plan_against_actual(const Config& config, const std::string& pilot_dir,
   std::optional<PilotCalibration> pilot;
   if (!pilot_dir.empty()) pilot = read_pilot(pilot_dir, config);
   const ActualRun actual = read_actual_run(run_dir);
-  const std::string strategy = actual.world_size <= 1
-                                   ? "none"
-                                   : (ProcessGroupOptions::from_config(config).strategy ==
-                                              ProcessGroupOptions::Strategy::kFsdp
-                                          ? "fsdp"
-                                          : "ddp");
+  // The layout the run recorded (strategy.json: auto's choice, tp included), else the config's.
+  const RunLayout layout = run_layout(config, run_dir, actual.world_size);
   const Forecast forecast =
-      forecast_run(config, pilot ? &*pilot : nullptr, actual.device, actual.world_size, strategy);
+      forecast_run(config, pilot ? &*pilot : nullptr, actual.device, actual.world_size,
+                   layout.strategy, layout.tp, layout.dp_replicate);
   json comparison = compare_forecast(forecast, actual);
   comparison["forecast_text"] = forecast_text(forecast);
+  comparison["layout"] = {{"strategy", layout.strategy},
+                          {"tp", layout.tp},
+                          {"dp_replicate", layout.dp_replicate},
+                          {"source", layout.source}};
   write_file_atomic(run_dir / "plan-vs-actual.json", comparison.dump(2) + "\n");
   std::fputs((forecast_text(forecast) + "\n\n" + comparison_markdown(comparison)).c_str(), stdout);
   return 0;

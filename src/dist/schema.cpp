@@ -48,11 +48,14 @@ ConfigSection dist_section() {
                   "= auto: 1 with dist.strategy = \"fsdp\", the plan's choice with \"auto\" "
                   "(the smallest shard group that fits, replicated over the rest); must divide "
                   "the world size"),
-          int_key("dist", "tp", 1, 1, 4096,
+          int_key("dist", "tp", 0, 0, 4096,
                   "tensor parallelism: each decoder layer split over this many consecutive ranks "
                   "(column-parallel q/k/v and the MLP's up projections, row-parallel the "
                   "attention's output and the MLP's down projection; gpt, llama), data "
-                  "parallelism (dist.strategy) over world / tp; must divide the world size"),
+                  "parallelism (dist.strategy) over world / tp; must divide the world size; 0 = "
+                  "auto: 1 with \"ddp\" or \"fsdp\", the plan's choice with \"auto\" (a tp "
+                  "degree inside a node when FSDP does not fit in one node and TP communicates "
+                  "less than FSDP across nodes; eager steps, models with a plan)"),
           bool_key("dist", "tp_across_nodes", false,
                    "allow dist.tp larger than the ranks of one node (LOCAL_WORLD_SIZE): its "
                    "all-reduces, two per layer each way, would then cross the network"),

@@ -224,6 +224,19 @@ double catalog_peak_flops(const Config& config, std::string_view device_name,
   return device != nullptr ? device->peak_flops_for(precision) : 0.0;
 }
 
+std::optional<Device> catalog_device(const Config& config, std::string_view device_name) {
+  const auto catalog = load_catalog(PlanInputs::from_config(config).plan_catalog);
+  const Device* device = device_for_name(catalog, device_name);
+  if (device == nullptr) return std::nullopt;
+  return *device;
+}
+
+void set_links(StrategyInput& input, const Device& device) {
+  input.gpus_per_node = device.gpus_per_node;
+  input.intra_node_bytes_per_second = device.interconnect_bytes_per_second / 2.0;
+  input.inter_node_bytes_per_second = device.network_bytes_per_second;
+}
+
 std::string manifest_device_name(const nlohmann::json& manifest, int cuda_index) {
   if (cuda_index < 0) return "cpu";
   if (manifest.is_object() && manifest.contains("devices")) {

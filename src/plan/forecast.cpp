@@ -37,6 +37,30 @@ std::string forecast_strategy(const Config& config, int64_t world_size) {
   return s == "fsdp" ? "fsdp" : "ddp";
 }
 
+}  // namespace
+
+RunLayout run_layout(const Config& config, const std::filesystem::path& run_dir,
+                     int64_t world_size) {
+  RunLayout layout;
+  if (std::filesystem::exists(run_dir / "strategy.json")) {
+    // A record of another world (a run resumed at a different size, in one process: nothing
+    // rewrote it) does not describe this one.
+    const StrategyRecord record = read_result<StrategyRecord>(run_dir / "strategy.json");
+    if (record.world_size == world_size) {
+      layout.strategy = world_size <= 1 ? "none" : record.strategy;
+      layout.tp = record.tp;
+      layout.dp_replicate = record.dp_replicate;
+      layout.source = "strategy.json";
+      return layout;
+    }
+  }
+  layout.strategy = forecast_strategy(config, world_size);
+  layout.source = "the config (no strategy.json)";
+  return layout;
+}
+
+namespace {
+
 std::string forecast_utc_time(double seconds_from_now) {
   const auto when = std::chrono::system_clock::now() +
                     std::chrono::duration_cast<std::chrono::system_clock::duration>(
@@ -65,15 +89,19 @@ std::string forecast_value_text(double value, const std::string& unit) {
 }  // namespace
 
 Forecast forecast_run(const Config& config, const PilotCalibration* pilot,
-                      std::string_view device_name, int64_t world_size, std::string_view strategy) {
+                      std::string_view device_name, int64_t world_size, std::string_view strategy,
+                      int64_t tp, int64_t dp_replicate) {
   const PlanInputs inputs = PlanInputs::from_config(config);
   const ModelShape shape = model_shape(config);
   JobShape job = job_shape(config);
   job.world_size = std::max<int64_t>(1, world_size);
   job.strategy = std::string(strategy);
   // The mesh the run's keys give (the memory walk is per rank of it).
-  job.tp = std::max<int64_t>(1, inputs.dist_tp);
-  job.dp_replicate = job.strategy == "fsdp" ? std::max<int64_t>(1, inputs.dist_dp_replicate) : 1;
+  job.tp = std::max<int64_t>(1, tp > 0 ? tp : inputs.dist_tp);
+  job.dp_replicate =
+      job.strategy == "fsdp"
+          ? std::max<int64_t>(1, dp_replicate > 0 ? dp_replicate : inputs.dist_dp_replicate)
+          : 1;
   Forecast f;
   f.device = std::string(device_name);
   f.world_size = job.world_size;
@@ -205,9 +233,10 @@ std::optional<Forecast> log_plan_forecast(const Config& config,
     }
   }
   try {
+    const RunLayout layout = run_layout(config, run_dir, world);
     const Forecast f = forecast_run(config, pilot ? &*pilot : nullptr,
                                     manifest_device_name(manifest, forecast_cuda_index(device)),
-                                    world, forecast_strategy(config, world));
+                                    world, layout.strategy, layout.tp, layout.dp_replicate);
     std::string line = forecast_text(f);
     if (f.train_seconds > 0) line += "; finish expected " + forecast_utc_time(f.train_seconds);
     log::info(line + " (compare: kiln plan CONFIG --actual " + run_dir.string() + ")");

@@ -269,9 +269,7 @@ PlanResult make_plan(const Config& config, const PilotCalibration* pilot, bool r
   for (const Device* device : rows) {
     StrategyInput input = strategy_input(shape, job, device->memory_bytes, headroom);
     input.activation_bytes *= activation_ratio;
-    input.gpus_per_node = device->gpus_per_node;
-    input.intra_node_bytes_per_second = device->interconnect_bytes_per_second / 2.0;
-    input.inter_node_bytes_per_second = device->network_bytes_per_second;
+    set_links(input, *device);
     const StrategyDecision decision = choose_strategy(input);
     // The pilot ran on this row's device: its measurements (the MFU over the matmul it timed,
     // eval, write speed, restart, its own duration) stand for this row; the peak and MFU by the

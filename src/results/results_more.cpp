@@ -144,6 +144,20 @@ void pilot_fields(const Io& io, PilotResult& p) {
   io.object("restore", [&](const Io& restore) { pilot_restore_fields(restore, p.restore); });
 }
 
+// ---- strategy.json ------------------------------------------------------------------------------
+template <class Io>
+void strategy_record_fields(const Io& io, StrategyRecord& r) {
+  io("strategy", r.strategy);
+  io("reason", r.reason);
+  io("world_size", r.world_size);
+  io.object("mesh", [&](const Io& m) {
+    m("dp_replicate", r.dp_replicate);
+    m("dp_shard", r.dp_shard);
+    m("tp", r.tp);
+  });
+  io("decision", r.decision);
+}
+
 // ---- plan --------------------------------------------------------------------------------------
 // The keys read before the plan was written through PlanResult are required; the rest ("added")
 // came into plan.json over time without a schema version: an older file may lack them.
@@ -366,6 +380,7 @@ KILN_RESULT_FIELDS(CheckpointResult, checkpoint_fields)
 KILN_RESULT_FIELDS(PilotResult, pilot_fields)
 KILN_RESULT_FIELDS(PilotRestore, pilot_restore_fields)
 KILN_RESULT_FIELDS(PlanResult, plan_fields)
+KILN_RESULT_FIELDS(StrategyRecord, strategy_record_fields)
 
 // The manifest and metrics records are not rung files: no schema version of their own.
 void from_json(const json& j, RunIdentity& value) {
@@ -406,7 +421,7 @@ template <class T>
 std::string regenerate_hint() {
   if constexpr (std::is_same_v<T, RunIdentity>) {
     return "every kiln command writes it at the start of a run";
-  } else if constexpr (std::is_same_v<T, MetricsRecord>) {
+  } else if constexpr (std::is_same_v<T, MetricsRecord> || std::is_same_v<T, StrategyRecord>) {
     return "kiln train writes it";
   } else {
     return fmt::format("rerun `kiln {}` (or `kiln ladder`) with this kiln to regenerate it",
@@ -465,5 +480,6 @@ template CheckpointResult read_result<CheckpointResult>(const std::filesystem::p
 template PilotResult read_result<PilotResult>(const std::filesystem::path&);
 template PlanResult read_result<PlanResult>(const std::filesystem::path&);
 template RunIdentity read_result<RunIdentity>(const std::filesystem::path&);
+template StrategyRecord read_result<StrategyRecord>(const std::filesystem::path&);
 
 }  // namespace kiln

@@ -44,17 +44,29 @@ Job resolve_job(const Config& given, const JobRequest& request) {
 
 namespace {
 
+// The job's ranks for resolve_strategy: "auto" may choose tensor parallelism only where the
+// [compile] rule would allow dist.tp > 1.
+StrategyWorld strategy_world(const Job& job, const Communicator& comm, int production_world_size) {
+  StrategyWorld world;
+  world.production_world_size = production_world_size;
+  world.world_size = comm.world_size();
+  world.local_world_size = comm.local_world_size();
+  world.tensor_parallel_allowed = job.compile.backend == CompileOptions::Backend::kEager;
+  return world;
+}
+
 // The one combination the [compile] rules cannot decide from the config: dist.strategy = "auto"
 // picks fsdp by the model's memory, and FSDP composes with a compiled step only per unit. Asked
 // before anything is written, of the model the run will train; "" when it trains.
 std::string auto_strategy_problem(const Job& job, const Model& model, const torch::Device& device,
-                                  const Communicator& comm) {
+                                  const Communicator& comm, int production_world_size) {
   const CompileOptions& compile = job.compile;
   if (!comm.parallel() || compile.backend == CompileOptions::Backend::kEager ||
       job.group.strategy != ProcessGroupOptions::Strategy::kAuto)
     return "";
   if (compile.inductor() && compile.granularity == CompileOptions::Granularity::kUnit) return "";
-  const StrategyChoice choice = resolve_strategy(job.config, model, device, comm.world_size());
+  const StrategyChoice choice =
+      resolve_strategy(job.config, model, device, strategy_world(job, comm, production_world_size));
   if (choice.strategy != Parallelism::kFsdp) return "";
   return fmt::format("{}: {}; set dist.strategy = \"ddp\" or compile.backend = \"eager\"",
                      choice.reason, fsdp_with_compile_problem());
@@ -108,23 +120,23 @@ ComposedStep compose_step(const Job& job, std::shared_ptr<Model> model, Datasets
   // and loss it averages, the data-parallel ones (the ranks of one tensor-parallel group read
   // the same batches).
   const bool parallel = options.comm && options.comm->parallel();
-  const int64_t tp = job.group.tp;
   TrainerOptions trainer_options = options;
   DeviceMesh mesh;
   if (parallel) {
-    const int world = options.comm->world_size();
-    const int dp = ddp_mesh_shape(world, tp).dp_size();  // throws UserError naming dist.tp
-    out.strategy = resolve_strategy(job.config, *model, options.device, dp);
-    MeshShape shape = out.strategy.mesh;
-    shape.tp = static_cast<int>(tp);
+    // dist.tp as set, or the tp degree dist.strategy = "auto" chose (throws UserError naming
+    // dist.tp when it does not divide the world).
+    out.strategy =
+        resolve_strategy(job.config, *model, options.device,
+                         strategy_world(job, *options.comm, composition.production_world_size));
+    const MeshShape& shape = out.strategy.mesh;
     out.mesh = shape;
     // Hybrid sharding's and tensor parallelism's groups are created here, on every rank.
     mesh = build_device_mesh(options.comm, shape);
     trainer_options.rank = mesh.dp_index();
     trainer_options.world_size = shape.dp_size();
     trainer_options.comm = mesh.dp;
-  } else if (tp > 1) {
-    throw UserError(one_process_tp_problem(tp));
+  } else if (job.group.tp > 1) {
+    throw UserError(one_process_tp_problem(job.group.tp));
   }
   out.trainer =
       std::make_unique<Trainer>(job.trainer, std::move(model), std::move(data), trainer_options);
@@ -136,7 +148,7 @@ ComposedStep compose_step(const Job& job, std::shared_ptr<Model> model, Datasets
   // 2. The parallel layout: tensor parallelism (the model sliced), then DDP or FSDP over the
   // data-parallel ranks (rank 0's weights everywhere).
   if (parallel) {
-    if (tp > 1) install_tensor_parallel(trainer, mesh);
+    if (out.mesh.tp > 1) install_tensor_parallel(trainer, mesh);
     // fsdp with a compiled step: refused before this, by the [compile] rule (dist.strategy =
     // "fsdp") or by compose_training's pre-check (dist.strategy = "auto" resolving to fsdp).
     if (out.strategy.strategy == Parallelism::kFsdp) {
@@ -186,12 +198,13 @@ std::unique_ptr<Session> compose_training(const Job& job, std::shared_ptr<Commun
       check_train_start(job.resume, job.checkpoint, *model, job.trainer.optim);
     // A mesh the world cannot hold (UserError naming dist.tp or dist.dp_replicate).
     if (parallel) {
+      const int64_t tp = std::max<int64_t>(1, job.group.tp);  // 0: auto, at most one node's
       if (job.group.strategy == ProcessGroupOptions::Strategy::kFsdp) {
-        fsdp_mesh_shape(job.group.dp_replicate, world_size, 1, job.group.tp);
+        fsdp_mesh_shape(job.group.dp_replicate, world_size, 1, tp);
       } else {
-        ddp_mesh_shape(world_size, job.group.tp);
+        ddp_mesh_shape(world_size, tp);
       }
-      if (job.group.tp > group.local_world_size() && !job.group.tp_across_nodes) {
+      if (tp > group.local_world_size() && !job.group.tp_across_nodes) {
         return fmt::format(
             "dist.tp = {} is more than the {} ranks of one node (LOCAL_WORLD_SIZE): its "
             "all-reduces, two per layer each way, would cross the network; set dist.tp <= {} "
@@ -201,7 +214,8 @@ std::unique_ptr<Session> compose_training(const Job& job, std::shared_ptr<Commun
     } else if (job.group.tp > 1) {
       return one_process_tp_problem(job.group.tp);
     }
-    return auto_strategy_problem(job, *model, session->device, group);
+    return auto_strategy_problem(job, *model, session->device, group,
+                                 composition.step.production_world_size);
   });
   const bool continues = composition.checkpointing && job.resume.continues();
   RunOptions::Existing existing = composition.existing_records;
@@ -246,6 +260,19 @@ std::unique_ptr<Session> compose_training(const Job& job, std::shared_ptr<Commun
     // Hooks, in this order. The plan's forecast for this run and, when it forecasts the step
     // time (a pilot of this job on this device, or a catalog row), the run tracked against it:
     // before the checkpoint hook, so a save after a step is time between steps, not inside one.
+    // The layout resolved (dist.strategy = "auto" chose it, tp included): recorded beside the
+    // manifest, where the forecast below and `kiln plan --actual` read the mesh.
+    if (parallel) {
+      StrategyRecord record;
+      record.strategy = std::string(to_string(step.strategy.strategy));
+      record.reason = step.strategy.reason;
+      record.world_size = world_size;
+      record.dp_replicate = step.mesh.dp_replicate;
+      record.dp_shard = step.mesh.dp_shard;
+      record.tp = step.mesh.tp;
+      record.decision = step.strategy.decision;
+      session->run->write_json("strategy.json", nlohmann::json(record));
+    }
     if (composition.plan_tracking) {
       auto forecast = log_plan_forecast(job.config, session->run->dir(), rank);
       if (forecast && forecast->step_seconds > 0) {

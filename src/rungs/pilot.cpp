@@ -26,6 +26,7 @@
 #include "kiln/plan.h"
 #include "kiln/results.h"
 #include "kiln/rungs.h"
+#include "plan/options.h"
 #include "rungs/options.h"
 #include "rungs/pilot_memory.h"
 
@@ -126,6 +127,14 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   result.rung = "pilot";
   const PilotRungOptions rung = PilotRungOptions::from_config(config);
   const int64_t steps = rung.steps;
+  // The restore resumes the job's own schedule and trains to step pilot.steps + 1: within it.
+  if (const int64_t train_steps = TrainOptions::from_config(config).steps;
+      steps + 1 > train_steps) {
+    throw UserError(fmt::format(
+        "{}: pilot.steps = {} needs train.steps >= {} (the restore trains the job's schedule to "
+        "step pilot.steps + 1), but train.steps = {}; raise train.steps or lower pilot.steps",
+        config.source_name(), steps, steps + 1, train_steps));
+  }
   const ModelShape shape = model_shape(config);
   JobShape job = job_shape(config);
   // The step it runs (plan.activation_checkpointing is the plan's what-if, not this job's).
@@ -137,6 +146,11 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
   // as the restore child runs it), so the cycle proves the step production will run.
   SessionOptions composed = options;
   composed.compile = true;
+  // dist.strategy = "auto": the layout of the production world (plan.gpus), scaled down to
+  // this one's (the same tp and dp_shard, fewer replicas), so the memory measured is a production
+  // rank's (docs/plan.md, "Pilot").
+  composed.production_world_size =
+      static_cast<int>(std::clamp<int64_t>(PlanInputs::from_config(config).plan_gpus, 0, 1 << 20));
   auto session = open_session(config, composed);
   Trainer& trainer = *session->trainer;
   const std::shared_ptr<CompiledStep> compiled = session->compiled;
@@ -297,7 +311,7 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
       pilot_dir / (session->comm->rank() == 0
                        ? std::string("restore.log")
                        : fmt::format("restore-rank{}.log", session->comm->rank()));
-  const std::vector<std::string> args = {
+  std::vector<std::string> args = {
       kiln_executable().string(),
       "train",
       (pilot_dir / "config.toml").string(),
@@ -317,6 +331,17 @@ RungResult run_pilot(const Config& config, const SessionOptions& options) {
       "checkpoint.every_steps=" + std::to_string(final_step),
       "--resume",
       checkpoint_step_dir(ckpt.dir, saved_step).string()};
+  // The restore runs the mesh this process ran (auto's choice for plan.gpus included: the
+  // child is no pilot and would choose for its own world).
+  if (world > 1) {
+    const bool fsdp = session->strategy == Parallelism::kFsdp;
+    args.insert(args.end(), {"--set", fmt::format("dist.strategy={}", fsdp ? "fsdp" : "ddp"),
+                             "--set", fmt::format("dist.tp={}", session->mesh.tp)});
+    if (fsdp) {
+      args.insert(args.end(),
+                  {"--set", fmt::format("dist.dp_replicate={}", session->mesh.dp_replicate)});
+    }
+  }
   auto restore_begin = Clock::now();
   int code = wait_process(spawn_process(args, restore_log, child_env));
   restore.seconds = seconds_since(restore_begin);

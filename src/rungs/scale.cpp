@@ -344,7 +344,7 @@ RungResult run_scale(Session& session) {
   // (Under tensor parallelism, of this rank's slices: the ranks of one slice must agree.)
   o.hashes = comm.all_gather_bytes(session.fsdp ? session.fsdp->full_weights_hash()
                                                 : weights_hash(session.trainer->model()));
-  o.tp = static_cast<int>(session.job.group.tp);
+  o.tp = session.mesh.tp;  // dist.tp, or the degree "auto" chose
   for (const auto& text :
        comm.all_gather_bytes(json(rank_numbers(comm, o.steps, o.seq_len)).dump()))
     o.per_rank.push_back(json::parse(text).get<ScaleRank>());

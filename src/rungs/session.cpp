@@ -23,6 +23,7 @@ double proc_status_bytes(const std::string& field) {
 std::unique_ptr<Session> open_session(const Config& config, const SessionOptions& options) {
   TrainingComposition composition;
   composition.step.compile = options.compile;
+  composition.step.production_world_size = options.production_world_size;
   composition.metrics_file = options.metrics_file;
   composition.rung = options.rung;
   return compose_training(resolve_job(config, JobRequest{.argv = options.argv}), options.comm,

@@ -94,6 +94,7 @@ class ThreadCommunicator final : public Communicator {
       : group_(std::move(group)), rank_(rank) {}
   int rank() const override { return rank_; }
   int world_size() const override { return group_->world_size(); }
+  int local_world_size() const override { return group_->world_size(); }  // one process: one node
   void barrier() override { group_->exchange(rank_, ""); }
   void all_reduce_sum(torch::Tensor& tensor) override {
     auto all = gather_tensor(tensor);

@@ -406,6 +406,124 @@ def case_tp_train(args, work):
           f"tp 2 of 3 ranks is refused, nothing written (exit {rc})") or print(err[-2000:])
 
 
+def wait_all(procs, timeout=240):
+    """Waits for each (process, log) of `procs`: their exit codes (None: killed at the timeout)
+    and their logs."""
+    codes = []
+    for p, _ in procs:
+        try:
+            codes.append(p.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(None)
+    return codes, [stderr_of(pl) for pl in procs]
+
+
+def two_node_catalog(path, memory_bytes):
+    """A catalog row for this CPU as two nodes of two ranks: the node's link 10x the network's."""
+    with open(path, "w") as f:
+        f.write(f"""[device.two-node-cpu]
+match = ["CPU"]
+memory_gb = {memory_bytes / 1e9:.9f}
+memory_bandwidth_gb_per_s = 20
+interconnect_gb_per_s = 10
+gpus_per_node = 2
+network_gb_per_s = 1
+peak_tflops = {{ fp32 = 0.1 }}
+source = "a test row"
+date = "2026-12"
+""")
+
+
+def case_auto_tp(args, work):
+    """dist.strategy = "auto" choosing tensor parallelism at runtime, as `kiln plan` recommends:
+    two torchrun agents on this machine (`--nnodes 2`, 2 ranks each: LOCAL_WORLD_SIZE 2), a gpt
+    whose state fits FSDP over 4 but not over one node's 2, a catalog row whose node link is 10x
+    its network. `kiln plan` on that row says fsdp x2 tp 2; `kiln train` under auto runs that mesh
+    (strategy.json: 1 x 2 x 2), logs the split, and trains within 1e-5 of one process at the same
+    global batch; `kiln plan --actual` forecasts over the recorded mesh. The pilot of the 8-GPU
+    job at 4 ranks runs that layout scaled down (one replica of tp 2 x dp_shard 2), its memory
+    per rank against the estimate and its restore bitwise. The control: the same launch at
+    dist.tp = 1 runs FSDP over all 4."""
+    cfg = os.path.join(args.source, "configs/gpt-tiny.toml")
+    common = GPT_TINY_2L + ["train.steps=6", f"run.dir={work}", "data.seq_len=64", "run.threads=1",
+                            "dist.strategy=auto", "dist.memory_headroom=0", "plan.headroom=0"]
+    # FSDP's footprint over one node (2) and over both (4), from the plan of a roomy row.
+    # A data-parallel rank's batch: 2 of them at tp 2 make one process's 32. (At 4 x 32 the pilot's
+    # working memory is small enough that its run-to-run spread, 1.05-1.25 of the estimate, meets
+    # pilot.max_estimate_error; at 16 x 64, dist.pilot_mesh's shape, it is a few percent.)
+    per_rank = ["train.batch_size=16"]
+    roomy = os.path.join(work, "roomy.toml")
+    two_node_catalog(roomy, 1e12)
+    size = {}
+    for gpus in (2, 4):
+        rc, _, err, _ = run([args.kiln, "plan", cfg] + sets(common + per_rank + [
+            f"run.name=size{gpus}", f"plan.catalog={roomy}", "plan.hardware=two-node-cpu",
+            f"plan.gpus={gpus}", "dist.device_memory_bytes=1e12"]))
+        check(rc == 0, f"kiln plan at {gpus} GPUs (exit {rc})") or print(err[-2000:])
+        row = json.load(open(os.path.join(work, f"size{gpus}", "plan.json")))["rows"][0]
+        size[gpus] = row["strategy"]["fsdp_bytes_per_device"]
+    check(size[4] < size[2], f"FSDP over 4 needs less than over 2 ({size[4]:.0f} < {size[2]:.0f} B)")
+    memory = (size[2] + size[4]) / 2
+    catalog = os.path.join(work, "cpu.toml")
+    two_node_catalog(catalog, memory)
+    sized = common + per_rank + [f"plan.catalog={catalog}", f"dist.device_memory_bytes={memory:.0f}"]
+    rc, _, err, _ = run([args.kiln, "plan", cfg] + sets(sized + [
+        "run.name=plan", "plan.hardware=two-node-cpu", "plan.gpus=4"]))
+    row = json.load(open(os.path.join(work, "plan", "plan.json")))["rows"][0]["strategy"] if rc == 0 else {}
+    check(rc == 0 and row.get("strategy") == "fsdp" and row.get("tp_degree") == 2
+          and row.get("fsdp_degree") == 2, f"kiln plan recommends fsdp x2 tp 2 on the row: {row}") or print(err[-2000:])
+    rc, _, err, _ = run([args.kiln, "train", cfg] + sets(common + ["run.name=single", "train.batch_size=32"]))
+    check(rc == 0, f"single process trains (exit {rc})") or print(err[-2000:])
+
+    def two_agents(name, extra):
+        port = free_port()
+        procs = []
+        for k in range(2):
+            cmd = [args.torchrun, "--nnodes=2", f"--node-rank={k}", "--nproc-per-node=2",
+                   "--master-addr=127.0.0.1", f"--master-port={port}", "--no-python", args.kiln, "train",
+                   cfg] + sets(sized + [f"run.name={name}", "dist.timeout_seconds=60"] + extra)
+            log = tempfile.TemporaryFile(mode="w+")
+            procs.append((subprocess.Popen(cmd, env=base_env(), stdout=subprocess.DEVNULL, stderr=log, text=True), log))
+        return wait_all(procs)
+
+    codes, logs = two_agents("auto", [])
+    check(codes == [0, 0], f"both agents exit 0 (status {codes})") or print("\n".join(logs)[-4000:])
+    record = json.load(open(os.path.join(work, "auto", "strategy.json")))
+    check(record["strategy"] == "fsdp" and record["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+          and record["decision"]["tp_degree"] == 2 and record["decision"]["links_source"].find("two-node-cpu") >= 0,
+          f"auto ran FSDP 2 x TP 2, the plan's layout: {record['mesh']}, links {record['decision'].get('links_source')}")
+    check(all("tensor parallel over 2 ranks" in log for log in logs), "the ranks of both agents log the split")
+    compare_losses(work, "single", "auto", 6, 1e-5)
+    rc, _, err, _ = run([args.kiln, "plan", os.path.join(work, "auto", "config.toml"),
+                         "--actual", os.path.join(work, "auto")])
+    layout = json.load(open(os.path.join(work, "auto", "plan-vs-actual.json"))).get("layout", {}) if rc == 0 else {}
+    check(rc == 0 and layout == {"strategy": "fsdp", "tp": 2, "dp_replicate": 1, "source": "strategy.json"},
+          f"kiln plan --actual forecasts over the recorded mesh: {layout}") or print(err[-2000:])
+    # The pilot of the 8-GPU job (plan.gpus = 8, nodes of 2) on this one machine, 4 ranks as one
+    # node of 4: it runs the production layout's tp 2 and dp_shard 2 with 1 replica instead of 2
+    # (for its own world auto would choose FSDP over its 4), its memory per rank against the
+    # estimate, and the restore at that mesh.
+    rc, _, err, _ = run(torchrun(args, 4, [args.kiln, "pilot", cfg] +
+                                 sets(sized + ["run.name=pilot", "plan.gpus=8", "pilot.steps=5"])))
+    restore_log = os.path.join(work, "pilot", "pilot", "restore.log")
+    check(rc == 0, f"the pilot at 4 ranks runs (exit {rc})") or print(
+        err[-3000:] + (open(restore_log).read()[-3000:] if os.path.exists(restore_log) else ""))
+    record = json.load(open(os.path.join(work, "pilot", "strategy.json"))) if rc == 0 else {}
+    check(record.get("mesh") == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+          and record.get("decision", {}).get("production_layout_scaled") is True,
+          f"the pilot ran plan.gpus = 8's layout scaled down: {record.get('mesh')}, {record.get('reason', '')[-160:]}")
+    pilot = json.load(open(os.path.join(work, "pilot", "pilot.json"))) if rc == 0 else {}
+    memory = pilot.get("memory", {})
+    check(pilot.get("passed") is True and pilot.get("restore", {}).get("loss_bitwise_equal") is True,
+          f"the pilot passed, the restore at its mesh bitwise: measured/estimate per rank "
+          f"{memory.get('measured_over_estimate', 0):.3f}")
+    codes, logs = two_agents("flat", ["dist.tp=1"])
+    record = json.load(open(os.path.join(work, "flat", "strategy.json"))) if codes == [0, 0] else {}
+    check(record.get("mesh") == {"dp_replicate": 1, "dp_shard": 4, "tp": 1},
+          f"control: dist.tp = 1 runs FSDP over all 4 (status {codes}, mesh {record.get('mesh')})") or print("\n".join(logs)[-4000:])
+
+
 class Skip(Exception):
     """The case cannot run here (the reason says why); the test reports it skipped (exit 77)."""
 
@@ -460,14 +578,7 @@ def case_two_hosts(args, work):
                                  "dist.dp_replicate=2", "dist.timeout_seconds=60"])
             log = tempfile.TemporaryFile(mode="w+")
             procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True), log))
-        codes = []
-        for p, _ in procs:
-            try:
-                codes.append(p.wait(timeout=240))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                codes.append(None)
-        logs = [stderr_of(pl) for pl in procs]
+        codes, logs = wait_all(procs)
         check(codes == [0, 0], f"both hosts' agents exit 0 (status {codes})") or print("\n".join(logs))
         check("local 0 of 2" in logs[1] and "rank 2 of 4" in logs[1],
               "host 1's agent started ranks 2 and 3 of 4, local ranks of 2")

@@ -13,6 +13,7 @@
 #include "kiln/dist.h"
 #include "kiln/error.h"
 #include "kiln/models.h"
+#include "kiln/plan.h"
 #include "kiln/session.h"
 #include "support/compose.h"
 #include "support/helpers.h"
@@ -464,7 +465,7 @@ TEST(DistStrategy, AutoPicksFsdpOnlyWhenDdpDoesNotFit) {
   auto choose = [&](const std::string& memory) {
     const Config config =
         gpt_config(dir.path(), {"dist.strategy=auto", "dist.device_memory_bytes=" + memory});
-    return resolve_strategy(config, *make_model(config), torch::kCPU, 2);
+    return resolve_strategy(config, *make_model(config), torch::kCPU, StrategyWorld{2});
   };
   const StrategyChoice roomy = choose("1e12");
   EXPECT_EQ(roomy.strategy, Parallelism::kDdp);
@@ -479,14 +480,16 @@ TEST(DistStrategy, AutoPicksFsdpOnlyWhenDdpDoesNotFit) {
   // Usable memory halfway between FSDP over 4 and DDP (as sized at world 4): FSDP over 2 fits.
   const Config roomy4 = gpt_config(dir.path(), {"dist.strategy=auto", "dist.memory_headroom=0",
                                                 "dist.device_memory_bytes=1e12"});
-  const StrategyChoice sizes = resolve_strategy(roomy4, *make_model(roomy4), torch::kCPU, 4);
+  const StrategyChoice sizes =
+      resolve_strategy(roomy4, *make_model(roomy4), torch::kCPU, StrategyWorld{4});
   const double halfway = (sizes.decision["ddp_bytes_per_device"].get<double>() +
                           sizes.decision["fsdp_bytes_per_device"].get<double>()) /
                          2;
   const Config tight4 =
       gpt_config(dir.path(), {"dist.strategy=auto", "dist.memory_headroom=0",
                               fmt::format("dist.device_memory_bytes={:.0f}", halfway)});
-  const StrategyChoice hybrid = resolve_strategy(tight4, *make_model(tight4), torch::kCPU, 4);
+  const StrategyChoice hybrid =
+      resolve_strategy(tight4, *make_model(tight4), torch::kCPU, StrategyWorld{4});
   const int degree = hybrid.decision["fsdp_degree"].get<int>();
   EXPECT_EQ(degree, 2);
   EXPECT_EQ(hybrid.mesh.dp_shard, degree);
@@ -495,15 +498,145 @@ TEST(DistStrategy, AutoPicksFsdpOnlyWhenDdpDoesNotFit) {
     EXPECT_THAT(hybrid.reason, ::testing::HasSubstr("hybrid sharding"));
   }
   const Config asked = gpt_config(dir.path(), {"dist.strategy=fsdp", "dist.dp_replicate=2"});
-  const StrategyChoice two_by_two = resolve_strategy(asked, *make_model(asked), torch::kCPU, 4);
+  const StrategyChoice two_by_two =
+      resolve_strategy(asked, *make_model(asked), torch::kCPU, StrategyWorld{4});
   EXPECT_EQ(two_by_two.mesh.dp_replicate, 2);
   EXPECT_EQ(two_by_two.mesh.dp_shard, 2);
   const Config over_all = gpt_config(dir.path(), {"dist.strategy=fsdp"});
-  EXPECT_EQ(resolve_strategy(over_all, *make_model(over_all), torch::kCPU, 4).mesh.dp_shard, 4);
+  EXPECT_EQ(resolve_strategy(over_all, *make_model(over_all), torch::kCPU, StrategyWorld{4})
+                .mesh.dp_shard,
+            4);
   const Config fixed = gpt_config(dir.path(), {"dist.strategy=ddp"});
-  EXPECT_EQ(resolve_strategy(fixed, *make_model(fixed), torch::kCPU, 2).strategy,
+  EXPECT_EQ(resolve_strategy(fixed, *make_model(fixed), torch::kCPU, StrategyWorld{2}).strategy,
             Parallelism::kDdp);
-  EXPECT_TRUE(resolve_strategy(fixed, *make_model(fixed), torch::kCPU, 2).decision.is_null());
+  EXPECT_TRUE(resolve_strategy(fixed, *make_model(fixed), torch::kCPU, StrategyWorld{2})
+                  .decision.is_null());
+}
+
+// dist.strategy = "auto" with dist.tp = 0 runs the layout `kiln plan` recommends for the same
+// job on the same hardware row: two nodes of two ranks, memory between FSDP over one node and
+// FSDP over both, a network 5x slower one way than the node's link: TP 2 inside a node with
+// FSDP over the slices communicates less across nodes than FSDP over all four.
+// dist.strategy = "auto" on a gpt whose memory lies between FSDP over 2 and over 4 (the rule's
+// own figures from roomy decisions), and a catalog row for this CPU as nodes of 2 ranks whose node
+// link is 10x the network (5x one way).
+struct TwoNodeJob {
+  TempDir dir;
+  std::filesystem::path catalog = dir.path() / "cpu.toml";
+  double memory = 0;
+  Config config(std::vector<std::string> extra) const {
+    const std::vector<std::string> base = {"dist.strategy=auto", "dist.memory_headroom=0",
+                                           "plan.headroom=0"};
+    extra.insert(extra.begin(), base.begin(), base.end());
+    return gpt_config(dir.path(), extra);
+  }
+  StrategyChoice resolve(const Config& config, StrategyWorld world) const {
+    return resolve_strategy(config, *make_model(config), torch::kCPU, world);
+  }
+  std::string sized() const { return fmt::format("dist.device_memory_bytes={:.0f}", memory); }
+  TwoNodeJob() {
+    const Config roomy = config({"dist.device_memory_bytes=1e12"});
+    const double fsdp2 = resolve(roomy, StrategyWorld{2}).decision["fsdp_bytes_per_device"];
+    const double fsdp4 =
+        resolve(roomy, StrategyWorld{4, 2, true}).decision["fsdp_bytes_per_device"];
+    EXPECT_LT(fsdp4, fsdp2);
+    memory = (fsdp2 + fsdp4) / 2;
+    write_text(catalog, fmt::format(R"([device.two-node-cpu]
+match = ["CPU"]
+memory_gb = {:.9f}
+memory_bandwidth_gb_per_s = 20
+interconnect_gb_per_s = 10
+gpus_per_node = 2
+network_gb_per_s = 1
+peak_tflops = {{ fp32 = 0.1 }}
+source = "a test row"
+date = "2026-12"
+)",
+                                    memory / 1e9));
+  }
+};
+
+TEST(DistStrategy, AutoChoosesTensorParallelInsideANodeAsThePlanDoes) {
+  const TwoNodeJob two;
+  auto config_with = [&](std::vector<std::string> extra) { return two.config(std::move(extra)); };
+  auto resolve = [&](const Config& config, StrategyWorld world) {
+    return two.resolve(config, world);
+  };
+  const std::filesystem::path catalog = two.catalog;
+  const StrategyWorld two_nodes{4, 2, true};
+  const std::string sized = two.sized();
+  const Config linked = config_with(
+      {sized, "plan.catalog=" + catalog.string(), "plan.hardware=two-node-cpu", "plan.gpus=4"});
+  const StrategyChoice tp = resolve(linked, two_nodes);
+  EXPECT_EQ(tp.strategy, Parallelism::kFsdp);
+  EXPECT_EQ(tp.mesh.tp, 2);
+  EXPECT_EQ(tp.mesh.dp_shard, 2);
+  EXPECT_EQ(tp.mesh.dp_replicate, 1);
+  EXPECT_EQ(tp.decision["tp_degree"], 2);
+  EXPECT_THAT(tp.reason, ::testing::HasSubstr("tp 2 with fsdp"));
+  EXPECT_THAT(tp.reason, ::testing::HasSubstr("catalog row two-node-cpu"));
+  // The plan of the same job on that row: the same layout.
+  const PlanResult plan = make_plan(linked, nullptr, false);
+  ASSERT_EQ(plan.rows.size(), 1u);
+  EXPECT_EQ(plan.rows[0].strategy, "fsdp");
+  EXPECT_EQ(plan.rows[0].fsdp_degree, tp.mesh.dp_shard);
+  EXPECT_EQ(plan.rows[0].tp_degree, tp.mesh.tp);
+  // Negative controls, each one change away: links unknown (no row matches this CPU) prefer
+  // FSDP over all four (the rule's default); TP not allowed (a compiled step) or dist.tp = 1 set;
+  // one node of four ranks, where FSDP over four stays inside it.
+  const StrategyChoice unknown = resolve(config_with({sized}), two_nodes);
+  EXPECT_EQ(unknown.mesh.tp, 1);
+  EXPECT_EQ(unknown.mesh.dp_shard, 4);
+  EXPECT_THAT(unknown.reason, ::testing::HasSubstr("link bandwidths unknown"));
+  EXPECT_EQ(resolve(linked, StrategyWorld{4, 2, false}).mesh.tp, 1);
+  const Config tp_one = config_with({sized, "plan.catalog=" + catalog.string(), "dist.tp=1"});
+  EXPECT_EQ(resolve(tp_one, two_nodes).mesh.tp, 1);
+  const StrategyChoice one_node = resolve(linked, StrategyWorld{4, 4, true});
+  EXPECT_EQ(one_node.mesh.tp, 1);
+  EXPECT_EQ(one_node.mesh.dp_shard, 4);
+}
+
+// The pilot of a larger job (StrategyWorld::production_world_size = plan.gpus): "auto" chooses
+// the layout at the production world and runs its tp and dp_shard at the pilot's world with fewer
+// replicas, so the memory the pilot measures is a production rank's. 8 GPUs in nodes of 2 (the
+// catalog row), memory between FSDP over 2 and over 4: production runs tp 2 x fsdp 2 x 2
+// replicas; a pilot of 4 ranks on one machine (one node of 4) runs 1 x 2 x 2, where choosing for
+// its own world gives FSDP over its 4. Controls: no production world; a pilot world of 2, which
+// tp 2 x dp_shard 2 does not divide (said, and chosen for that world).
+TEST(DistStrategy, APilotRunsTheProductionLayoutScaledDown) {
+  const TwoNodeJob two;
+  auto resolve = [&](const Config& config, StrategyWorld world) {
+    return two.resolve(config, world);
+  };
+  const Config config = two.config({two.sized(), "plan.catalog=" + two.catalog.string()});
+  StrategyWorld pilot{4, 4, true};
+  pilot.production_world_size = 8;
+  const StrategyChoice scaled = resolve(config, pilot);
+  EXPECT_EQ(scaled.strategy, Parallelism::kFsdp);
+  EXPECT_EQ(scaled.mesh.tp, 2);
+  EXPECT_EQ(scaled.mesh.dp_shard, 2);
+  EXPECT_EQ(scaled.mesh.dp_replicate, 1);
+  EXPECT_EQ(scaled.decision["production_world_size"], 8);
+  EXPECT_EQ(scaled.decision["production_layout_scaled"], true);
+  EXPECT_THAT(scaled.reason,
+              ::testing::HasSubstr("plan.gpus = 8 (fsdp 2 x tp 2, dp_replicate 2) "
+                                   "scaled down to this world of 4: dp_replicate 1"));
+  // Production itself: the same tp and dp_shard, twice the replicas.
+  const StrategyChoice production = resolve(config, StrategyWorld{8, 2, true});
+  EXPECT_EQ(production.mesh.tp, 2);
+  EXPECT_EQ(production.mesh.dp_shard, 2);
+  EXPECT_EQ(production.mesh.dp_replicate, 2);
+  // Controls.
+  const StrategyChoice own = resolve(config, StrategyWorld{4, 4, true});
+  EXPECT_EQ(own.mesh.tp, 1);
+  EXPECT_EQ(own.mesh.dp_shard, 4);
+  StrategyWorld small{2, 2, true};
+  small.production_world_size = 8;
+  const StrategyChoice too_small = resolve(config, small);
+  EXPECT_EQ(too_small.mesh.size(), 2);
+  EXPECT_EQ(too_small.decision["production_layout_scaled"], false);
+  EXPECT_THAT(too_small.reason, ::testing::HasSubstr("needs 4 ranks per replica, which do not "
+                                                     "divide this world of 2"));
 }
 
 }  // namespace

@@ -503,6 +503,20 @@ TEST(Pilot, AMemoryEstimateOutsideTheAllowedErrorFailsNamingThePart) {
   EXPECT_FALSE(pilot["passed"].get<bool>());
 }
 
+// The restore trains the job's own schedule to step pilot.steps + 1: a job shorter than that is
+// refused at start, naming both keys, before the run directory exists (it used to fail at the
+// restore, after the pilot's steps and save). The control: one step more trains.
+TEST(Pilot, AJobShorterThanThePilotIsRefusedAtStart) {
+  TempDir dir;
+  write_text(dir / "corpus.txt", corpus());
+  auto r = run_kiln("pilot " + tiny_pilot_args(dir, " --set train.steps=6 --set pilot.steps=6"));
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("pilot.steps = 6 needs train.steps >= 7"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "p"));
+  auto ok = run_kiln("pilot " + tiny_pilot_args(dir, " --set train.steps=7 --set pilot.steps=6"));
+  EXPECT_EQ(ok.exit_code, 0) << ok.out << ok.err;
+}
+
 TEST(Pilot, ARestoreThatDiffersFailsNamingTheTensors) {
   TempDir dir;
   write_text(dir / "corpus.txt", corpus());

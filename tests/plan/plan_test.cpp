@@ -454,6 +454,48 @@ TEST(PlanForecast, AMeshRunIsForecastPerDevice) {
   EXPECT_LT(mesh.peak_memory_bytes, one.peak_memory_bytes);
 }
 
+// An auto run's forecast reads the layout it ran from its strategy.json (kiln train writes it
+// once the strategy is resolved): auto chose FSDP 2 x TP 2, so a rank holds half a batch's
+// tokens, as the dist.tp = 2 forecast above. Controls: without strategy.json the config's keys
+// stand (auto read as ddp, tp 1: a whole batch); a record of another world is not this run's.
+TEST(PlanForecast, AnAutoRunIsForecastOverTheMeshItRecorded) {
+  TempDir dir;
+  write_this_cpu_catalog(dir / "cpu.toml");
+  const Config config =
+      stall_config({"plan.catalog=" + (dir / "cpu.toml").string(), "dist.strategy=auto"});
+  const auto run = dir / "run";
+  std::filesystem::create_directories(run);
+  const RunLayout none = run_layout(config, run, 4);
+  EXPECT_EQ(none.strategy, "ddp");
+  EXPECT_EQ(none.tp, 0);
+  EXPECT_EQ(none.source, "the config (no strategy.json)");
+  EXPECT_DOUBLE_EQ(
+      forecast_run(config, nullptr, "cpu", 4, none.strategy, none.tp, none.dp_replicate)
+          .tokens_per_step,
+      64.0);
+
+  StrategyRecord record;
+  record.strategy = "fsdp";
+  record.reason = "auto";
+  record.world_size = 4;
+  record.dp_shard = 2;
+  record.tp = 2;
+  write_text(run / "strategy.json", nlohmann::json(record).dump());
+  const RunLayout recorded = run_layout(config, run, 4);
+  EXPECT_EQ(recorded.strategy, "fsdp");
+  EXPECT_EQ(recorded.tp, 2);
+  EXPECT_EQ(recorded.dp_replicate, 1);
+  EXPECT_EQ(recorded.source, "strategy.json");
+  const Forecast f = forecast_run(config, nullptr, "cpu", 4, recorded.strategy, recorded.tp,
+                                  recorded.dp_replicate);
+  EXPECT_DOUBLE_EQ(f.tokens_per_step, 32.0);
+  const Forecast keys = forecast_run(stall_config({"plan.catalog=" + (dir / "cpu.toml").string(),
+                                                   "dist.tp=2", "dist.strategy=fsdp"}),
+                                     nullptr, "cpu", 4, "fsdp");
+  EXPECT_DOUBLE_EQ(f.peak_memory_bytes, keys.peak_memory_bytes);
+  EXPECT_EQ(run_layout(config, run, 8).source, "the config (no strategy.json)");
+}
+
 TEST(PlanForecast, AnAsyncJobLosesThePilotsBlockingTimeAndEndWaitPerSaveASyncJobTheWholeSave) {
   TempDir dir;
   write_this_cpu_catalog(dir / "cpu.toml");
