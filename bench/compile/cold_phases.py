@@ -17,7 +17,18 @@ Inductor cache (TORCHINDUCTOR_CACHE_DIR) for each, nothing shared with an earlie
       compilation_time_metrics, nested regions inside their parents).
   Python: a fresh process: `import torch`, the twin model from python/kiln_py with AdamW, and
       torch.compile's first iteration (forward, loss, backward, clip, optimizer step), with the
-      same torch timers read after it.
+      same torch timers read after it. Under train.activation_checkpointing = "block" (kiln's unit
+      mode) each block is wrapped in checkpoint_wrapper and compiled on its own instead of the
+      whole model.
+
+With --first-step the bench times instead what a user waits for: process start to the first
+compiled training step, cold and warm, as `kiln train` runs it (compile.backend = inductor,
+train.steps = 1, no evaluation; timed to its "step 1/1" log line) beside the Python child (timed
+to its result line, printed right after its first iteration). Each repeat runs, in order: kiln
+cold (new package and Inductor caches), kiln cold with the ISA-check child off
+(KILN_COMPILE_ISA_PROBE=0: the control, its own new caches), Python cold (a new Inductor cache),
+then kiln warm (the first cold run's caches: every package cached) and Python warm (its cold run's
+Inductor cache: FX-graph and AOTAutograd caches warm, as torch.compile's second start).
 
 Reported per repeat and as medians over the repeats: kiln's compile and its phases summed over
 its packages (and the largest phases of torch's timers on both sides), Python's import and first
@@ -72,7 +83,17 @@ def python_child(config_json):
     inputs = torch.randint(0, vocab, (batch, seq))
     targets = torch.randint(0, vocab, (batch, seq))
     optimizer = make_optimizer(model, cfg["optim"])
-    compiled = torch.compile(model)
+    if cfg["train"].get("activation_checkpointing", "none") == "block":
+        # kiln's unit mode under block checkpointing: each block checkpointed and compiled on its
+        # own (torchtitan's way), the rest eager.
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        blocks = model.transformer.h if m["name"] == "gpt" else model.model.layers
+        for i, block in enumerate(blocks):
+            blocks[i] = checkpoint_wrapper(block)
+            blocks[i].compile()
+        compiled = model
+    else:
+        compiled = torch.compile(model)
     precision = cfg["train"].get("precision", "fp32")
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
     begin = time.perf_counter()
@@ -122,6 +143,81 @@ def kiln_side(kiln, config, overrides, work, name, env):
             "torch_timers_summed_over_packages": timers}
 
 
+def time_to_line(cmd, env, marker):
+    """Runs cmd; returns (seconds from start to the first output line containing marker,
+    seconds to exit). Raises when it fails or never prints the marker."""
+    began = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    seen, tail = None, []
+    for line in proc.stdout:
+        if seen is None and marker in line:
+            seen = time.perf_counter() - began
+        tail = (tail + [line])[-20:]
+    code = proc.wait()
+    ended = time.perf_counter() - began
+    if code != 0 or seen is None:
+        raise SystemExit(f"{' '.join(cmd[:3])} ... exit {code}, marker {marker!r} "
+                         f"{'seen' if seen else 'not seen'}:\n{''.join(tail)}")
+    return seen, ended
+
+
+def first_step_repeat(args, cfg, work, r):
+    from run import sets
+
+    def kiln(name, cache, inductor, extra_env=None):
+        cmd = [args.kiln, "train", args.config] + sets(args.overrides + [
+            f"run.dir={work}/runs", f"run.name={name}", "run.progress=log",
+            "compile.backend=inductor", f"compile.cache_dir={cache}", "train.steps=1",
+            "train.eval_every=0"])
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor, **(extra_env or {}))
+        first, whole = time_to_line(cmd, env, "step 1/1 ")
+        return {"first_step_seconds": first, "process_seconds": whole}
+
+    def python(inductor):
+        cmd = [sys.executable, __file__, "--kiln", args.kiln, "--config", args.config,
+               "--python-child", json.dumps(cfg)]
+        first, whole = time_to_line(cmd, dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor),
+                                    "first_iteration_seconds")
+        return {"first_step_seconds": first, "process_seconds": whole}
+
+    cache, inductor = os.path.join(work, f"k{r}-packages"), os.path.join(work, f"inductor-k{r}")
+    row = {"load_before": os.getloadavg()[0]}
+    row["kiln_cold"] = kiln(f"k{r}", cache, inductor)
+    row["kiln_cold_no_isa_child"] = kiln(f"n{r}", os.path.join(work, f"n{r}-packages"),
+                                         os.path.join(work, f"inductor-n{r}"),
+                                         {"KILN_COMPILE_ISA_PROBE": "0"})
+    python_inductor = os.path.join(work, f"inductor-p{r}")
+    row["python_cold"] = python(python_inductor)
+    row["kiln_warm"] = kiln(f"w{r}", cache, inductor)
+    row["python_warm"] = python(python_inductor)
+    for name in ("cold", "warm"):
+        row[f"ratio_{name}"] = (row[f"kiln_{name}"]["first_step_seconds"] /
+                                row[f"python_{name}"]["first_step_seconds"])
+    row["ratio_cold_no_isa_child"] = (row["kiln_cold_no_isa_child"]["first_step_seconds"] /
+                                      row["python_cold"]["first_step_seconds"])
+    print(f"repeat {r + 1}: first compiled step, cold: kiln {row['kiln_cold']['first_step_seconds']:.1f} s"
+          f" (ISA child off {row['kiln_cold_no_isa_child']['first_step_seconds']:.1f} s), python "
+          f"{row['python_cold']['first_step_seconds']:.1f} s, ratio {row['ratio_cold']:.2f} | warm: "
+          f"kiln {row['kiln_warm']['first_step_seconds']:.2f} s, python "
+          f"{row['python_warm']['first_step_seconds']:.2f} s", flush=True)
+    return row
+
+
+def first_step_result(args, repeats, machine):
+    columns = ["kiln_cold", "kiln_cold_no_isa_child", "python_cold", "kiln_warm", "python_warm"]
+    median = {f"{c}_first_step_seconds": statistics.median(r[c]["first_step_seconds"]
+                                                           for r in repeats) for c in columns}
+    median.update({f"{c}_process_seconds": statistics.median(r[c]["process_seconds"]
+                                                             for r in repeats) for c in columns})
+    for ratio in ("ratio_cold", "ratio_cold_no_isa_child", "ratio_warm"):
+        median[ratio] = statistics.median(r[ratio] for r in repeats)
+    return {"benchmark": "process start to the first compiled training step, cold and warm: "
+                         "kiln train beside Python torch.compile",
+            "config": args.config, "overrides": args.overrides, "repeats": args.repeats,
+            "machine": machine, "median": median, "repeats_detail": repeats}
+
+
 def top(timers, n=8):
     return dict(sorted(timers.items(), key=lambda kv: -kv[1])[:n])
 
@@ -133,6 +229,8 @@ def main():
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--result")
+    parser.add_argument("--first-step", action="store_true",
+                        help="time process start to the first compiled step, cold and warm")
     parser.add_argument("--python-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.python_child:
@@ -146,6 +244,14 @@ def main():
         if cfg["model"]["name"] not in ("gpt", "llama"):
             raise SystemExit("this bench compiles token models (gpt, llama)")
         repeats = []
+        machine = {"cpu": platform.processor() or platform.machine(), "flags": cpu_flags(),
+                   "cores": os.cpu_count()}
+        if args.first_step:
+            repeats = [first_step_repeat(args, cfg, work, r) for r in range(args.repeats)]
+            result = first_step_result(args, repeats, machine)
+            print(json.dumps(result["median"], indent=2))
+            write_result(args.result, result)
+            return
         for r in range(args.repeats):
             row = {"load_before": os.getloadavg()[0]}
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(work, f"inductor-k{r}"))
@@ -179,8 +285,7 @@ def main():
     result = {
         "benchmark": "cold compile: kiln's phases beside Python torch.compile's first iteration",
         "config": args.config, "overrides": args.overrides, "repeats": args.repeats,
-        "machine": {"cpu": platform.processor() or platform.machine(), "flags": cpu_flags(),
-                    "cores": os.cpu_count()},
+        "machine": machine,
         "median": {
             "kiln_compile_seconds": med(r["kiln"]["compile_seconds"] for r in repeats),
             "kiln_phases_summed_over_packages": {

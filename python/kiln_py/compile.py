@@ -430,6 +430,10 @@ def run(spec, result):
     if spec["device"] == "cuda" and not torch.cuda.is_available():
         raise SpecError(f"device cuda asked, but this torch ({torch.__version__}) sees no CUDA "
                         f"device; compile on the machine that trains, with a CUDA torch")
+    if spec["device"] == "cpu":
+        # Inductor's ISA checks in a child while this process builds the twin and exports
+        # (kiln_py.aoti, "beside export"); main() waits for it.
+        result["_isa_probe"] = aoti.start_cpu_isa_probe()
     try:
         model = models.build(spec["model"])
     except ValueError as e:
@@ -528,6 +532,9 @@ def main(argv=None):
                            f"traceback on stderr, run eager, or report it with the spec)")
         traceback.print_exc()
         code = EXIT_FAILED
+    probe = result.pop("_isa_probe", None)
+    result["isa_probe"] = ("none" if probe is None else
+                           "ok" if aoti.wait_cpu_isa_probe(probe) == 0 else "failed")
     result["seconds"]["import_torch"] = IMPORT_TORCH_SECONDS
     result["inductor_seconds"] = inductor_seconds()
     write_result(args.result, result)

@@ -197,14 +197,26 @@ const CompilerPython& CompilerPython::probe(const std::string& python) {
       fs::temp_directory_path() / fmt::format("kiln-python-probe-{}.txt", ::getpid());
   std::error_code ec;
   fs::remove(answer, ec);
+  // torch's version without `import torch` (1.5-2 s on these machines, paid at every start of a
+  // compiled job, warm cache or not): find the package and run its generated version.py, which
+  // imports only `typing`. A torch that is present but cannot import fails in the compiler,
+  // whose log says why.
   const std::string code =
-      "import sys\n"
+      "import importlib.util, os, sys\n"
       "try:\n"
-      "    import torch\n"
+      "    spec = importlib.util.find_spec('torch')\n"
+      "    if spec is None or not spec.submodule_search_locations:\n"
+      "        raise ModuleNotFoundError(\"no module named 'torch'\")\n"
+      "    path = os.path.join(list(spec.submodule_search_locations)[0], 'version.py')\n"
+      "    with open(path) as f:\n"
+      "        source = f.read()\n"
+      "    ns = {}\n"
+      "    exec(compile(source, path, 'exec'), ns)\n"
+      "    version, git = ns['__version__'], ns.get('git_version', 'unknown')\n"
       "except Exception as e:\n"
       "    print('no-torch', type(e).__name__, e)\n"
       "    sys.exit(0)\n"
-      "print('torch', torch.__version__, torch.version.git_version)\n";
+      "print('torch', version, git)\n";
   int status = 127;
   try {
     status = wait_process(spawn_process({out.python, "-c", code}, answer));

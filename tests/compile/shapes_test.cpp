@@ -1,10 +1,13 @@
 // The compiled step's bookkeeping, without compiling: shapes and recompiles for each dynamic
 // setting and the recompile limit, graph-break text, probe lengths, the package cache (hit,
 // miss, stale, corrupt), the compiler Python's checks.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <torch/headeronly/version.h>
 
 #include "compile/internal.h"
 #include "core/files.h"
+#include "kiln/build_info.h"
 #include "kiln/compile.h"
 #include "kiln/error.h"
 #include "support/helpers.h"
@@ -219,6 +222,40 @@ TEST(CompilerPython, AMissingPythonOrAnotherTorchIsNamedWithTheFix) {
   try {
     CompilerPython::probe(bare.string());
     FAIL();
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("has no torch"), std::string::npos) << e.what();
+  }
+}
+
+// The probe reads torch's version from its version.py and never imports torch (1.5-2 s at every
+// start of a compiled job): a torch whose __init__ raises still answers with its version. Control:
+// the same package without version.py is "no torch".
+TEST(CompilerPython, ReadsTorchsVersionWithoutImportingIt) {
+  if (!*build_info().python) GTEST_SKIP() << "kiln was built without KILN_PYTHON";
+  TempDir dir;
+  const auto fake_torch = dir / "site" / "torch";
+  std::filesystem::create_directories(fake_torch);
+  write_text(fake_torch / "__init__.py", "raise RuntimeError('imported torch')\n");
+  const std::string version =
+      fmt::format("{}.{}.{}+cpu", TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH);
+  write_text(fake_torch / "version.py",
+             "from typing import Optional\n__version__ = '" + version +
+                 "'\ncuda: Optional[str] = None\ngit_version = 'feedc0de'\n");
+  const auto python = dir / "python";  // its own path: the probe caches per Python
+  write_text(python, "#!/bin/sh\nPYTHONPATH=" + (dir / "site").string() + " exec " +
+                         build_info().python + " \"$@\"\n");
+  std::filesystem::permissions(python, std::filesystem::perms::owner_all);
+  const CompilerPython& probed = CompilerPython::probe(python.string());
+  EXPECT_EQ(probed.torch_version, version);
+  EXPECT_EQ(probed.torch_git, "feedc0de");
+
+  std::filesystem::remove(fake_torch / "version.py");
+  const auto control = dir / "python-without-version";
+  std::filesystem::copy_file(python, control);
+  std::filesystem::permissions(control, std::filesystem::perms::owner_all);
+  try {
+    CompilerPython::probe(control.string());
+    FAIL() << "a torch without version.py passed the probe";
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find("has no torch"), std::string::npos) << e.what();
   }

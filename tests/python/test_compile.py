@@ -167,6 +167,75 @@ class CompileScript(unittest.TestCase):
                                       "--result", result_path]), 2)
 
 
+# A process picking Inductor's vector ISA as a lowering does; "count" records each check built,
+# "refuse" also fails it (so only checks already built pass). Prints one JSON line.
+ISA_SCRIPT = """
+import json, os, sys
+from torch._inductor import cpp_builder, cpu_vec_isa
+from kiln_py import aoti
+mode, built = sys.argv[1], []
+build = cpp_builder.CppBuilder.build
+def counted(self, *args, **kwargs):
+    built.append(1)
+    if mode == "refuse":
+        raise RuntimeError("a check was built")
+    return build(self, *args, **kwargs)
+cpp_builder.CppBuilder.build = counted
+child = aoti.start_cpu_isa_probe() if mode in ("race", "child") else None
+if mode == "child":  # the child alone: wait for it, pick nothing here
+    code, pick = aoti.wait_cpu_isa_probe(child), None
+else:
+    pick = str(cpu_vec_isa.pick_vec_isa())
+    code = aoti.wait_cpu_isa_probe(child)
+print(json.dumps({"pick": pick, "built": len(built), "child": child is not None, "code": code,
+                  "marked": os.path.exists(aoti._isa_marker())}))
+"""
+
+
+class IsaProbe(unittest.TestCase):
+    """kiln_py.aoti.start_cpu_isa_probe: Inductor's vector-ISA checks in a child process beside
+    export. The child alone builds every check (a process that may build none then picks what a
+    serial pick does); racing it, a lowering picks the same; the marker keeps the next job from
+    starting a child. Control: on an empty cache the refusing process picks no ISA, so it notices
+    a check the child did not build (a child that does nothing fails here)."""
+
+    def pick(self, cache, mode):
+        env = dict(support.env_with_python_path(), TORCHINDUCTOR_CACHE_DIR=cache)
+        env.pop("KILN_COMPILE_ISA_PROBE", None)
+        env.pop("TORCHINDUCTOR_VEC_ISA_OK", None)
+        proc = subprocess.run([sys.executable, "-c", ISA_SCRIPT, mode], env=env,
+                              capture_output=True, text=True, timeout=240)
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def test_the_child_builds_the_checks_a_lowering_reuses(self):
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+        serial = str(pick_vec_isa())  # this process's own cache, as a lowering picks
+        if not serial:
+            self.skipTest("this CPU has no vector ISA Inductor uses: no checks to run")
+        with tempfile.TemporaryDirectory(prefix="kiln-isa-") as d:
+            alone, cold, empty = (os.path.join(d, n) for n in ("alone", "cold", "empty"))
+            child = self.pick(alone, "child")
+            self.assertTrue(child["child"], child)
+            self.assertEqual(child["code"], 0, child)
+            self.assertTrue(child["marked"], child)
+            cached = self.pick(alone, "refuse")
+            self.assertEqual(cached["built"], 0, cached)
+            self.assertEqual(cached["pick"], serial, cached)
+            raced = self.pick(cold, "race")
+            self.assertTrue(raced["child"], raced)
+            self.assertEqual(raced["code"], 0, raced)
+            self.assertEqual(raced["pick"], serial, raced)
+            self.assertTrue(raced["marked"], raced)
+            again = self.pick(cold, "race")  # the marker: no child the second time
+            self.assertFalse(again["child"], again)
+            self.assertEqual(again["pick"], serial, again)
+            control = self.pick(empty, "refuse")
+            self.assertGreater(control["built"], 0, control)
+            self.assertNotEqual(control["pick"], serial, control)
+            self.assertFalse(control["marked"], control)
+
+
 class MixedPrecisionExport(unittest.TestCase):
     """The autocast policy is part of the exported graph (export only, no AOTInductor build: the
     C++ tests build and run bf16 and fp16 packages against kiln's eager step)."""
