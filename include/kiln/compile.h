@@ -51,6 +51,11 @@ struct CompileOptions {
   bool root = true;  // compile.root: per unit, the root's pieces (embeddings, head, loss) too
   int recompile_limit = 8;
   int jobs = 1;  // resolved: compile.jobs, 0 -> the machine's cores (at least 1)
+  /// Per unit with a compiled root, cold: find every piece's signature in one eager forward and
+  /// build the missing pairs side by side (jobs >= 2). Not a key: attach_compiled_step turns it
+  /// off for a job of several processes (ranks whose caches differ would decide differently,
+  /// and FSDP's forward gathers are collectives).
+  bool prebuild_pieces = true;
   std::vector<int64_t> probe_seq_lens;  // the rung's shape probe (resolved; may be empty)
   double tolerance = 1e-4;  // resolved: compile.tolerance, else default_compile_tolerance()
   bool tolerance_configured = false;  // compile.tolerance set (> 0), not the precision's default

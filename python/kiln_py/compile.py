@@ -430,9 +430,10 @@ def run(spec, result):
     if spec["device"] == "cuda" and not torch.cuda.is_available():
         raise SpecError(f"device cuda asked, but this torch ({torch.__version__}) sees no CUDA "
                         f"device; compile on the machine that trains, with a CUDA torch")
-    if spec["device"] == "cpu":
+    if spec["device"] == "cpu" and spec.get("isa_probe", True) is not False:
         # Inductor's ISA checks in a child while this process builds the twin and exports
-        # (kiln_py.aoti, "beside export"); main() waits for it.
+        # (kiln_py.aoti, "beside export"); main() waits for it. kiln asks one of several
+        # compiler processes it starts at once for the child ("isa_probe": false the others).
         result["_isa_probe"] = aoti.start_cpu_isa_probe()
     try:
         model = models.build(spec["model"])

@@ -534,7 +534,8 @@ void check_compile_start(const Config& config) {
 }
 
 std::shared_ptr<CompiledStep> attach_compiled_step(Trainer& trainer, const Config& config) {
-  const CompileOptions options = CompileOptions::from_config(config);
+  CompileOptions options = CompileOptions::from_config(config);
+  if (trainer.options().world_size > 1) options.prebuild_pieces = false;
   std::shared_ptr<CompiledStep> step;
   if (options.inductor()) {
     trainer.enter_composition_stage(CompositionStage::kCompilation, "compiled step (inductor)");

@@ -15,8 +15,16 @@
 // the token ids) and "root.after_units" (final norm, head and loss, from the last unit's output
 // and the targets), each a forward and backward package pair in the same autograd function, the
 // units (and their wrappers) running between them from root_loss().
+//
+// Cold, each pair would build when its piece first runs, one compiler process after another.
+// With the root compiled, compile.jobs >= 2 and one process, the first root_loss whose first
+// piece is not cached runs the model's forward once eagerly without gradients (the random
+// generator's state kept) to find every piece's signature, then builds the missing pairs side by
+// side, each in its own compiler process, as the whole step's train and eval graphs build; the
+// step then loads them from the cache as usual.
 #include "compile/compiled_units.h"
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 #include <fmt/format.h>
@@ -24,7 +32,11 @@
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
 #include <algorithm>
+#include <atomic>
+#include <exception>
+#include <future>
 #include <map>
+#include <set>
 
 #include "compile/compiler_run.h"
 #include "core/clock.h"
@@ -199,6 +211,10 @@ class CompiledUnits final : public CompiledUnitWrapper {
 
   torch::Tensor run(int unit, const UnitForward& forward, const torch::Tensor& input) override {
     const auto u = static_cast<size_t>(unit);
+    if (discovering_) {  // prebuild(): the signature, and the eager unit
+      if (u < units_ && autocast_matches(input)) discovered_.emplace_back(u, signature(u, {input}));
+      return forward(input);
+    }
     if (u >= units_ || !autocast_matches(input)) return forward(input);
     const UnitPair* pair = resolve(u, {input});
     if (pair == nullptr || pair->eager) {
@@ -215,6 +231,7 @@ class CompiledUnits final : public CompiledUnitWrapper {
     if (!split_) throw std::logic_error("root_loss without a compiled root");
     const size_t before = units_, after = units_ + 1;
     const bool compiled = autocast_matches(inputs) && within_block_size(inputs);
+    if (compiled && !prebuild_done_) prebuild(inputs, targets);
     const UnitPair* pair = compiled ? resolve(before, {inputs}) : nullptr;
     torch::Tensor hidden = pair == nullptr || pair->eager ? split_->before_units(inputs)
                                                           : call(before, *pair, {inputs});
@@ -336,10 +353,149 @@ class CompiledUnits final : public CompiledUnitWrapper {
     return (pieces_[p].root ? "root piece " : "unit ") + pieces_[p].name;
   }
 
+  static std::string describe_signature(const json& tensor) {
+    std::string dims;
+    for (const json& d : tensor.at("shape")) dims += (dims.empty() ? "" : ", ") + d.dump();
+    return tensor.at("dtype").get<std::string>() + " [" + dims + "]";
+  }
+
   static std::string describe_input(const torch::Tensor& input) {
     std::string dims;
     for (int64_t d : input.sizes()) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
     return dtype_name(input.scalar_type()) + " [" + dims + "]";
+  }
+
+  bool cached(const CompilerPython& python, const json& sig) const {
+    return cache_.find(fingerprint(python, sig, "unit-forward"), nullptr).has_value() &&
+           cache_.find(fingerprint(python, sig, "unit-backward"), nullptr).has_value();
+  }
+
+  // The file comment's side-by-side build of the pieces' pairs, once, before the first step's
+  // forward (nothing when warm, when compile.jobs = 1 or under several processes).
+  void prebuild(const torch::Tensor& inputs, const torch::Tensor& targets) {
+    prebuild_done_ = true;
+    if (options_.jobs < 2 || !options_.prebuild_pieces) return;
+    const size_t before = units_, after = units_ + 1;
+    const CompilerPython& python = CompilerPython::probe(options_.python);
+    const json first = signature(before, {inputs});
+    if (cached(python, first)) return;
+    discovered_.clear();
+    discovered_.emplace_back(before, first);
+    {
+      // The eager forward must not move the random stream (dropout): a cold run trains as a
+      // warm one, bit for bit.
+      at::Generator generator = at::globalContext().defaultGenerator(device_);
+      at::Tensor state;
+      {
+        std::lock_guard<std::mutex> lock(generator.mutex());
+        state = generator.get_state();
+      }
+      torch::NoGradGuard no_grad;
+      discovering_ = true;
+      try {
+        torch::Tensor hidden = split_->through_units(split_->before_units(inputs));
+        discovered_.emplace_back(after, signature(after, {hidden, targets}));
+      } catch (...) {
+        discovering_ = false;
+        throw;
+      }
+      discovering_ = false;
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(state);
+    }
+    std::vector<std::pair<size_t, json>> todo;
+    std::set<std::string> seen;
+    for (const auto& [p, sig] : discovered_) {
+      if (seen.insert(sig.dump()).second && !cached(python, sig)) todo.emplace_back(p, sig);
+    }
+    discovered_.clear();
+    if (todo.size() < 2) return;  // nothing to overlap: the step builds it as it runs
+    const size_t workers = std::min(todo.size(), static_cast<size_t>(options_.jobs));
+    std::string names;
+    for (const auto& item : todo) names += (names.empty() ? "" : ", ") + what(item.first);
+    log::info(
+        fmt::format("compile: building {} pieces' packages side by side, {} at a time "
+                    "(compile.jobs): {}",
+                    todo.size(), workers, names));
+    const int threads = at::get_num_threads();  // per thread under OpenMP: read it here
+    std::vector<PairBuild> built(todo.size());
+    std::vector<std::exception_ptr> errors(todo.size());
+    std::atomic<size_t> next{0};
+    std::vector<std::future<void>> pool;
+    for (size_t w = 0; w < workers; ++w) {
+      pool.push_back(std::async(std::launch::async, [&] {
+        for (size_t i = next++; i < todo.size(); i = next++) {
+          try {
+            built[i] = build_missing(todo[i].first, todo[i].second, threads, /*isa_probe=*/i == 0);
+          } catch (...) {
+            errors[i] = std::current_exception();
+          }
+        }
+      }));
+    }
+    for (auto& worker : pool) worker.get();
+    for (const std::exception_ptr& error : errors) {
+      if (error) std::rethrow_exception(error);
+    }
+    for (size_t i = 0; i < todo.size(); ++i) prebuilt_[todo[i].second.dump()] = built[i];
+  }
+
+  // One compiler run for piece p's pair, published to the cache (unless the piece has graph
+  // breaks). `threads`: the compiler's thread count (read on the training thread).
+  struct PairBuild {
+    bool ran = false;  // false: another process had built it
+    bool breaks = false;
+    std::vector<GraphBreak> graph_breaks;
+    double seconds = 0;
+  };
+  PairBuild build_missing(size_t p, const json& sig, int threads, bool isa_probe) const {
+    const CompilerPython& python = CompilerPython::probe(options_.python);
+    const Fingerprint forward_key = fingerprint(python, sig, "unit-forward");
+    const Fingerprint backward_key = fingerprint(python, sig, "unit-backward");
+    PackageCache::BuildLock lock(cache_, forward_key);  // one builder across processes
+    std::string why_not;
+    if (cache_.find(forward_key, &why_not) && cache_.find(backward_key, &why_not)) return {};
+    return build(p, sig, forward_key, backward_key, why_not, threads, isa_probe);
+  }
+
+  PairBuild build(size_t p, const json& sig, const Fingerprint& forward_key,
+                  const Fingerprint& backward_key, const std::string& why_not, int threads,
+                  bool isa_probe) const {
+    const CompilerPython& python = CompilerPython::probe(options_.python);
+    log::info(
+        fmt::format("compile: building {}'s forward and backward for input {} with "
+                    "AOTInductor ({}; cache {}: {})",
+                    what(p), describe_signature(sig["input"]), python.torch_version,
+                    cache_.dir().string(), why_not));
+    const auto begin = SteadyClock::now();
+    const fs::path scratch = cache_.scratch_dir(forward_key);
+    json spec = {
+        {"model", model_json_},
+        {"graph", "unit"},
+        {"unit", pieces_[p].name},
+        {"input", sig["input"]},
+        {"parameters", sig["parameters"]},
+        {"package", (scratch / "forward.pt2").string()},
+        {"backward_package", (scratch / "backward.pt2").string()},
+        {"threads", threads},
+    };
+    if (sig.contains("targets")) spec["targets"] = sig["targets"];
+    if (!isa_probe) spec["isa_probe"] = false;  // one process runs the ISA checks' child
+    const CompilerRun run = run_compiler(python, scratch, spec, device_, precision_, what(p));
+    PairBuild out;
+    out.ran = true;
+    if (run.graph_breaks()) {
+      out.breaks = true;
+      out.graph_breaks = run.breaks();
+    } else {
+      run.check_built(what(p));
+      cache_.publish(backward_key, scratch / "backward.pt2", run.result);
+      cache_.publish(forward_key, scratch / "forward.pt2", run.result);
+      std::error_code ec;
+      fs::remove_all(scratch, ec);
+    }
+    out.seconds = seconds_since(begin);
+    return out;
   }
 
   std::unique_ptr<UnitPair> load(size_t p, const json& sig, size_t leading,
@@ -359,6 +515,10 @@ class CompiledUnits final : public CompiledUnitWrapper {
   std::map<std::string, std::unique_ptr<UnitPair>> pairs_;  // by signature
   std::map<std::string, std::pair<std::string, std::string>> pair_packages_;
   std::vector<std::map<std::string, const UnitPair*>> per_piece_;  // null: runs eager
+  bool prebuild_done_ = false;  // prebuild() ran (once, at the first root_loss)
+  bool discovering_ = false;    // prebuild()'s eager forward: run() records signatures
+  std::vector<std::pair<size_t, json>> discovered_;
+  std::map<std::string, PairBuild> prebuilt_;  // by signature: what prebuild() built
 };
 
 std::unique_ptr<UnitPair> CompiledUnits::load(size_t p, const json& sig, size_t leading,
@@ -373,27 +533,21 @@ std::unique_ptr<UnitPair> CompiledUnits::load(size_t p, const json& sig, size_t 
   std::optional<PackageCache::Hit> backward;
   if (forward) backward = cache_.find(backward_key, &why_not);
   entry.cache_hit = forward && backward;
-  if (!entry.cache_hit) {
-    entry.cache_note = why_not;
-    log::info(
-        fmt::format("compile: building {}'s forward and backward for input {} with "
-                    "AOTInductor ({}; cache {}: {})",
-                    what(p), entry.input, python.torch_version, cache_.dir().string(), why_not));
-    const auto begin = SteadyClock::now();
-    const fs::path scratch = cache_.scratch_dir(forward_key);
-    json spec = {
-        {"model", model_json_},
-        {"graph", "unit"},
-        {"unit", piece.name},
-        {"input", sig["input"]},
-        {"parameters", sig["parameters"]},
-        {"package", (scratch / "forward.pt2").string()},
-        {"backward_package", (scratch / "backward.pt2").string()},
-    };
-    if (sig.contains("targets")) spec["targets"] = sig["targets"];
-    const CompilerRun run = run_compiler(python, scratch, spec, device_, precision_, what(p));
-    if (run.graph_breaks()) {
-      const std::vector<GraphBreak> breaks = run.breaks();
+  // Built now, or side by side before the first step (prebuild()): either way not a cache hit.
+  const auto prior = prebuilt_.find(sig.dump());
+  const bool side_by_side = prior != prebuilt_.end() && prior->second.ran;
+  std::optional<PairBuild> ran;
+  if (side_by_side) {
+    ran = prior->second;
+  } else if (!entry.cache_hit) {
+    ran = build(p, sig, forward_key, backward_key, why_not, at::get_num_threads(),
+                /*isa_probe=*/true);
+  }
+  if (ran) {
+    entry.cache_hit = false;
+    entry.cache_note = side_by_side ? "built side by side before the first step" : why_not;
+    if (ran->breaks) {
+      const std::vector<GraphBreak>& breaks = ran->graph_breaks;
       report_.breaks.insert(report_.breaks.end(), breaks.begin(), breaks.end());
       if (options_.fullgraph) {
         throw TrainingError(fmt::format(
@@ -410,13 +564,13 @@ std::unique_ptr<UnitPair> CompiledUnits::load(size_t p, const json& sig, size_t 
       entry.eager = true;
       return pair;
     }
-    run.check_built(what(p));
-    const json& result = run.result;
-    backward = cache_.publish(backward_key, scratch / "backward.pt2", result);
-    forward = cache_.publish(forward_key, scratch / "forward.pt2", result);
-    std::error_code ec;
-    fs::remove_all(scratch, ec);
-    entry.build_seconds = seconds_since(begin);
+    forward = cache_.find(forward_key, &why_not);
+    if (forward) backward = cache_.find(backward_key, &why_not);
+    if (!forward || !backward) {
+      throw UserError(fmt::format("{}'s packages, just built, are not in {}: {}", what(p),
+                                  cache_.dir().string(), why_not));
+    }
+    entry.build_seconds = ran->seconds;
   }
   const auto load_begin = SteadyClock::now();
   const json& report = forward->record["report"];

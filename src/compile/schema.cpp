@@ -182,7 +182,8 @@ ConfigSection compile_section() {
                   "graphs built for new shapes before further new shapes run eager"),
           int_key("compile", "jobs", 0, 0, 64,
                   "compiler processes that build packages at once (0 = one per core; 1 = one "
-                  "at a time); today the train and eval graphs of a shape build side by side"),
+                  "at a time): a shape's train and eval graphs, and per unit the root's pieces "
+                  "and the units' pairs, build side by side"),
           string_key("compile", "probe_seq_lens", "", {},
                      "the compile rung's shape probe: comma-separated sequence lengths ('' = "
                      "data.seq_len/2 and data.seq_len/4; 'none' = no probe)"),

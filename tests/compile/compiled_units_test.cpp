@@ -86,8 +86,8 @@ UnitRun run_both(const std::string& precision) {
     std::shared_ptr<CompiledStep> step;
     if (compiled) {
       step = std::make_shared<CompiledStep>(CompileOptions::from_config(config),
-                                              TrainOptions::from_config(config).precision,
-                                              *model, torch::Device(torch::kCPU));
+                                            TrainOptions::from_config(config).precision, *model,
+                                            torch::Device(torch::kCPU));
       EXPECT_TRUE(step->per_unit());
     }
     (compiled ? out.compiled : out.eager) = forward_backward(*model, precision);
@@ -296,6 +296,36 @@ TEST(CompiledUnits, TrainingWithCheckpointingMatchesEagerInFp32AndBf16) {
   ASSERT_TRUE(compiled_bf16.count(1) && eager_bf16.count(1) && eager.count(1));
   EXPECT_LT(3 * std::abs(compiled_bf16.at(1) - eager_bf16.at(1)),
             std::abs(compiled_bf16.at(1) - eager.at(1)));
+}
+
+// Cold, with the root compiled and compile.jobs = 2: one eager forward without gradients finds
+// the three pieces' inputs and their pairs build side by side before the first step, which then
+// loads them. That forward changes nothing: the run trains bit for bit as a second run on the
+// packages it left. Control: the warm run builds nothing and says nothing of building.
+TEST(CompiledUnits, AColdFirstStepBuildsThePiecesSideBySideAndTrainsAsWarm) {
+  TempDir dir;
+  const std::string unit =
+      "--set compile.backend=inductor --set compile.jobs=2 --set compile.cache_dir=" +
+      (dir / "cache").string();
+  std::string cold_log, warm_log;
+  const auto cold = train_losses(dir, "cold", unit, 2, &cold_log);
+  const auto warm = train_losses(dir, "warm", unit, 2, &warm_log);
+  ASSERT_EQ(cold.size(), 2u);
+  EXPECT_EQ(cold, warm);  // bitwise
+  EXPECT_NE(cold_log.find("compile: building 3 pieces' packages side by side, 2 at a time"),
+            std::string::npos)
+      << cold_log;
+  for (const std::string piece :
+       {"root piece root.before_units for input int64 [8, 32]: built in",
+        "unit transformer.h.0 for input float32 [8, 32, 64]: built in",
+        "root piece root.after_units for input float32 [8, 32, 64]: built in"}) {
+    EXPECT_NE(cold_log.find("compile: " + piece), std::string::npos) << piece << cold_log;
+  }
+  EXPECT_EQ(warm_log.find("side by side"), std::string::npos) << warm_log;
+  EXPECT_EQ(warm_log.find("built in"), std::string::npos) << warm_log;
+  EXPECT_NE(warm_log.find("compile: unit transformer.h.0 for input float32 [8, 32, 64]: cached"),
+            std::string::npos)
+      << warm_log;
 }
 
 // Evaluation with compile.root: the root's forward packages around the compiled units (no
