@@ -7,7 +7,6 @@
 
 #include "compile/internal.h"
 #include "core/files.h"
-#include "kiln/build_info.h"
 #include "kiln/compile.h"
 #include "kiln/error.h"
 #include "support/helpers.h"
@@ -231,7 +230,9 @@ TEST(CompilerPython, AMissingPythonOrAnotherTorchIsNamedWithTheFix) {
 // start of a compiled job): a torch whose __init__ raises still answers with its version. Control:
 // the same package without version.py is "no torch".
 TEST(CompilerPython, ReadsTorchsVersionWithoutImportingIt) {
-  if (!*build_info().python) GTEST_SKIP() << "kiln was built without KILN_PYTHON";
+  // The tests' Python (KILN_TEST_PYTHON, beside its torchrun): the one the interop tests run.
+  const std::string real_python =
+      (std::filesystem::path(KILN_TORCHRUN).parent_path() / "python").string();
   TempDir dir;
   const auto fake_torch = dir / "site" / "torch";
   std::filesystem::create_directories(fake_torch);
@@ -242,8 +243,8 @@ TEST(CompilerPython, ReadsTorchsVersionWithoutImportingIt) {
              "from typing import Optional\n__version__ = '" + version +
                  "'\ncuda: Optional[str] = None\ngit_version = 'feedc0de'\n");
   const auto python = dir / "python";  // its own path: the probe caches per Python
-  write_text(python, "#!/bin/sh\nPYTHONPATH=" + (dir / "site").string() + " exec " +
-                         build_info().python + " \"$@\"\n");
+  write_text(python, "#!/bin/sh\nPYTHONPATH=" + (dir / "site").string() + " exec " + real_python +
+                         " \"$@\"\n");
   std::filesystem::permissions(python, std::filesystem::perms::owner_all);
   const CompilerPython& probed = CompilerPython::probe(python.string());
   EXPECT_EQ(probed.torch_version, version);
