@@ -179,6 +179,10 @@ def main():
 
     with tempfile.TemporaryDirectory(prefix="kiln-compile-bench-") as work:
         cfg = resolved_config(args.kiln, args.config, args.overrides, work)
+        if cfg["train"]["grad_accum_steps"] != 1:
+            raise SystemExit("train.grad_accum_steps must be 1 here (--set "
+                             "train.grad_accum_steps=1): this bench's Python side runs one "
+                             "batch per optimizer step")
         cache = os.path.join(work, "cache")  # cold for the first kiln run, warm afterwards
         kiln_runs, py_runs, loads = [], [], []
         for r in range(args.repeats):
@@ -241,6 +245,30 @@ def main():
         "cpus": os.cpu_count(), "cpu_flags": cpu_flags(),
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    # The model's math per step (kiln's Model::train_flops_per_sample, the same for every side)
+    # at each side's median, against this machine's matmul as kiln's compile rung timed it in
+    # each repeat (the job's largest GEMM in its precision): the share of peak, every side.
+    if all(k.get("flops_per_sample") and k.get("matmul_peak") for k in kiln_runs):
+        flops_per_step = kiln_runs[0]["flops_per_sample"] * cfg["train"]["batch_size"]
+        peaks = [k["matmul_peak"]["flops_per_second"] for k in kiln_runs]
+        per_repeat = {
+            "kiln_eager": [k["eager"]["median_seconds"] for k in kiln_runs],
+            "kiln_inductor": [k["compiled"]["median_seconds"] for k in kiln_runs],
+            "python_eager": [p[0] for p in py_runs],
+            "python_torch_compile": [p[1] for p in py_runs]}
+        result["flops_per_step"] = flops_per_step
+        result["matmul_peak"] = {"flops_per_second_per_repeat": peaks,
+                                 "median_flops_per_second": med(peaks),
+                                 "shape": {d: kiln_runs[0]["matmul_peak"][d] for d in "mnk"},
+                                 "dtype": kiln_runs[0]["matmul_peak"]["dtype"]}
+        result["share_of_matmul_peak"] = {
+            side: med(flops_per_step / s / p for s, p in zip(seconds, peaks))
+            for side, seconds in per_repeat.items()}
+        result["achieved_flops_per_second"] = {
+            side: flops_per_step / med(seconds) for side, seconds in per_repeat.items()}
+        for side, share in result["share_of_matmul_peak"].items():
+            print(f"{side}: {result['achieved_flops_per_second'][side]:.3g} FLOP/s, "
+                  f"{100 * share:.1f}% of the measured matmul")
     for key, value in result["ratios"].items():
         print(f"{key}: {value:.3f}")
     write_result(args.result, result)

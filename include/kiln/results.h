@@ -107,6 +107,9 @@ struct CompileSide {
   double median_seconds = 0, p90_seconds = 0, samples_per_second = 0;
   std::optional<double> tokens_per_second;
   double peak_memory_bytes = 0;
+  // The model's FLOP per sample (CompileResult::flops_per_sample) at the median step's rate, and
+  // that against the measured matmul (CompileResult::matmul_peak); null without them.
+  std::optional<double> achieved_flops_per_second, share_of_matmul_peak;
 };
 
 /// The evaluation on both sides after the timed steps ("eval"; {} without a validation batch).
@@ -167,6 +170,10 @@ struct CompileResult {
   std::optional<CompileEval> eval;  // v2
   std::vector<CompileProbe> probe;  // v2
   CompileSide eager, compiled;
+  // The model's math per sample (Model::train_flops_per_sample) and the job's largest GEMM timed
+  // on the device (as the baseline rung times it): each side's FLOP/s and share of that matmul.
+  std::optional<double> flops_per_sample;
+  std::optional<MatmulPeakRecord> matmul_peak;
   std::string peak_memory_method;  // v2
   std::optional<double> speedup;   // eager median / compiled median (null: ran eager)
   double min_speedup = 0;

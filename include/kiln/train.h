@@ -80,6 +80,8 @@ struct RuntimeOptions {
   // Under `deterministic`: PyTorch's fill of each new tensor's memory (off: a fill_ per
   // allocation, a seventh of a gpt2-124m CPU step, that bitwise-equal runs do not need).
   bool fill_uninitialized_memory = false;
+  // glibc's malloc keeps freed memory for reuse (no mmap'd chunks, no trim; run.keep_freed_memory).
+  bool keep_freed_memory = true;
   uint64_t seed = 0;
   std::string device = "cpu";  // run.device: "auto", "cpu" or "cuda"
   static RuntimeOptions from_config(const Config& config);

@@ -70,6 +70,8 @@ void compile_side_fields(const Io& io, CompileSide& s) {
   io("samples_per_second", s.samples_per_second);
   io("tokens_per_second", s.tokens_per_second);
   io("peak_memory_bytes", s.peak_memory_bytes);
+  io.opt("achieved_flops_per_second", s.achieved_flops_per_second);
+  io.opt("share_of_matmul_peak", s.share_of_matmul_peak);
 }
 
 template <class Io>
@@ -164,6 +166,9 @@ void compile_fields(const Io& io, CompileResult& c) {
   io("timed_steps", c.timed_steps);
   io.object("eager", [&](const Io& side) { compile_side_fields(side, c.eager); });
   io.object("compiled", [&](const Io& side) { compile_side_fields(side, c.compiled); });
+  io.opt("flops_per_sample", c.flops_per_sample);
+  io.opt_object("matmul_peak", c.matmul_peak,
+                [](const Io& m, MatmulPeakRecord& peak) { matmul_peak_fields(m, peak); });
   io.since(2, "peak_memory_method", c.peak_memory_method);
   io("speedup", c.speedup);
   io("min_speedup", c.min_speedup);

@@ -186,9 +186,7 @@ RungResult run_baseline(Session& session) {
   if (final_eval.accuracy >= 0) out.val_accuracy_final = final_eval.accuracy;
   out.skipped_steps = trainer.skipped_steps();
   if (matmul && matmul->flops_per_second > 0) {
-    out.matmul_peak = MatmulPeakRecord{
-        matmul->flops_per_second, matmul->shape.m, matmul->shape.n, matmul->shape.k, matmul->dtype,
-        matmul->median_seconds,   matmul->repeats};
+    out.matmul_peak = matmul_peak_record(*matmul);
     out.mfu_of_matmul_peak = achieved_flops / matmul->flops_per_second;
   }
 

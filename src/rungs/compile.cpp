@@ -20,6 +20,7 @@
 #include "kiln/results.h"
 #include "kiln/rungs.h"
 #include "rungs/compile_parts.h"
+#include "rungs/device_rate.h"
 
 namespace kiln {
 namespace {
@@ -127,7 +128,8 @@ class CommMeter final : public TrainerHook {
 };
 
 CompileSide compile_side(const std::vector<double>& seconds, int64_t tokens_per_step,
-                         int64_t samples_per_step, const PeakMemory& peak) {
+                         int64_t samples_per_step, const PeakMemory& peak, double flops_per_sample,
+                         const std::optional<MatmulPeak>& matmul) {
   CompileSide side;
   side.median_seconds = percentile(seconds, 0.5);
   side.p90_seconds = percentile(seconds, 0.9);
@@ -135,6 +137,11 @@ CompileSide compile_side(const std::vector<double>& seconds, int64_t tokens_per_
   if (tokens_per_step > 0)
     side.tokens_per_second = static_cast<double>(tokens_per_step) / side.median_seconds;
   side.peak_memory_bytes = peak.allocated_bytes;
+  if (flops_per_sample > 0) {
+    side.achieved_flops_per_second = flops_per_sample * side.samples_per_second;
+    if (matmul && matmul->flops_per_second > 0)
+      side.share_of_matmul_peak = *side.achieved_flops_per_second / matmul->flops_per_second;
+  }
   return side;
 }
 
@@ -375,8 +382,19 @@ RungResult run_compile(Session& session) {
   out.eval_recompiles = step ? step->report().to_json()["eval"]["recompiles"] : json::array();
   out.warmup_steps = options.warmup_steps;
   out.timed_steps = options.steps;
-  out.eager = compile_side(eager_seconds, tokens_per_step, samples_per_step, eager_peak);
-  out.compiled = compile_side(compiled_seconds, tokens_per_step, samples_per_step, compiled_peak);
+  // Each side's rate against this device's matmul, timed now as the baseline rung times it (the
+  // job's largest GEMM in its precision; CPU has no catalog peak): informational.
+  const double flops_per_sample =
+      eager.model().train_flops_per_sample(eager.data().train->tokens_per_sample());
+  const std::optional<MatmulPeak> matmul = time_job_matmul(config, session.device, 0.05, "compile");
+  if (flops_per_sample > 0) out.flops_per_sample = flops_per_sample;
+  if (matmul && matmul->flops_per_second > 0) {
+    out.matmul_peak = matmul_peak_record(*matmul);
+  }
+  out.eager = compile_side(eager_seconds, tokens_per_step, samples_per_step, eager_peak,
+                           flops_per_sample, matmul);
+  out.compiled = compile_side(compiled_seconds, tokens_per_step, samples_per_step, compiled_peak,
+                              flops_per_sample, matmul);
   out.peak_memory_method = eager_peak.method;
   out.speedup = out.eager.median_seconds / out.compiled.median_seconds;
   out.min_speedup = options.min_speedup;

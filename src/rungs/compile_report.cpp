@@ -54,10 +54,17 @@ std::string compile_recompile_text(const std::vector<Recompile>& list, int64_t l
 }
 
 std::string compile_time_text(const CompileSide& side) {
+  std::string rate;
+  if (side.achieved_flops_per_second) {
+    rate = fmt::format(", {:.3g} FLOP/s", *side.achieved_flops_per_second);
+    if (side.share_of_matmul_peak)
+      rate += fmt::format(" ({:.1f}% of the measured matmul)", 100 * *side.share_of_matmul_peak);
+  }
   return fmt::format(
-      "median {:.2f} ms, p90 {:.2f} ms, {}", 1e3 * side.median_seconds, 1e3 * side.p90_seconds,
+      "median {:.2f} ms, p90 {:.2f} ms, {}{}", 1e3 * side.median_seconds, 1e3 * side.p90_seconds,
       side.tokens_per_second ? fmt::format("{:.0f} tokens/s", *side.tokens_per_second)
-                             : fmt::format("{:.0f} samples/s", side.samples_per_second));
+                             : fmt::format("{:.0f} samples/s", side.samples_per_second),
+      rate);
 }
 
 }  // namespace

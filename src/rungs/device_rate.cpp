@@ -35,4 +35,9 @@ std::optional<MatmulPeak> time_job_matmul(const Config& config, const torch::Dev
   return std::nullopt;
 }
 
+MatmulPeakRecord matmul_peak_record(const MatmulPeak& m) {
+  return MatmulPeakRecord{m.flops_per_second, m.shape.m, m.shape.n, m.shape.k, m.dtype,
+                          m.median_seconds,   m.repeats};
+}
+
 }  // namespace kiln

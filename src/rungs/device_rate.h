@@ -11,6 +11,7 @@
 
 #include "kiln/config.h"
 #include "kiln/plan.h"
+#include "kiln/results.h"
 
 namespace kiln {
 
@@ -25,5 +26,8 @@ double run_catalog_peak_flops(const Config& config, const std::filesystem::path&
 /// the model.
 std::optional<MatmulPeak> time_job_matmul(const Config& config, const torch::Device& device,
                                           double budget_seconds, const std::string& who);
+
+/// The timed GEMM as a result file records it ("matmul_peak").
+MatmulPeakRecord matmul_peak_record(const MatmulPeak& matmul);
 
 }  // namespace kiln

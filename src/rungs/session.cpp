@@ -2,6 +2,10 @@
 
 #include <fmt/format.h>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <fstream>
 #include <string>
 
@@ -40,6 +44,11 @@ void reset_peak_memory(const torch::Device& device) {
   if (device.is_cuda()) return reset_cuda_peak_memory(device);
 #endif
   if (device.is_cpu()) {
+#if defined(__GLIBC__)
+    // Free heap the allocator kept (run.keep_freed_memory) goes back first, so the region's peak
+    // starts from what is live rather than from an earlier region's high-water mark.
+    ::malloc_trim(0);
+#endif
     // Writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS (Linux >= 4.0).
     std::ofstream out("/proc/self/clear_refs");
     out << "5";

@@ -82,6 +82,7 @@ RuntimeOptions RuntimeOptions::from_config(const Config& config) {
   o.threads = config.get_int("run.threads");
   o.deterministic = config.get_bool("run.deterministic");
   o.fill_uninitialized_memory = config.get_bool("run.fill_uninitialized_memory");
+  o.keep_freed_memory = config.get_bool("run.keep_freed_memory");
   o.seed = static_cast<uint64_t>(config.get_int("run.seed"));
   o.device = config.get_string("run.device");
   return o;

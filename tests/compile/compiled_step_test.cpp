@@ -70,6 +70,19 @@ TEST(CompiledStep, TheRungCompilesColdThenLoadsTheCachedPackage) {
   EXPECT_EQ(first["numerics"]["compiled_losses"].size(), 5u);
   EXPECT_EQ(first["numerics"]["tolerance"], 1e-4);  // fp32's default (compile.tolerance = 0)
   EXPECT_EQ(first["precision"], "fp32");
+  // Each side's rate: the model's FLOP per sample at its median step, against the timed matmul.
+  ASSERT_GT(first["flops_per_sample"].get<double>(), 0.0) << first;
+  ASSERT_GT(first["matmul_peak"]["flops_per_second"].get<double>(), 0.0) << first;
+  for (const char* side : {"eager", "compiled"}) {
+    const json& s = first[side];
+    const double rate =
+        first["flops_per_sample"].get<double>() * s["samples_per_second"].get<double>();
+    EXPECT_DOUBLE_EQ(s["achieved_flops_per_second"].get<double>(), rate) << side;
+    EXPECT_DOUBLE_EQ(s["share_of_matmul_peak"].get<double>(),
+                     rate / first["matmul_peak"]["flops_per_second"].get<double>())
+        << side;
+  }
+  EXPECT_NE(cold.out.find("% of the measured matmul)"), std::string::npos) << cold.out;
   EXPECT_EQ(first["verdict"].get<std::string>().rfind("keep the compiled step: ", 0), 0u)
       << first["verdict"];
   EXPECT_NE(cold.out.find("compile — PASSED"), std::string::npos) << cold.out;
