@@ -25,8 +25,9 @@ With --first-step the bench times instead what a user waits for: process start t
 compiled training step, cold and warm, as `kiln train` runs it (compile.backend = inductor,
 train.steps = 1, no evaluation; timed to its "step 1/1" log line) beside the Python child (timed
 to its result line, printed right after its first iteration). Each repeat runs, in order: kiln
-cold (new package and Inductor caches), kiln cold with the ISA-check child off
-(KILN_COMPILE_ISA_PROBE=0: the control, its own new caches), Python cold (a new Inductor cache),
+cold (new package and Inductor caches), kiln cold under the control's environment (--control
+NAME=VALUE, repeatable; by default the ISA-check child off, KILN_COMPILE_ISA_PROBE=0; its own new
+caches), Python cold (a new Inductor cache),
 then kiln warm (the first cold run's caches: every package cached) and Python warm (its cold run's
 Inductor cache: FX-graph and AOTAutograd caches warm, as torch.compile's second start).
 
@@ -184,9 +185,8 @@ def first_step_repeat(args, cfg, work, r):
     cache, inductor = os.path.join(work, f"k{r}-packages"), os.path.join(work, f"inductor-k{r}")
     row = {"load_before": os.getloadavg()[0]}
     row["kiln_cold"] = kiln(f"k{r}", cache, inductor)
-    row["kiln_cold_no_isa_child"] = kiln(f"n{r}", os.path.join(work, f"n{r}-packages"),
-                                         os.path.join(work, f"inductor-n{r}"),
-                                         {"KILN_COMPILE_ISA_PROBE": "0"})
+    row["kiln_cold_control"] = kiln(f"n{r}", os.path.join(work, f"n{r}-packages"),
+                                    os.path.join(work, f"inductor-n{r}"), control_env(args))
     python_inductor = os.path.join(work, f"inductor-p{r}")
     row["python_cold"] = python(python_inductor)
     row["kiln_warm"] = kiln(f"w{r}", cache, inductor)
@@ -194,10 +194,10 @@ def first_step_repeat(args, cfg, work, r):
     for name in ("cold", "warm"):
         row[f"ratio_{name}"] = (row[f"kiln_{name}"]["first_step_seconds"] /
                                 row[f"python_{name}"]["first_step_seconds"])
-    row["ratio_cold_no_isa_child"] = (row["kiln_cold_no_isa_child"]["first_step_seconds"] /
+    row["ratio_cold_control"] = (row["kiln_cold_control"]["first_step_seconds"] /
                                       row["python_cold"]["first_step_seconds"])
     print(f"repeat {r + 1}: first compiled step, cold: kiln {row['kiln_cold']['first_step_seconds']:.1f} s"
-          f" (ISA child off {row['kiln_cold_no_isa_child']['first_step_seconds']:.1f} s), python "
+          f" (control {row['kiln_cold_control']['first_step_seconds']:.1f} s), python "
           f"{row['python_cold']['first_step_seconds']:.1f} s, ratio {row['ratio_cold']:.2f} | warm: "
           f"kiln {row['kiln_warm']['first_step_seconds']:.2f} s, python "
           f"{row['python_warm']['first_step_seconds']:.2f} s", flush=True)
@@ -205,17 +205,24 @@ def first_step_repeat(args, cfg, work, r):
 
 
 def first_step_result(args, repeats, machine):
-    columns = ["kiln_cold", "kiln_cold_no_isa_child", "python_cold", "kiln_warm", "python_warm"]
+    columns = ["kiln_cold", "kiln_cold_control", "python_cold", "kiln_warm", "python_warm"]
     median = {f"{c}_first_step_seconds": statistics.median(r[c]["first_step_seconds"]
                                                            for r in repeats) for c in columns}
     median.update({f"{c}_process_seconds": statistics.median(r[c]["process_seconds"]
                                                              for r in repeats) for c in columns})
-    for ratio in ("ratio_cold", "ratio_cold_no_isa_child", "ratio_warm"):
+    for ratio in ("ratio_cold", "ratio_cold_control", "ratio_warm"):
         median[ratio] = statistics.median(r[ratio] for r in repeats)
     return {"benchmark": "process start to the first compiled training step, cold and warm: "
                          "kiln train beside Python torch.compile",
             "config": args.config, "overrides": args.overrides, "repeats": args.repeats,
-            "machine": machine, "median": median, "repeats_detail": repeats}
+            "control_env": control_env(args), "machine": machine, "median": median,
+            "repeats_detail": repeats}
+
+
+def control_env(args):
+    """The control run's environment: --control NAME=VALUE, each, or the ISA child off."""
+    pairs = args.control or ["KILN_COMPILE_ISA_PROBE=0"]
+    return dict(p.split("=", 1) for p in pairs)
 
 
 def top(timers, n=8):
@@ -231,8 +238,13 @@ def main():
     parser.add_argument("--result")
     parser.add_argument("--first-step", action="store_true",
                         help="time process start to the first compiled step, cold and warm")
+    parser.add_argument("--control", action="append", metavar="NAME=VALUE",
+                        help="with --first-step: the cold control run's environment (repeat for "
+                             "more; default KILN_COMPILE_ISA_PROBE=0, the ISA child off)")
     parser.add_argument("--python-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.control and any("=" not in c for c in args.control):
+        parser.error("--control takes NAME=VALUE")
     if args.python_child:
         python_child(args.python_child)
         return

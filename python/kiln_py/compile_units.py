@@ -21,7 +21,12 @@ The model's root (the parameters outside every unit) is compiled the same way, a
 -> the first unit's input) and "root.after_units" (final norm, head and loss, f(hidden, targets,
 *parameters) -> the loss); their integer inputs (token ids, targets) get no gradient.
 """
+import importlib
+import json
+import os
+import sys
 import time
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -241,6 +246,109 @@ def package(module, args, path, configs):
     return aoti.compile_and_package(ep, path, configs)
 
 
+# ---- the forward and the backward built side by side ---------------------------------------
+#
+# The pair's two packages are independent once AOTAutograd has partitioned the joint graph: each is
+# exported and built by AOTInductor from its own graph. Built one after the other, most of a
+# pair's wall time is two serial C++ builds (a block's wrapper alone is ~5 s of g++ per package on
+# these machines), one core idle. On CPU with at least two cores this process forks after the
+# partition: the child builds the backward package (its intra-op threads set to one: GNU OpenMP's
+# pool does not survive a fork, and a build computes nothing large; its kernels are still
+# generated for the parent's thread count), the parent the forward, and
+# the parent waits for the child and reads what it reported (its seconds, C++ builds, or its
+# error). Both run torch's own unchanged commands on the same graphs as the serial path, so the
+# packages are the ones it builds. Not on CUDA (a CUDA context does not survive a fork), not where
+# fork is missing; KILN_COMPILE_PAIR_SIDE_BY_SIDE=0 builds them one after the other (the bench's
+# control).
+
+def pair_side_by_side(device):
+    if device.type != "cpu" or not hasattr(os, "fork"):
+        return False
+    if os.environ.get("KILN_COMPILE_PAIR_SIDE_BY_SIDE", "1") == "0":
+        return False
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return cores >= 2
+
+
+def package_pair(fw, fw_args, bw, bw_args, spec, configs, device, result):
+    """Builds the forward package (spec["package"]) and the backward (spec["backward_package"]),
+    side by side where pair_side_by_side allows; returns their paths. result["seconds"] gets
+    compile_forward, compile_backward and compile_pair (the wall time of both); result["pair"]
+    says how they were built."""
+    seconds = result["seconds"]
+    began = time.perf_counter()
+    if not pair_side_by_side(device):
+        with torch.no_grad():
+            forward_path = package(fw, fw_args, spec["package"], configs)
+        seconds["compile_forward"] = time.perf_counter() - began
+        begin = time.perf_counter()
+        backward_path = package(bw, bw_args, spec["backward_package"], configs)
+        seconds["compile_backward"] = time.perf_counter() - begin
+        seconds["compile_pair"] = time.perf_counter() - began
+        result["pair"] = "one after the other"
+        return forward_path, backward_path
+
+    # Inductor's lowering and C++ modules, imported once for both processes (the parent's lowering
+    # imports them anyway; the child would import them again on the other core).
+    for module in ("torch._inductor.compile_fx", "torch._inductor.codegen.cpp_wrapper_cpu"):
+        importlib.import_module(module)  # not `import torch...`: that would make torch local
+    report = spec["backward_package"] + f".child{os.getpid()}.json"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = os.fork()
+    if child == 0:  # the backward's builder: never returns
+        code, out = 1, {"error": "the child stopped before it reported"}
+        try:
+            # ATen's own work here on one thread (a parallel region after the fork hangs: GNU
+            # OpenMP's pool is the parent's), while Inductor generates the kernels for the
+            # parent's thread count as the serial path does: its codegen asks
+            # torch.get_num_threads() (torch._inductor.utils.parallel_num_threads; setting
+            # config.cpp.threads instead changes the code, "omp parallel num_threads(2)").
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            torch.get_num_threads = lambda: threads
+            aoti.CPP_BUILDS.clear()
+            begin = time.perf_counter()
+            path = package(bw, bw_args, spec["backward_package"], configs)
+            out = {"path": path, "seconds": time.perf_counter() - begin,
+                   "cpp_builds": aoti.CPP_BUILDS}
+            code = 0
+        except BaseException as e:
+            traceback.print_exc()
+            out = {"error": " ".join(f"{type(e).__name__}: {e}".split())[:600]}
+        finally:
+            try:
+                with open(report, "w") as f:
+                    json.dump(out, f)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+    try:
+        with torch.no_grad():
+            forward_path = package(fw, fw_args, spec["package"], configs)
+        seconds["compile_forward"] = time.perf_counter() - began
+    finally:
+        _, status = os.waitpid(child, 0)
+    try:
+        with open(report) as f:
+            out = json.load(f)
+        os.remove(report)
+    except (OSError, ValueError):
+        out = {"error": f"the backward's builder (a forked child) exited with wait status "
+                        f"{status} and wrote no report"}
+    if "error" in out:
+        raise RuntimeError(f"building the backward package: {out['error']}")
+    aoti.CPP_BUILDS.extend(out["cpp_builds"])
+    seconds["compile_backward"] = out["seconds"]
+    seconds["compile_pair"] = time.perf_counter() - began
+    result["pair"] = "side by side"
+    return forward_path, out["path"]
+
+
 def run_unit(spec, result, model, device, autocast, configs, found_graph_breaks):
     """Builds the unit's package pair; fills result; returns the exit status (0 or 3 on graph
     breaks). Raises on any failure of tracing, export or compile."""
@@ -277,13 +385,8 @@ def run_unit(spec, result, model, device, autocast, configs, found_graph_breaks)
     defined = [k for k, g in enumerate(bw_outputs) if g is not None]
     seconds["trace"] = time.perf_counter() - begin
 
-    begin = time.perf_counter()
-    with torch.no_grad():
-        forward_path = package(fw, fw_args, spec["package"], configs)
-    seconds["compile_forward"] = time.perf_counter() - begin
-    begin = time.perf_counter()
-    backward_path = package(_DropNone(bw, defined), bw_args, spec["backward_package"], configs)
-    seconds["compile_backward"] = time.perf_counter() - begin
+    forward_path, backward_path = package_pair(fw, fw_args, _DropNone(bw, defined), bw_args,
+                                               spec, configs, device, result)
 
     begin = time.perf_counter()
     check_pair(forward_path, backward_path, sources, defined, unit, names, args, autocast,

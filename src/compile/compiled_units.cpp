@@ -28,8 +28,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 #include <fmt/format.h>
-#include <torch/csrc/autograd/custom_function.h>
-#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
 #include <algorithm>
 #include <atomic>
@@ -39,6 +37,7 @@
 #include <set>
 
 #include "compile/compiler_run.h"
+#include "compile/unit_function.h"
 #include "core/clock.h"
 #include "core/files.h"
 #include "core/process.h"
@@ -54,94 +53,6 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace compiled_units_impl {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-// The package pair of one unit structure (or root piece) and input signature.
-struct UnitPair {
-  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> forward, backward;
-  // Each saved tensor the backward takes, in order: an argument of the piece (its input, the
-  // targets of the root piece after the units, then its parameters) or an output of the forward
-  // package (0 is the piece's output).
-  struct Saved {
-    bool argument = false;
-    size_t index = 0;
-  };
-  std::vector<Saved> saved;
-  std::vector<size_t> gradients;  // backward output k is the gradient of argument gradients[k]
-  size_t forward_outputs = 1;
-  bool eager = false;  // graph breaks, compile.fullgraph = false
-};
-
-// Autocast would re-cast inside the packages' ATen fallbacks: the autocast policy is already in
-// the graphs, so it is off while a package runs.
-struct NoAutocastInPackage {
-  c10::impl::ExcludeDispatchKeyGuard guard{
-      c10::DispatchKeySet({c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA})};
-};
-
-// `arguments`: the piece's input (and targets), then its parameters.
-std::vector<torch::Tensor> run_forward(const UnitPair& pair, at::TensorList arguments,
-                                       size_t leading) {
-  std::vector<torch::Tensor> args;
-  args.reserve(arguments.size());
-  for (size_t k = 0; k < arguments.size(); ++k) {
-    args.push_back(k < leading ? arguments[k].contiguous() : arguments[k]);
-  }
-  NoAutocastInPackage no_autocast;
-  std::vector<torch::Tensor> outs = pair.forward->run(args);
-  if (outs.size() != pair.forward_outputs) {
-    throw std::logic_error(fmt::format("a unit's forward package returned {} tensors, not {}",
-                                       outs.size(), pair.forward_outputs));
-  }
-  return outs;
-}
-
-struct PairHolder : torch::CustomClassHolder {
-  const UnitPair* pair = nullptr;
-};
-
-class CompiledUnitFunction : public torch::autograd::Function<CompiledUnitFunction> {
- public:
-  // `arguments`: the piece's `leading` inputs (a unit's input; token ids; hidden and targets),
-  // then its parameters. Integer arguments get no gradient.
-  static torch::Tensor forward(AutogradContext* ctx, c10::intrusive_ptr<PairHolder> holder,
-                               at::TensorList arguments, int64_t leading) {
-    const UnitPair& pair = *holder->pair;
-    std::vector<torch::Tensor> outs = run_forward(pair, arguments, static_cast<size_t>(leading));
-    variable_list saved;
-    saved.reserve(pair.saved.size());
-    for (const UnitPair::Saved& s : pair.saved) {
-      saved.push_back(s.argument ? arguments[s.index] : outs[s.index]);
-    }
-    ctx->save_for_backward(saved);
-    ctx->saved_data["pair"] = c10::IValue::make_capsule(holder);
-    ctx->saved_data["arguments"] = static_cast<int64_t>(arguments.size());
-    return outs[0];
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    auto holder =
-        c10::static_intrusive_pointer_cast<PairHolder>(ctx->saved_data["pair"].toCapsule());
-    const UnitPair& pair = *holder->pair;
-    std::vector<torch::Tensor> args = ctx->get_saved_variables();
-    torch::Tensor grad = grad_outputs[0];
-    args.push_back(grad.contiguous());
-    std::vector<torch::Tensor> grads;
-    {
-      NoAutocastInPackage no_autocast;
-      grads = pair.backward->run(args);
-    }
-    const auto arguments = static_cast<size_t>(ctx->saved_data["arguments"].toInt());
-    // One per forward input: [0] the pair capsule, [1 + k] argument k, last `leading`.
-    variable_list out(2 + arguments);
-    for (size_t k = 0; k < grads.size() && k < pair.gradients.size(); ++k) {
-      out[1 + pair.gradients[k]] = grads[k];
-    }
-    return out;
-  }
-};
 
 std::string dtype_name(torch::ScalarType type) {
   switch (type) {

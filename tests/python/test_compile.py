@@ -379,6 +379,144 @@ class RootPieces(unittest.TestCase):
                     else:
                         self.assertLessEqual(cu._relative(got, want), 1e-5, f"argument {k}")
 
+class SideBySideBuilds(unittest.TestCase):
+    """Two ways a cold build uses the second core (kiln_py.aoti.WrapperBesideKernel,
+    kiln_py.compile_units.package_pair): the wrapper's g++ run beside the kernel file's, and a unit
+    pair's backward package built by a forked child beside the forward. Each is checked against
+    its control (KILN_COMPILE_*_SIDE_BY_SIDE=0): the same builds, one after the other."""
+
+    # A wrapper g++ takes most of a second over (constant evaluation), so the kernel's build
+    # starts before it ends when they run side by side.
+    SLOW = ("constexpr unsigned long spin(unsigned long x) {\n"
+            "  for (unsigned long i = 0; i < 250000; ++i) x = x * 6364136223846793005ul + 1;\n"
+            "  return x;\n}\n" + "".join(f"unsigned long slow{k}() {{ constexpr unsigned long v = "
+                                         f"spin({k}); return v; }}\n" for k in range(2)))
+
+    def setUp(self):
+        self.saved = {k: os.environ.get(k) for k in ("KILN_COMPILE_CPP_SIDE_BY_SIDE",
+                                                     "KILN_COMPILE_PAIR_SIDE_BY_SIDE")}
+
+    def tearDown(self):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    def builds(self, directory, wrapper_source, side_by_side):
+        """Runs AotCodeCompiler's three builds (wrapper object, kernel object, link) under
+        WrapperBesideKernel; returns its record."""
+        from torch._inductor.cpp_builder import CppBuilder, CppOptions
+        from kiln_py import aoti
+        os.environ["KILN_COMPILE_CPP_SIDE_BY_SIDE"] = "1" if side_by_side else "0"
+        name = f"kiln_test_{side_by_side}"
+        sources = {}
+        for part, code in (("wrapper", wrapper_source), ("kernel", "int kernel() { return 2; }\n")):
+            sources[part] = os.path.join(directory, f"{name}.{part}.cpp")
+            with open(sources[part], "w") as f:
+                f.write(code)
+        with aoti.WrapperBesideKernel(name) as builds:
+            objects = []
+            for part in ("wrapper", "kernel"):
+                builder = CppBuilder(f"{name}.{part}", [sources[part]],
+                                     CppOptions(compile_only=True), directory)
+                builder.build()
+                objects.append(builder.get_target_file_path())
+            link = CppBuilder(f"{name}.wrapper", objects, CppOptions(), directory)
+            link.build()
+        self.assertTrue(os.path.isfile(link.get_target_file_path()))
+        return {b["file"]: b for b in builds.record["builds"]}
+
+    def test_the_wrapper_builds_beside_the_kernel_file_and_before_the_link(self):
+        with tempfile.TemporaryDirectory(prefix="kiln-cpp-") as d:
+            both = self.builds(d, self.SLOW, True)
+            self.assertEqual(set(both), {"wrapper.o", "kernel.o", "wrapper.so"})
+            wrapper_end = both["wrapper.o"]["began"] + both["wrapper.o"]["seconds"]
+            self.assertLess(both["kernel.o"]["began"], wrapper_end)  # the kernel did not wait
+            self.assertGreaterEqual(both["wrapper.so"]["began"], wrapper_end)  # the link did
+            serial = self.builds(d, self.SLOW, False)  # the control
+            wrapper_end = serial["wrapper.o"]["began"] + serial["wrapper.o"]["seconds"]
+            self.assertGreaterEqual(serial["kernel.o"]["began"], wrapper_end)
+
+    def test_a_wrapper_that_fails_to_compile_fails_the_build(self):
+        from torch._inductor import exc
+        with tempfile.TemporaryDirectory(prefix="kiln-cpp-") as d:
+            with self.assertRaises(exc.CppCompileError):
+                self.builds(d, "int wrapper( { return 1; }\n", True)
+            self.assertFalse(glob.glob(os.path.join(d, "*.so")))  # no link after the failure
+
+    def pair(self, directory, backward=None, side_by_side=True):
+        """(forward path, backward path, result, what the check needs) of gpt's root piece after
+        the units, built by package_pair."""
+        piece, spec = RootPieces("test_the_pieces_around_the_blocks_are_the_twins_loss") \
+            .piece_specs()[1]
+        lead = cu.leading_args(spec)
+        names = [p["name"] for p in spec["parameters"]]
+        args = cu.example_args(spec, torch.device("cpu"))
+        (fw, fw_args), (bw, bw_args), _ = cu.trace_unit(piece, names, args,
+                                                        torch.autocast("cpu", enabled=False), lead)
+        sources, _ = cu.split_forward(fw, len(args))  # before packaging, as run_unit does
+        bw_outputs = list(next(n for n in bw.graph.nodes if n.op == "output").args[0])
+        defined = [k for k, g in enumerate(bw_outputs) if g is not None]
+        backward = backward or cu._DropNone(bw, defined)
+        os.environ["KILN_COMPILE_PAIR_SIDE_BY_SIDE"] = "1" if side_by_side else "0"
+        spec = dict(spec, package=os.path.join(directory, "forward.pt2"),
+                    backward_package=os.path.join(directory, "backward.pt2"))
+        result = {"seconds": {}}
+        paths = cu.package_pair(fw, fw_args, backward, bw_args, spec,
+                                kc.inductor_configs("cpu"), torch.device("cpu"), result)
+        return paths, result, (piece, names, args, lead, defined, sources, backward, bw_args)
+
+    @staticmethod
+    def sources(path):
+        """A package's generated C++ and metadata, the private build name masked."""
+        import re
+        with zipfile.ZipFile(path) as z:
+            return {re.sub(r"kiln_\d+_\d+", "NAME", n.split("/", 1)[1]):
+                    re.sub(rb"kiln_\d+_\d+", b"NAME", z.read(n))
+                    for n in z.namelist() if n.endswith((".cpp", ".json"))}
+
+    def test_a_backward_built_beside_the_forward_is_the_one_built_after_it(self):
+        with tempfile.TemporaryDirectory(prefix="kiln-pair-") as d:
+            (fwd, bwd), result, checked = self.pair(d)
+            piece, names, args, lead, defined, sources, backward, bw_args = checked
+            self.assertEqual(result["pair"], "side by side")
+            self.assertEqual(set(result["seconds"]),
+                             {"compile_forward", "compile_backward", "compile_pair"})
+            # The control: the same backward built in this process, as the serial path does
+            # (the forward is built here either way). Same generated code: the forked child's
+            # kernels are generated for this process's threads (it runs ATen on one).
+            serial = cu.package(backward, bw_args, os.path.join(d, "serial.pt2"),
+                                kc.inductor_configs("cpu"))
+            got, want = self.sources(bwd), self.sources(serial)
+            self.assertTrue(any(n.endswith("kernel.cpp") for n in got), sorted(got))
+            self.assertEqual(got, want)
+            # On CPU the wrapper is compiled at -O0 (kc.inductor_configs): the g++ command
+            # AOTInductor records in it says so.
+            wrapper = next(v for n, v in self.sources(fwd).items() if n.endswith("wrapper.cpp"))
+            self.assertIn(b" -O0 ", wrapper)
+            # The pair computes autograd's output and gradients (the check kiln runs on it).
+            notes = []
+            cu.check_pair(fwd, bwd, sources, defined, piece, names, args,
+                          lambda: torch.autocast("cpu", enabled=False), torch.device("cpu"),
+                          notes, lead)
+            self.assertTrue(any("worst relative error" in n for n in notes), notes)
+
+    def test_a_backward_the_child_cannot_build_fails_the_pair_with_its_cause(self):
+        class Broken(torch.nn.Module):
+            def forward(self, *args):
+                raise ValueError("no backward here")
+
+        with tempfile.TemporaryDirectory(prefix="kiln-pair-") as d:
+            with self.assertRaisesRegex(RuntimeError,
+                                        "building the backward package: .*no backward here"):
+                self.pair(d, backward=Broken())
+            self.assertEqual(glob.glob(os.path.join(d, "*.child*.json")), [])
+            # The control, one after the other (CUDA's path, KILN_COMPILE_PAIR_SIDE_BY_SIDE=0).
+            with self.assertRaisesRegex(ValueError, "no backward here"):
+                self.pair(d, backward=Broken(), side_by_side=False)
+
+
 class UnitPairCheck(unittest.TestCase):
     """compile_units' check of a built unit pair against eager autograd, with bfloat16 parameters
     (FSDP's param_dtype) on gpt tiny's block at 8 x 64 positions. Eager bf16 rounds its own way:
