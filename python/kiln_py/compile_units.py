@@ -280,73 +280,79 @@ def package_pair(fw, fw_args, bw, bw_args, spec, configs, device, result):
     says how they were built."""
     seconds = result["seconds"]
     began = time.perf_counter()
-    if not pair_side_by_side(device):
-        with torch.no_grad():
-            forward_path = package(fw, fw_args, spec["package"], configs)
-        seconds["compile_forward"] = time.perf_counter() - began
-        begin = time.perf_counter()
-        backward_path = package(bw, bw_args, spec["backward_package"], configs)
-        seconds["compile_backward"] = time.perf_counter() - begin
-        seconds["compile_pair"] = time.perf_counter() - began
-        result["pair"] = "one after the other"
-        return forward_path, backward_path
-
-    # Inductor's lowering and C++ modules, imported once for both processes (the parent's lowering
-    # imports them anyway; the child would import them again on the other core).
-    for module in ("torch._inductor.compile_fx", "torch._inductor.codegen.cpp_wrapper_cpu"):
-        importlib.import_module(module)  # not `import torch...`: that would make torch local
-    report = spec["backward_package"] + f".child{os.getpid()}.json"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    child = os.fork()
-    if child == 0:  # the backward's builder: never returns
-        code, out = 1, {"error": "the child stopped before it reported"}
-        try:
-            # ATen's own work here on one thread (a parallel region after the fork hangs: GNU
-            # OpenMP's pool is the parent's), while Inductor generates the kernels for the
-            # parent's thread count as the serial path does: its codegen asks
-            # torch.get_num_threads() (torch._inductor.utils.parallel_num_threads; setting
-            # config.cpp.threads instead changes the code, "omp parallel num_threads(2)").
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            torch.get_num_threads = lambda: threads
-            aoti.CPP_BUILDS.clear()
-            begin = time.perf_counter()
-            path = package(bw, bw_args, spec["backward_package"], configs)
-            out = {"path": path, "seconds": time.perf_counter() - begin,
-                   "cpp_builds": aoti.CPP_BUILDS}
-            code = 0
-        except BaseException as e:
-            traceback.print_exc()
-            out = {"error": " ".join(f"{type(e).__name__}: {e}".split())[:600]}
-        finally:
-            try:
-                with open(report, "w") as f:
-                    json.dump(out, f)
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
+    child = _fork_backward(bw, bw_args, spec, configs) if pair_side_by_side(device) else None
     try:
         with torch.no_grad():
             forward_path = package(fw, fw_args, spec["package"], configs)
         seconds["compile_forward"] = time.perf_counter() - began
     finally:
-        _, status = os.waitpid(child, 0)
+        out = _wait_backward(*child) if child else None
+    if out is None:
+        begin = time.perf_counter()
+        out = {"path": package(bw, bw_args, spec["backward_package"], configs),
+               "seconds": time.perf_counter() - begin}
+    elif "error" in out:
+        raise RuntimeError(f"building the backward package: {out['error']}")
+    else:
+        aoti.CPP_BUILDS.extend(out["cpp_builds"])
+    seconds["compile_backward"] = out["seconds"]
+    seconds["compile_pair"] = time.perf_counter() - began
+    result["pair"] = "side by side" if child else "one after the other"
+    return forward_path, out["path"]
+
+
+def _fork_backward(bw, bw_args, spec, configs):
+    """Forks the backward package's builder; returns (its pid, the report it writes)."""
+    # Inductor's lowering and C++ modules, imported once for both processes (the parent's lowering
+    # imports them anyway; the child would import them again on the other core).
+    for module in ("torch._inductor.compile_fx", "torch._inductor.codegen.cpp_wrapper_cpu"):
+        importlib.import_module(module)
+    report = spec["backward_package"] + f".child{os.getpid()}.json"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = os.fork()
+    if child:
+        return child, report
+    code, out = 1, {"error": "the child stopped before it reported"}
+    try:
+        # ATen's own work here on one thread (a parallel region after the fork hangs: GNU
+        # OpenMP's pool is the parent's), while Inductor generates the kernels for the parent's
+        # thread count as the serial path does: its codegen asks torch.get_num_threads()
+        # (torch._inductor.utils.parallel_num_threads; setting config.cpp.threads instead changes
+        # the code, "omp parallel num_threads(2)").
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        torch.get_num_threads = lambda: threads
+        aoti.CPP_BUILDS.clear()
+        begin = time.perf_counter()
+        path = package(bw, bw_args, spec["backward_package"], configs)
+        out = {"path": path, "seconds": time.perf_counter() - begin,
+               "cpp_builds": aoti.CPP_BUILDS}
+        code = 0
+    except BaseException as e:
+        traceback.print_exc()
+        out = {"error": " ".join(f"{type(e).__name__}: {e}".split())[:600]}
+    finally:
+        try:
+            with open(report, "w") as f:
+                json.dump(out, f)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+
+def _wait_backward(child, report):
+    """Waits for the forked builder; returns its report (an "error" when it wrote none)."""
+    _, status = os.waitpid(child, 0)
     try:
         with open(report) as f:
             out = json.load(f)
-        os.remove(report)
     except (OSError, ValueError):
-        out = {"error": f"the backward's builder (a forked child) exited with wait status "
-                        f"{status} and wrote no report"}
-    if "error" in out:
-        raise RuntimeError(f"building the backward package: {out['error']}")
-    aoti.CPP_BUILDS.extend(out["cpp_builds"])
-    seconds["compile_backward"] = out["seconds"]
-    seconds["compile_pair"] = time.perf_counter() - began
-    result["pair"] = "side by side"
-    return forward_path, out["path"]
+        return {"error": f"the backward's builder (a forked child) exited with wait status "
+                         f"{status} and wrote no report"}
+    os.remove(report)
+    return out
 
 
 def run_unit(spec, result, model, device, autocast, configs, found_graph_breaks):
