@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import unittest
+import unittest.mock
 import zipfile
 
 import support
@@ -445,19 +446,29 @@ class SideBySideBuilds(unittest.TestCase):
                 self.builds(d, "int wrapper( { return 1; }\n", True)
             self.assertFalse(glob.glob(os.path.join(d, "*.so")))  # no link after the failure
 
+    traced = None  # gpt's root piece after the units, traced once for the class's pair tests
+
+    @classmethod
+    def trace(cls):
+        if cls.traced is None:
+            piece, spec = RootPieces("test_the_pieces_around_the_blocks_are_the_twins_loss") \
+                .piece_specs()[1]
+            lead = cu.leading_args(spec)
+            names = [p["name"] for p in spec["parameters"]]
+            args = cu.example_args(spec, torch.device("cpu"))
+            (fw, fw_args), (bw, bw_args), _ = cu.trace_unit(
+                piece, names, args, torch.autocast("cpu", enabled=False), lead)
+            sources, _ = cu.split_forward(fw, len(args))  # before packaging, as run_unit does
+            bw_outputs = list(next(n for n in bw.graph.nodes if n.op == "output").args[0])
+            defined = [k for k, g in enumerate(bw_outputs) if g is not None]
+            cls.traced = (piece, spec, lead, names, args, fw, fw_args, bw, bw_args, sources,
+                          defined)
+        return cls.traced
+
     def pair(self, directory, backward=None, side_by_side=True):
         """(forward path, backward path, result, what the check needs) of gpt's root piece after
         the units, built by package_pair."""
-        piece, spec = RootPieces("test_the_pieces_around_the_blocks_are_the_twins_loss") \
-            .piece_specs()[1]
-        lead = cu.leading_args(spec)
-        names = [p["name"] for p in spec["parameters"]]
-        args = cu.example_args(spec, torch.device("cpu"))
-        (fw, fw_args), (bw, bw_args), _ = cu.trace_unit(piece, names, args,
-                                                        torch.autocast("cpu", enabled=False), lead)
-        sources, _ = cu.split_forward(fw, len(args))  # before packaging, as run_unit does
-        bw_outputs = list(next(n for n in bw.graph.nodes if n.op == "output").args[0])
-        defined = [k for k, g in enumerate(bw_outputs) if g is not None]
+        piece, spec, lead, names, args, fw, fw_args, bw, bw_args, sources, defined = self.trace()
         backward = backward or cu._DropNone(bw, defined)
         os.environ["KILN_COMPILE_PAIR_SIDE_BY_SIDE"] = "1" if side_by_side else "0"
         spec = dict(spec, package=os.path.join(directory, "forward.pt2"),
@@ -507,7 +518,14 @@ class SideBySideBuilds(unittest.TestCase):
             def forward(self, *args):
                 raise ValueError("no backward here")
 
-        with tempfile.TemporaryDirectory(prefix="kiln-pair-") as d:
+        # Only the backward's failure is under test: the forward's build is not run (the package
+        # call on the forward path returns its path), in the parent and the serial control alike.
+        real = cu.package
+        def package(gm, args, path, configs):
+            return path if path.endswith("forward.pt2") else real(gm, args, path, configs)
+
+        with tempfile.TemporaryDirectory(prefix="kiln-pair-") as d, \
+                unittest.mock.patch.object(cu, "package", package):
             with self.assertRaisesRegex(RuntimeError,
                                         "building the backward package: .*no backward here"):
                 self.pair(d, backward=Broken())
